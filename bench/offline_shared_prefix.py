@@ -1,0 +1,136 @@
+"""Offline shared-prefix workload: radixrt (lpm, fcfs, no cache) vs transformers generate.
+
+G groups × Q questions; each prompt is a group's S-token system prompt plus an
+L-token question; O output tokens are forced with ignore_eos. Token ids are
+seeded random ids from the vocabulary. Prints a table, writes JSON and a PNG.
+
+    python bench/offline_shared_prefix.py [--groups 4 --questions 8 --system 512 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from radixrt import Engine, SamplingParams
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def make_workload(vocab: int, groups: int, questions: int, system: int, question: int,
+                  seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lo, hi = 10, vocab - 10  # keep clear of special tokens at either end
+    prompts = []
+    for _ in range(groups):
+        sys_ids = [rng.randrange(lo, hi) for _ in range(system)]
+        prompts += [sys_ids + [rng.randrange(lo, hi) for _ in range(question)] for _ in range(questions)]
+    rng.shuffle(prompts)
+    return prompts
+
+
+def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, **kwargs) -> dict:
+    eng = Engine(model=None, dtype=dtype, **kwargs)
+    eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
+    eng.flush_cache()
+    before = eng.stats()
+    sp = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = eng.generate(input_ids=prompts, sampling_params=sp)
+    wall = time.perf_counter() - t0
+    after = eng.stats()
+    eng.check_memory()
+    n_out = sum(len(o.token_ids) for o in outs)
+    prompt_tokens = sum(len(p) for p in prompts)
+    cached = after["cached_tokens"] - before.get("cached_tokens", 0)
+    return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
+            "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
+            "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0)}
+
+
+def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, batch: int) -> dict:
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    pad = 0
+    t0 = time.perf_counter()
+    n_out = prefill = 0
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=out, min_new_tokens=out,
+                                 do_sample=False, pad_token_id=pad)
+        n_out += (gen.shape[1] - width) * len(chunk)
+        prefill += width * len(chunk)
+    wall = time.perf_counter() - t0
+    return {"row": f"transformers generate (batch {batch})", "wall_s": wall,
+            "output_tok_s": n_out / wall, "output_tokens": n_out, "prefill_tokens": prefill,
+            "hit_rate": 0.0, "retractions": 0}
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib not installed: no PNG; pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    ax.barh([r["row"] for r in rows], [r["output_tok_s"] for r in rows], color="#4477aa")
+    ax.set_xlabel("output tokens / s")
+    ax.set_title("offline shared-prefix workload")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--questions", type=int, default=8)
+    ap.add_argument("--system", type=int, default=512)
+    ap.add_argument("--question", type=int, default=32)
+    ap.add_argument("--output", type=int, default=32)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip-transformers", action="store_true")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from radixrt.model.loader import ModelConfig, default_model_path
+    path = default_model_path()
+    vocab = ModelConfig.from_pretrained(path).vocab_size
+    prompts = make_workload(vocab, args.groups, args.questions, args.system, args.question, args.seed)
+    unique = args.groups * args.system + len(prompts) * args.question
+    rows = [run_radixrt("radixrt lpm", prompts, args.output, args.dtype),
+            run_radixrt("radixrt fcfs", prompts, args.output, args.dtype, schedule_policy="fcfs"),
+            run_radixrt("radixrt no cache", prompts, args.output, args.dtype, disable_radix_cache=True)]
+    if not args.skip_transformers:
+        rows.append(run_transformers(path, prompts, args.output, args.dtype, batch=8))
+    print(f"workload: {args.groups} groups x {args.questions} questions, system {args.system}, "
+          f"question {args.question}, output {args.output}; unique prefix-tree tokens {unique}")
+    print(f"{'row':32} {'wall s':>8} {'out tok/s':>10} {'prefill tok':>12} {'hit rate':>9}")
+    for r in rows:
+        print(f"{r['row']:32} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} "
+              f"{r['prefill_tokens']:12d} {r['hit_rate']:9.3f}")
+    base = rows[-1]["output_tok_s"] if not args.skip_transformers else None
+    if base:
+        print(f"lpm speed-up over transformers: {rows[0]['output_tok_s'] / base:.1f}x; "
+              f"prefill / unique = {rows[0]['prefill_tokens'] / unique:.3f}")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "offline_shared_prefix.json").write_text(json.dumps(
+        {"args": vars(args), "unique_tokens": unique, "rows": rows}, indent=2))
+    plot(rows, RESULTS / "offline_shared_prefix.png")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,135 @@
+"""``radixrt.Engine``: the scheduler loop in-process, for offline batches and tests."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+
+from radixrt.config import EngineConfig
+from radixrt.model.loader import ModelConfig, resolve_model_path
+from radixrt.model.runner import ModelRunner
+from radixrt.protocol import GenerateOutput
+from radixrt.sampling import SamplingParams, make_generator
+from radixrt.scheduler.req import Req
+from radixrt.scheduler.scheduler import Scheduler
+
+
+class Engine:
+    """Generate with prefix caching in this process.
+
+    ``Engine(model=None, ...)`` loads the default model (SmolLM2-135M-Instruct);
+    every keyword is an ``EngineConfig`` field.
+    """
+
+    def __init__(self, model: str | None = None, dtype: str = "auto",
+                 max_total_tokens: int | None = None, page_size: int = 1,
+                 schedule_policy: str = "lpm", disable_radix_cache: bool = False,
+                 chunked_prefill_size: int | None = None, max_running_requests: int | None = None,
+                 attention_backend: str = "auto", **kwargs) -> None:
+        self.config = EngineConfig(model=model, dtype=dtype, max_total_tokens=max_total_tokens,
+                                   page_size=page_size, schedule_policy=schedule_policy,
+                                   disable_radix_cache=disable_radix_cache,
+                                   chunked_prefill_size=chunked_prefill_size,
+                                   max_running_requests=max_running_requests,
+                                   attention_backend=attention_backend, **kwargs)
+        self.model_path = resolve_model_path(model)
+        self.model_config = ModelConfig.from_pretrained(self.model_path)
+        from transformers import AutoTokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.runner = ModelRunner(self.config, self.model_path, self.model_config)
+        self.scheduler = Scheduler(self.config, self.runner, self._decode, self.runner.max_context)
+        self._rids = itertools.count()
+
+    # ----------------------------------------------------------------- API
+
+    def generate(self, prompts: str | Sequence[str] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, input_ids: Sequence[Sequence[int]] | None = None) -> list[GenerateOutput]:
+        """One GenerateOutput per prompt, in order (a list also for a single str)."""
+        ids = self._prompt_ids(prompts, input_ids)
+        params = self._per_prompt_params(sampling_params, len(ids))
+        reqs = [self._make_req(p, sp) for p, sp in zip(ids, params)]
+        for req in reqs:
+            self.scheduler.add_request(req)
+        while not all(r.finished for r in reqs):
+            self.scheduler.step()
+        return [self._output(r) for r in reqs]
+
+    def stats(self) -> dict[str, float]:
+        return self.scheduler.get_stats()
+
+    def check_memory(self) -> None:
+        """Raise AssertionError if the KV invariant is broken (call at idle)."""
+        self.scheduler.check_memory()
+
+    def flush_cache(self) -> None:
+        self.scheduler.kv.flush()
+
+    def shutdown(self) -> None:
+        self.scheduler = None
+        self.runner = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ helpers
+
+    def _prompt_ids(self, prompts, input_ids) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompts or input_ids")
+        if input_ids is not None:
+            ids = [list(map(int, x)) for x in input_ids]
+        else:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts)
+            ids = [self.tokenizer.encode(t) for t in texts]
+        for i, x in enumerate(ids):
+            self._validate_ids(i, x)
+        return ids
+
+    def _validate_ids(self, i: int, ids: list[int]) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if len(ids) >= self.runner.max_context:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; the context is "
+                             f"{self.runner.max_context} tokens")
+        capacity = self.scheduler.kv.allocator.capacity
+        if len(ids) >= capacity:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; the KV pool holds {capacity}")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+
+    @staticmethod
+    def _per_prompt_params(sp, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
+        return sp
+
+    def _make_req(self, ids: list[int], sp: SamplingParams) -> Req:
+        gen = make_generator(sp.seed) if sp.seed is not None else None
+        return Req(str(next(self._rids)), ids, sp, self.model_config.eos_token_ids, gen)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _output(self, req: Req) -> GenerateOutput:
+        text = self._decode(req.output_ids)
+        for s in req.params.stop or ():
+            cut = text.find(s)
+            if cut != -1:
+                text = text[:cut]
+        return GenerateOutput(rid=req.rid, text=text, token_ids=list(req.output_ids),
+                              prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+                              finish_reason=req.finish_reason or "abort",
+                              logprobs=list(req.output_logprobs) if req.params.logprobs else None)

@@ -1,0 +1,217 @@
+"""Model building blocks, written tensor-parallel-ready.
+
+Linear layers shard their weight over the tensor-parallel group: column
+layers split output features, row layers split input features and all-reduce
+their output. With tp_size == 1 (the only size wired up so far) they are plain
+linears; a later TP issue only has to pass rank/size and initialise
+torch.distributed. Each parameter carries a ``weight_loader`` that copies its
+shard out of a full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def tp_rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _default_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.tp_dim = tp_dim
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+
+    def _shard(self, loaded: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+        return loaded.narrow(dim, self.tp_rank * size, size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        if self.tp_dim is not None and loaded.dim() > self.tp_dim and self.tp_size > 1:
+            loaded = self._shard(loaded, self.tp_dim, param.shape[self.tp_dim])
+        _default_loader(param, loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Splits output features across ranks; output stays sharded."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        _, tp = tp_rank_and_size()
+        if out_features % tp:
+            raise ValueError(f"out_features {out_features} not divisible by tp size {tp}")
+        super().__init__(in_features, out_features // tp, bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column linears stacked in one matmul (e.g. gate and up)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        self.out_sizes = out_sizes
+        super().__init__(in_features, sum(out_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        size = self.out_sizes[shard_id] // self.tp_size
+        offset = sum(self.out_sizes[:shard_id]) // self.tp_size
+        _default_loader(param.data.narrow(0, offset, size), self._shard(loaded, 0, size))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections in one matmul; heads are split across ranks."""
+
+    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        _, tp = tp_rank_and_size()
+        self.head_dim = head_dim
+        self.num_heads = num_heads // tp
+        self.num_kv_heads = max(1, num_kv_heads // tp)
+        out = (num_heads + 2 * max(num_kv_heads, tp)) * head_dim
+        super().__init__(hidden, out, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        _default_loader(param.data.narrow(0, offset, size), self._shard(loaded, 0, size))
+
+
+class RowParallelLinear(LinearBase):
+    """Splits input features across ranks and all-reduces the output."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        _, tp = tp_rank_and_size()
+        if in_features % tp:
+            raise ValueError(f"in_features {in_features} not divisible by tp size {tp}")
+        super().__init__(in_features // tp, out_features, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias if self.tp_rank == 0 else None
+        y = F.linear(x, self.weight, bias)
+        if self.tp_size > 1:
+            dist.all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary rows are split across ranks."""
+
+    def __init__(self, vocab_size: int, hidden: int) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank_and_size()
+        self.vocab_size = vocab_size
+        self.shard = math.ceil(vocab_size / self.tp_size)
+        self.start = self.tp_rank * self.shard
+        self.weight = nn.Parameter(torch.empty(self.shard, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        part = loaded[self.start:self.start + self.shard]
+        param.data.zero_()
+        param.data[:part.shape[0]].copy_(part)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.shard)
+        y = F.embedding(torch.where(inside, local, 0), self.weight) * inside[:, None]
+        dist.all_reduce(y)
+        return y
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection over the (sharded) vocabulary; logits in float32."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(h, self.weight).float()
+        if self.tp_size > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
+            dist.all_gather(parts, logits)
+            logits = torch.cat(parts, dim=-1)
+        return logits[..., :self.vocab_size]
+
+
+class RMSNorm(nn.Module):
+    """RMS norm computed in float32, as Hugging Face's Llama does."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding with a float32 cos/sin cache [max_pos, head_dim]."""
+
+    def __init__(self, head_dim: int, max_position: int, base: float,
+                 scaling: dict | None = None) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        t = torch.arange(max_position, dtype=torch.int64).float()
+        freqs = torch.outer(t, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T]; q [T, H, D], k [T, KH, D]."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(mid, smoothed, scaled)

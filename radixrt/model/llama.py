@@ -1,0 +1,137 @@
+"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over the paged KV pool.
+
+The model reads and writes K/V only through the attention backend carried by
+the ForwardBatch; it never sees request state. ``forward`` returns float32
+logits for the token positions the batch asks for (by default each request's
+last token).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from radixrt.attention.base import ForwardBatch
+from radixrt.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                                  RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
+                                  VocabParallelEmbedding)
+from radixrt.model.loader import ModelConfig
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
+                                          cfg.num_kv_heads, bias=cfg.attention_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
+                                      cfg.rope_scaling)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.scaling = cfg.head_dim ** -0.5
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        t = h.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.scaling)
+        return self.o_proj(o.reshape(t, q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_id)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(batch.input_ids)
+        for layer in self.layers:
+            h = layer(batch.positions, h, batch)
+        return h
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name → (our parameter name, shard id)
+    STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
+               ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [N, vocab] at ``batch.logits_indices`` (default: each request's last token)."""
+        h = self.model(batch)
+        idx = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        return self.lm_head(self.model.norm(h[idx]))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded = set()
+        for name, tensor in weights:
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue
+            target, shard = self._map_name(name)
+            if target not in params:
+                raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
+            param = params[target]
+            tensor = tensor.to(param.dtype)
+            if shard is None:
+                param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else param.data.copy_(tensor)
+            else:
+                param.weight_loader(param, tensor, shard)
+            loaded.add(target)
+        missing = {n for n in params if n not in loaded}
+        if self.config.tie_word_embeddings:
+            missing.discard("lm_head.weight")
+        if missing:
+            raise ValueError(f"checkpoint is missing parameters: {sorted(missing)[:8]}")
+
+    def _map_name(self, name: str) -> tuple[str, str | int | None]:
+        for ckpt, ours, shard in self.STACKED:
+            if f".{ckpt}." in name:
+                return name.replace(ckpt, ours), shard
+        return name, None

@@ -1,0 +1,91 @@
+"""Loads the model, owns the KV pool and the attention backend, runs forwards.
+
+This is the one place for device, dtype and (later) CUDA graphs or
+torch.compile; the scheduler only calls ``forward``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixrt.attention.base import AttentionBackend, ForwardBatch
+from radixrt.cache.kv_pool import KVPool
+from radixrt.config import EngineConfig
+from radixrt.model.llama import LlamaForCausalLM
+from radixrt.model.loader import ModelConfig, iter_weights
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CPU_KV_BUDGET_BYTES = 1 << 30
+MAX_AUTO_SLOTS = 1 << 17
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.bfloat16
+    return _DTYPES.get(str(model_cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
+
+
+def make_attention_backend(name: str, pool: KVPool) -> AttentionBackend:
+    if name == "auto":
+        name = "triton" if pool.device.type == "cuda" else "torch"
+    if name == "torch":
+        from radixrt.attention.torch_backend import TorchAttentionBackend
+        return TorchAttentionBackend(pool)
+    if name == "triton":
+        from radixrt.attention.triton_backend import TritonAttentionBackend
+        return TritonAttentionBackend(pool)
+    raise ValueError(f"unknown attention_backend {name!r}")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, model_cfg: ModelConfig) -> None:
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
+        self.model_cfg = model_cfg
+        self.max_context = model_cfg.max_position_embeddings
+        self.model = self._load_model(model_path)
+        num_slots = self._num_slots(config)
+        self.pool = KVPool(num_slots, model_cfg.num_layers, self.model.model.layers[0].self_attn.num_kv_heads,
+                           model_cfg.head_dim, self.dtype, config.running_limit,
+                           self.max_context + config.page_size, self.device)
+        self.attn_backend = make_attention_backend(config.attention_backend, self.pool)
+
+    def _load_model(self, path: str) -> LlamaForCausalLM:
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = LlamaForCausalLM(self.model_cfg)
+        finally:
+            torch.set_default_dtype(default)
+        model.load_weights(iter_weights(path))
+        return model.eval()
+
+    def _num_slots(self, config: EngineConfig) -> int:
+        """KV slots including the reserved first page, a multiple of page_size."""
+        p = config.page_size
+        if config.max_total_tokens is not None:
+            usable = config.max_total_tokens
+        else:
+            per_slot = KVPool.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
+                                             self.model_cfg.head_dim, self.dtype)
+            budget = CPU_KV_BUDGET_BYTES
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.8)
+            usable = min(budget // per_slot, MAX_AUTO_SLOTS)
+        return (-(-usable // p) + 1) * p
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [B, vocab] for each request's last token."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+        return self.model(batch)

@@ -1,0 +1,118 @@
+"""KV bookkeeping for requests: prefix match, slot allocation, insert, release.
+
+The only place where a request's slots change owner. Every transition keeps
+the invariant of ``radixrt.cache.check_slot_partition``: a slot is free, in
+one tree node, or private to one request (see ``Req`` for the row layout).
+With the radix cache disabled, nothing is matched and everything a request
+held is freed when it leaves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixrt.cache import KVPool, KVSlotAllocator, RadixCache, check_slot_partition
+from radixrt.scheduler.req import Req
+
+
+class KVManager:
+    def __init__(self, pool: KVPool, page_size: int, disable_radix_cache: bool,
+                 eviction_policy: str = "lru") -> None:
+        self.pool = pool
+        self.allocator = KVSlotAllocator(pool.num_slots, page_size)
+        self.tree = RadixCache(self.allocator, page_size, eviction_policy)
+        self.disabled = disable_radix_cache
+        self.running: dict[str, Req] = {}  # requests holding a row
+        self.evicted_tokens = 0
+
+    @property
+    def page_size(self) -> int:
+        return self.allocator.page_size
+
+    def free_for_new(self) -> int:
+        """Slots obtainable now: free plus evictable."""
+        return self.allocator.available + self.tree.evictable_size
+
+    def prefix_len_hint(self, req: Req) -> int:
+        """Cached prefix length for ``req`` (for ordering; locks nothing)."""
+        if self.disabled:
+            return 0
+        return self.tree.match_prefix(req.fill_ids[:req.fill_len - 1]).hit_len
+
+    def admit(self, req: Req) -> bool:
+        """Give ``req`` a row and lock its cached prefix. False if no row is free."""
+        row = self.pool.alloc_row()
+        if row is None:
+            return False
+        req.row = row
+        match = None if self.disabled else self.tree.match_prefix(req.fill_ids[:req.fill_len - 1])
+        req.last_node = self.tree.root if match is None else match.last_node
+        req.prefix_len = req.kv_len = 0 if match is None else match.hit_len
+        self.tree.lock(req.last_node)
+        if req.prefix_len:
+            self.pool.req_to_token[row, :req.prefix_len] = match.kv_indices
+        self.running[req.rid] = req
+        return True
+
+    def alloc(self, req: Req, n: int) -> torch.Tensor | None:
+        """n new slots continuing req's KV (evicting as needed); writes them into its row."""
+        last = int(self.pool.req_to_token[req.row, req.kv_len - 1]) if req.kv_len else -1
+        slots = self.allocator.alloc_extend(n, last)
+        if slots is None:
+            self.evict(n + self.page_size)
+            slots = self.allocator.alloc_extend(n, last)
+        if slots is not None:
+            self.pool.req_to_token[req.row, req.kv_len:req.kv_len + n] = slots
+        return slots
+
+    def evict(self, num_tokens: int) -> int:
+        freed = self.tree.evict(max(0, num_tokens - self.allocator.available))
+        self.evicted_tokens += freed
+        return freed
+
+    def cache_computed(self, req: Req) -> None:
+        """Insert req's computed KV into the tree and re-lock at its new end.
+
+        Called after each prefill (chunk), so other requests can hit it. The
+        request keeps only its unaligned tail private.
+        """
+        if self.disabled or req.kv_len == 0:
+            return
+        table = self.pool.req_to_token[req.row]
+        ids, slots = req.fill_ids[:req.kv_len], table[:req.kv_len]
+        cached = self.tree.insert(ids, slots)
+        self.allocator.free(slots[req.prefix_len:cached].clone())
+        match = self.tree.match_prefix(ids)
+        table[:match.hit_len] = match.kv_indices
+        self.tree.lock(match.last_node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len = match.last_node, match.hit_len
+
+    def release(self, req: Req) -> None:
+        """Req leaves the running set (finish, abort or retraction): its KV goes to the tree."""
+        self.cache_computed(req)
+        tail = self.pool.req_to_token[req.row, req.prefix_len:req.kv_len].clone()
+        self.allocator.free(tail)
+        self.tree.unlock(req.last_node)
+        self.pool.free_row(req.row)
+        del self.running[req.rid]
+        req.reset_kv()
+
+    def private_slots(self) -> list[torch.Tensor]:
+        table = self.pool.req_to_token
+        return [table[r.row, r.prefix_len:r.kv_len] for r in self.running.values()]
+
+    def check(self, idle: bool) -> None:
+        """Assert the slot partition (and, at idle, that nothing is protected)."""
+        check_slot_partition(self.allocator, self.tree, self.private_slots())
+        if idle:
+            assert not self.running, f"{len(self.running)} requests still hold KV at idle"
+            assert self.tree.protected_size == 0, f"protected_size {self.tree.protected_size} at idle"
+            total = self.allocator.available + self.tree.evictable_size
+            assert total == self.allocator.capacity, \
+                f"available + evictable = {total} != capacity {self.allocator.capacity}"
+
+    def flush(self) -> None:
+        if self.running:
+            raise RuntimeError(f"flush_cache with {len(self.running)} running requests")
+        self.tree.reset()

@@ -1,0 +1,72 @@
+"""Request state inside the scheduler.
+
+KV ownership of a running request (row r of req_to_token):
+- ``table[r, :prefix_len]`` are slots of tree nodes, locked through ``last_node``;
+- ``table[r, prefix_len:kv_len]`` are the request's private slots (with
+  page_size > 1, together with the rest of their last page).
+``fill_ids = prompt_ids + output_ids``; tokens ``fill_ids[kv_len:]`` still need
+computing. While decoding, ``kv_len == len(fill_ids) - 1``: the newest token's
+KV is written by the next step.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from radixrt.cache.radix_cache import TreeNode
+from radixrt.sampling import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Req:
+    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None) -> None:
+        self.rid = rid
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.eos_ids = () if params.ignore_eos else eos_ids
+        self.stop_ids = set(params.stop_token_ids or ()) | set(self.eos_ids)
+        self.generator = generator
+        self.output_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        self.state = ReqState.WAITING
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0  # tokens hit in the tree at first admission
+        self.admitted = False
+        self.num_retractions = 0
+        self.reset_kv()
+
+    def reset_kv(self) -> None:
+        """Forget KV placement (on creation and after retraction)."""
+        self.row: int | None = None
+        self.last_node: TreeNode | None = None
+        self.prefix_len = 0
+        self.kv_len = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(0, self.params.max_new_tokens - len(self.output_ids))
+
+    @property
+    def finished(self) -> bool:
+        return self.state is ReqState.FINISHED
+
+    def __repr__(self) -> str:
+        return (f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+                f"kv={self.kv_len}, prefix={self.prefix_len}, {self.state.value})")

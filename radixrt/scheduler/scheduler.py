@@ -1,0 +1,260 @@
+"""The scheduler loop: schedule → forward → process output.
+
+One ``step()`` runs one model forward:
+- a prefill (extend) batch when waiting requests can be admitted (or a chunked
+  prompt continues), otherwise
+- a decode batch of every running request (continuous batching: new prefills
+  slip in between decode steps).
+Admission is bounded by a token budget, ``max_running_requests`` and the KV
+that running requests are still expected to need. When decode runs out of KV
+it evicts, then retracts the requests with the fewest generated tokens; they
+re-queue and resume from the tree.
+
+The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
+it in-process; the server runs the same loop behind sockets.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from radixrt.attention.base import ForwardMode
+from radixrt.cache.radix_cache import common_prefix_len
+from radixrt.config import EngineConfig
+from radixrt.sampling import Sampler
+from radixrt.scheduler.batch import ScheduledBatch
+from radixrt.scheduler.kv import KVManager
+from radixrt.scheduler.policy import order_waiting
+from radixrt.scheduler.req import Req, ReqState
+
+# A waiting request sharing at least this many more tokens with a request admitted
+# in the same round than it hits in the tree waits one round (in-batch prefix caching).
+DEDUP_MIN_TOKENS = 32
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner, decode_fn: Callable[[list[int]], str],
+                 max_context: int) -> None:
+        self.config = config
+        self.runner = runner
+        self.decode_fn = decode_fn
+        self.max_context = max_context
+        self.kv = KVManager(runner.pool, config.page_size, config.disable_radix_cache,
+                            config.eviction_policy)
+        self.sampler = Sampler()
+        self.waiting: list[Req] = []
+        self.decoding: list[Req] = []
+        self.chunked: Req | None = None
+        self.stats: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ requests
+
+    def add_request(self, req: Req) -> None:
+        self.stats["requests"] += 1
+        self.stats["prompt_tokens"] += len(req.prompt_ids)
+        if req.params.max_new_tokens == 0:
+            req.state, req.finish_reason = ReqState.FINISHED, "length"
+            return
+        self.waiting.append(req)
+
+    def abort(self, rid: str) -> Req:
+        """Finish request ``rid`` with reason "abort"; raises KeyError if unknown."""
+        for req in self.waiting:
+            if req.rid == rid:
+                self.waiting.remove(req)
+                return self._finish(req, "abort")
+        req = self.kv.running.get(rid)
+        if req is None:
+            raise KeyError(f"unknown request id {rid!r}")
+        if req is self.chunked:
+            self.chunked = None
+        return self._finish(req, "abort")
+
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.decoding or self.chunked)
+
+    # ---------------------------------------------------------------- step
+
+    def step(self) -> list[Req]:
+        """Run one forward; return the requests that finished in it."""
+        batch = self.schedule_prefill() or self.schedule_decode()
+        if batch is None:
+            return []
+        forward_batch = batch.to_forward_batch(self.runner.pool)
+        logits = self.runner.forward(forward_batch)
+        return self.process_output(batch, logits)
+
+    def schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.config.prefill_budget
+        reqs, lens = [], []
+        if self.chunked is not None:
+            req, self.chunked = self.chunked, None
+            n = self._extend_len(req, budget)
+            if self.kv.alloc(req, n) is None:
+                self.chunked = req  # try again after decode frees memory
+                return None
+            reqs.append(req), lens.append(n)
+            budget -= n
+            if n < req.fill_len - req.kv_len:
+                self.chunked = req
+                self.stats["prefill_chunks"] += 1
+                return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+        reserved = self._decode_reservation()
+        for req in order_waiting(self.config.schedule_policy, self.waiting, self.kv):
+            if budget <= 0 or len(self.decoding) + len(reqs) >= self.config.running_limit:
+                break
+            if reqs and self._shares_unbuilt_prefix(req, reqs):
+                continue
+            future = math.ceil(req.remaining_new_tokens * self.config.new_token_ratio)
+            n = self._admit(req, budget, future + reserved, busy=bool(reqs or self.decoding))
+            if n == 0:
+                break
+            reqs.append(req), lens.append(n)
+            budget -= n
+            reserved += future
+            if n < req.fill_len - req.kv_len:
+                self.chunked = req
+                self.stats["prefill_chunks"] += 1
+                break
+        if not reqs:
+            return None
+        self.waiting = [r for r in self.waiting if r.row is None]
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+
+    def _admit(self, req: Req, budget: int, reserve: int, busy: bool) -> int:
+        """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run now."""
+        if not self.kv.admit(req):
+            return 0
+        n = self._extend_len(req, budget)
+        whole = req.fill_len - req.kv_len
+        too_big = n < whole and self.config.chunked_prefill_size is None and busy
+        if too_big or (busy and n + reserve > self.kv.free_for_new()) or self.kv.alloc(req, n) is None:
+            self.kv.release(req)
+            return 0
+        if not req.admitted:
+            req.admitted = True
+            req.cached_tokens = req.prefix_len
+            self.stats["cached_tokens"] += req.prefix_len
+        req.state = ReqState.RUNNING
+        return n
+
+    def _extend_len(self, req: Req, budget: int) -> int:
+        """Tokens of req to compute now: everything, or a chunk when chunking applies."""
+        n = req.fill_len - req.kv_len
+        if self.config.chunked_prefill_size is not None:
+            n = min(n, max(budget, 1))
+        return n
+
+    def _shares_unbuilt_prefix(self, req: Req, admitted: list[Req]) -> bool:
+        """True if req would hit much more of the tree once an admitted request's prompt is in it."""
+        if self.kv.disabled:
+            return False
+        ids = req.fill_ids
+        shared = max(common_prefix_len(ids, r.prompt_ids) for r in admitted)
+        return shared - self.kv.prefix_len_hint(req) >= DEDUP_MIN_TOKENS
+
+    def _decode_reservation(self) -> int:
+        ratio = self.config.new_token_ratio
+        return sum(math.ceil(r.remaining_new_tokens * ratio) for r in self.decoding)
+
+    def schedule_decode(self) -> ScheduledBatch | None:
+        if not self.decoding:
+            return None
+        self._make_room_for_decode()
+        for req in list(self.decoding):
+            if self.kv.alloc(req, 1) is None:  # a lone request longer than the whole pool
+                self._finish(req, "length")
+        if not self.decoding:
+            return None
+        return ScheduledBatch(ForwardMode.DECODE, list(self.decoding), [1] * len(self.decoding))
+
+    def _make_room_for_decode(self) -> None:
+        """Evict, then retract (fewest generated tokens first) until every decoder gets a slot."""
+        p = self.kv.page_size
+        while True:
+            need = sum(p for r in self.decoding if r.kv_len % p == 0)
+            if need <= self.kv.free_for_new() or len(self.decoding) == 1:
+                return
+            victim = min(self.decoding, key=lambda r: (len(r.output_ids), -len(r.prompt_ids)))
+            self._retract(victim)
+
+    def _retract(self, req: Req) -> None:
+        self.decoding.remove(req)
+        self.kv.release(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.stats["retractions"] += 1
+        self.waiting.insert(0, req)
+
+    # -------------------------------------------------------------- output
+
+    def process_output(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
+        rows, to_sample = [], []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            req.kv_len += n
+            if batch.mode is ForwardMode.EXTEND:
+                self.stats["prefill_tokens"] += n
+                self.kv.cache_computed(req)
+            if req.kv_len == req.fill_len and not req.finished:
+                rows.append(i), to_sample.append(req)
+        self.stats["decode_steps" if batch.mode is ForwardMode.DECODE else "prefill_steps"] += 1
+        if not to_sample:
+            return []
+        out = self.sampler.sample(logits[rows], [r.params for r in to_sample],
+                                  [r.generator for r in to_sample])
+        finished = []
+        for j, req in enumerate(to_sample):
+            req.output_ids.append(int(out.token_ids[j]))
+            if out.logprobs is not None:
+                req.output_logprobs.append(float(out.logprobs[j]))
+            self.stats["output_tokens"] += 1
+            reason = self._finish_reason(req)
+            if reason is not None:
+                finished.append(self._finish(req, reason))
+            elif batch.mode is ForwardMode.EXTEND:
+                self.decoding.append(req)
+        return finished
+
+    def _finish_reason(self, req: Req) -> str | None:
+        token = req.output_ids[-1]
+        if token in req.stop_ids:
+            return "stop"
+        if req.params.stop and self._hit_stop_string(req):
+            return "stop"
+        if len(req.output_ids) >= req.params.max_new_tokens or req.fill_len >= self.max_context:
+            return "length"
+        return None
+
+    def _hit_stop_string(self, req: Req) -> bool:
+        window = max(len(s) for s in req.params.stop) + 2
+        tail = self.decode_fn(req.output_ids[-window:])
+        return any(s in tail for s in req.params.stop)
+
+    def _finish(self, req: Req, reason: str) -> Req:
+        if req.row is not None:
+            self.kv.release(req)
+        if req in self.decoding:
+            self.decoding.remove(req)
+        req.state, req.finish_reason = ReqState.FINISHED, reason
+        return req
+
+    # ---------------------------------------------------------------- misc
+
+    def check_memory(self) -> None:
+        self.kv.check(idle=self.idle)
+
+    def get_stats(self) -> dict[str, float]:
+        s = dict(self.stats)
+        tree = self.kv.tree
+        s.update(evicted_tokens=self.kv.evicted_tokens, cache_tokens=tree.total_size(),
+                 evictable_tokens=tree.evictable_size, protected_tokens=tree.protected_size,
+                 free_slots=self.kv.allocator.available, running=len(self.kv.running),
+                 waiting=len(self.waiting))
+        prompt = s.get("prompt_tokens", 0)
+        s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0
+        return s

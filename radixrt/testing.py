@@ -1,0 +1,363 @@
+"""Test helpers: tiny random-weight Hugging Face models that need no download.
+
+:func:`make_tiny_model` writes a complete model folder (``config.json``,
+``generation_config.json``, ``model.safetensors`` and tokenizer files) that
+loads with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` as well as
+with :mod:`radixrt.model.loader`.  Everything is derived from the seed and from
+text that ships with the Python standard library, so the result is identical
+from call to call and works offline.
+
+:func:`tiny_model_path` builds such a folder once into the radixrt cache
+directory and reuses it afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+from radixrt.model.loader import cache_dir, make_shareable
+
+__all__ = [
+    "ARCHS",
+    "CHATML_TEMPLATE",
+    "SPECIAL_TOKENS",
+    "TINY_MODEL_VERSION",
+    "make_tiny_model",
+    "tiny_model_path",
+]
+
+#: Bump when the output of :func:`make_tiny_model` changes, so that cached
+#: folders built by an older version are not reused.
+TINY_MODEL_VERSION = 1
+
+ARCHS = ("llama", "qwen2", "qwen3")
+
+#: Special tokens, in id order: ``<|endoftext|>`` = 0, ``<|im_start|>`` = 1,
+#: ``<|im_end|>`` = 2 (the layout SmolLM2 uses).
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+CHATML_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+_MARKER = ".radixrt-complete"
+
+# Long-lived stdlib modules used as tokenizer training text, tried in this
+# order; anything missing or not UTF-8 is skipped.
+_PREFERRED_CORPUS = (
+    "argparse.py",
+    "ast.py",
+    "calendar.py",
+    "collections/__init__.py",
+    "configparser.py",
+    "dataclasses.py",
+    "difflib.py",
+    "email/message.py",
+    "enum.py",
+    "fractions.py",
+    "functools.py",
+    "inspect.py",
+    "json/decoder.py",
+    "json/encoder.py",
+    "logging/__init__.py",
+    "pathlib.py",
+    "shutil.py",
+    "statistics.py",
+    "string.py",
+    "textwrap.py",
+    "typing.py",
+)
+_CORPUS_TARGET_BYTES = 600_000
+
+# GPT-4 / Qwen2 style pre-tokenisation split.
+_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _corpus_files() -> list[Path]:
+    """A deterministic selection of UTF-8 stdlib source files."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    candidates = [stdlib / name for name in _PREFERRED_CORPUS]
+    candidates += sorted(stdlib.glob("*.py"))  # fallback if the list falls short
+    chosen: list[Path] = []
+    seen: set[Path] = set()
+    total = 0
+    for path in candidates:
+        if path in seen or not path.is_file():
+            continue
+        seen.add(path)
+        try:
+            data = path.read_bytes()
+            data.decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        chosen.append(path)
+        total += len(data)
+        if total >= _CORPUS_TARGET_BYTES:
+            break
+    if not chosen:
+        raise RuntimeError(f"no UTF-8 .py files found under the Python stdlib at {stdlib}")
+    return chosen
+
+
+def _train_tokenizer(vocab_size: int, model_max_length: int):
+    """Byte-level BPE trained on stdlib sources, wrapped for transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    n_min = len(SPECIAL_TOKENS) + 256
+    if vocab_size < n_min:
+        raise ValueError(f"vocab_size must be >= {n_min} (256 bytes + special tokens), got {vocab_size}")
+
+    # The same pipeline transformers' Qwen2Tokenizer rebuilds (AutoTokenizer
+    # forces that class for model_type "qwen2"), so every loader agrees on ids.
+    tok = Tokenizer(models.BPE(fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    texts = [p.read_text(encoding="utf-8") for p in _corpus_files()]
+    tok.train_from_iterator(texts, trainer=trainer, length=len(texts))
+    got = tok.get_vocab_size()
+    if got != vocab_size:
+        raise RuntimeError(
+            f"tokenizer training produced {got} tokens instead of {vocab_size}; "
+            "the stdlib text is too small for this vocab_size"
+        )
+    for i, t in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(t) == i, (t, tok.token_to_id(t))
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=CHATML_TEMPLATE,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _build_config(
+    arch: str,
+    *,
+    num_layers: int,
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int | None,
+    intermediate_size: int,
+    vocab_size: int,
+    max_position_embeddings: int,
+    initializer_range: float,
+    tie_word_embeddings: bool,
+    rope_theta: float,
+    rope_scaling: dict | None,
+    rms_norm_eps: float,
+):
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    rope_parameters = {"rope_type": "default"}
+    if rope_scaling:
+        rope_parameters = dict(rope_scaling)
+        rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
+    rope_parameters["rope_theta"] = float(rope_theta)
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=rope_parameters,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    )
+    if arch == "llama":
+        return LlamaConfig(**common, head_dim=head_dim or hidden_size // num_heads, attention_bias=False)
+    if arch == "qwen2":
+        if head_dim is not None and head_dim != hidden_size // num_heads:
+            raise ValueError("qwen2 has no explicit head_dim; it is always hidden_size // num_heads")
+        return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        # Qwen3 stores head_dim explicitly and, in the real models, it differs
+        # from hidden_size // num_heads; default to twice that so the tiny
+        # model exercises the q/o projection shape mismatch too.
+        return Qwen3Config(**common, head_dim=head_dim or 2 * (hidden_size // num_heads), attention_bias=False)
+    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+
+
+def make_tiny_model(
+    path: str | os.PathLike[str],
+    arch: str = "llama",
+    seed: int = 0,
+    *,
+    num_layers: int = 4,
+    hidden_size: int = 256,
+    num_heads: int = 8,
+    num_kv_heads: int = 4,
+    head_dim: int | None = None,
+    intermediate_size: int = 512,
+    vocab_size: int = 2048,
+    max_position_embeddings: int = 2048,
+    initializer_range: float = 0.1,
+    tie_word_embeddings: bool = False,
+    rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
+    rms_norm_eps: float = 1e-6,
+) -> str:
+    """Write a random-weight Hugging Face model folder to ``path`` and return it.
+
+    ``arch`` is ``"llama"``, ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k
+    RMSNorm, explicit ``head_dim``; when ``head_dim`` is None it defaults to
+    ``2 * hidden_size // num_heads`` for qwen3 and ``hidden_size // num_heads``
+    otherwise).  Weights are float32 and depend only on the arguments: linear
+    and embedding weights come from the transformers initialiser (normal with
+    std ``initializer_range``) under ``torch.manual_seed(seed)``; the RMSNorm
+    weights and the qwen2 biases are then drawn from a generator seeded with
+    ``seed`` too (around 1 and 0 rather than exactly 1 and 0), so that a
+    runtime that ignores them does not match transformers.
+
+    The tokenizer is a byte-level BPE with ``vocab_size`` tokens trained on
+    stdlib sources; ids 0, 1, 2 are ``<|endoftext|>`` (bos/pad),
+    ``<|im_start|>`` and ``<|im_end|>`` (eos).  ``generation_config.json`` lists
+    both ``<|im_end|>`` and ``<|endoftext|>`` as eos ids, config.json only
+    ``<|im_end|>`` (as Qwen2.5-Instruct does).  The tokenizer carries a ChatML
+    chat template.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+
+    config = _build_config(
+        arch,
+        num_layers=num_layers,
+        hidden_size=hidden_size,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        rms_norm_eps=rms_norm_eps,
+    )
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
+            elif name.endswith(".bias"):
+                param.copy_(initializer_range * torch.randn(param.shape, generator=gen))
+    model.eval()
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
+    model.save_pretrained(out)
+
+    tokenizer = _train_tokenizer(vocab_size, max_position_embeddings)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _cache_root() -> Path:
+    return Path(cache_dir())
+
+
+def _version_hash(arch: str, seed: int) -> str:
+    import tokenizers
+    import torch
+    import transformers
+
+    key = json.dumps(
+        {
+            "version": TINY_MODEL_VERSION,
+            "arch": arch,
+            "seed": seed,
+            "python": list(sys.version_info[:2]),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
+        sort_keys=True,
+    )
+    return hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def tiny_model_path(arch: str = "llama", seed: int = 0) -> str:
+    """Path of a cached :func:`make_tiny_model` folder (default sizes), built once.
+
+    Lives in ``$RADIXRT_CACHE_DIR`` (default ``~/.cache/radixrt``) under
+    ``tiny/<arch>-<seed>-<hash>``; the hash covers the generator version and the
+    torch/transformers/tokenizers/Python versions.  The folder is built in a
+    temporary sibling and renamed into place, so concurrent callers never see
+    a partial folder (the loser of a race discards its copy).
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    root = _cache_root() / "tiny"
+    final = root / f"{arch}-{seed}-{_version_hash(arch, seed)}"
+    if (final / _MARKER).is_file():
+        return str(final)
+
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{arch}-{seed}-", dir=root))
+    try:
+        make_tiny_model(tmp, arch=arch, seed=seed)
+        (tmp / _MARKER).write_text(json.dumps({"arch": arch, "seed": seed, "version": TINY_MODEL_VERSION}) + "\n")
+        make_shareable(tmp)
+        if final.exists() and not (final / _MARKER).is_file():
+            # Not ours (no marker): move it out of the way.
+            stale = Path(tempfile.mkdtemp(prefix=f".stale-{arch}-{seed}-", dir=root))
+            os.replace(final, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            # Another process won the race; use its (complete) folder.
+            if not (final / _MARKER).is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)

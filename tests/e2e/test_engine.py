@@ -1,0 +1,99 @@
+"""The offline Engine against Hugging Face transformers, greedy, in float32."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from radixrt import SamplingParams
+
+SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
+QUESTIONS = ["What does os.path.join do?", "How is a dict ordered?", "Explain functools.partial.",
+             "What is a generator?", "Why use pathlib?", "What does zip return?",
+             "How does sorted handle keys?", "What is an iterator protocol?"]
+PROMPTS = [SYSTEM + q for q in QUESTIONS]
+NEW = 24
+GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
+
+
+@functools.lru_cache(maxsize=None)
+def hf_greedy(path: str, prompts: tuple[str, ...], new: int) -> tuple[tuple[int, ...], ...]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress
+    outs = []
+    for p in prompts:  # one at a time: no padding effects in the reference
+        ids = torch.tensor([tok.encode(p)])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
+                                 do_sample=False, pad_token_id=0)
+        outs.append(tuple(gen[0, ids.shape[1]:].tolist()))
+    return tuple(outs)
+
+
+def ids_of(outs) -> list[tuple[int, ...]]:
+    return [tuple(o.token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_matches_transformers_and_reuses_prefix(arch, engine_factory, request):
+    path = request.getfixturevalue(f"tiny_{arch}")
+    want = list(hf_greedy(path, tuple(PROMPTS), NEW))
+    assert len({t for o in want for t in o}) > 8, "reference continuation is degenerate"
+    eng = engine_factory(path)
+    first = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(first) == want
+    assert sum(o.cached_tokens for o in first) > 0, "shared system prompt was not reused in-batch"
+    again = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(again) == want
+    assert all(o.cached_tokens >= o.prompt_tokens - 1 for o in again)
+    eng.check_memory()
+
+
+def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    eng = engine_factory(tiny_llama, disable_radix_cache=True)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(outs) == want
+    assert all(o.cached_tokens == 0 for o in outs)
+    assert eng.stats()["prefill_tokens"] == sum(o.prompt_tokens for o in outs)
+
+
+def test_retraction_under_tiny_pool(tiny_llama, engine_factory):
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    demand = sum(len(w) for w in want) + sum(o.prompt_tokens for o in
+                                               engine_factory(tiny_llama).generate(PROMPTS, GREEDY))
+    eng = engine_factory(tiny_llama, max_total_tokens=demand // 4)
+    outs = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(outs) == want
+    stats = eng.stats()
+    assert stats["retractions"] > 0 or stats["evicted_tokens"] > 0
+    eng.check_memory()
+
+
+def test_chunked_prefill_same_ids(tiny_llama, engine_factory):
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    eng = engine_factory(tiny_llama, chunked_prefill_size=8)
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want
+    stats = eng.stats()
+    assert stats["prefill_chunks"] > 0
+    assert stats["prefill_steps"] >= stats["prefill_tokens"] / 8
+
+
+def test_page_size_16_same_ids(tiny_llama, engine_factory):
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    eng = engine_factory(tiny_llama, page_size=16)
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want
+    again = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(again) == want
+    assert all(o.cached_tokens > 0 and o.cached_tokens % 16 == 0 for o in again)
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "dfs-weight"])
+def test_policies_same_ids(policy, tiny_llama, engine_factory):
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    eng = engine_factory(tiny_llama, schedule_policy=policy)
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want

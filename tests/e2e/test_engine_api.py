@@ -1,0 +1,121 @@
+"""Engine API behaviour: sampling options, finishing rules, validation, stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from radixrt import GenerateOutput, SamplingParams
+
+PROMPT = "def parse(text):\n    "
+
+
+@pytest.fixture
+def eng(tiny_llama, engine_factory):
+    return engine_factory(tiny_llama)
+
+
+def test_single_str_returns_list_and_fields(eng):
+    outs = eng.generate(PROMPT, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
+    assert isinstance(outs, list) and len(outs) == 1
+    out = outs[0]
+    assert isinstance(out, GenerateOutput)
+    assert len(out.token_ids) == 5 and out.finish_reason == "length"
+    assert out.prompt_tokens == len(eng.tokenizer.encode(PROMPT))
+    assert out.text == eng.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+
+
+def test_input_ids_and_per_prompt_params(eng):
+    ids = [eng.tokenizer.encode("import os"), eng.tokenizer.encode("class A:")]
+    outs = eng.generate(input_ids=ids, sampling_params=[
+        SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True),
+        SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 6]
+
+
+def test_same_seed_same_output_any_batch(eng):
+    sp = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9, seed=7, ignore_eos=True)
+    alone = eng.generate(PROMPT, sp)[0].token_ids
+    others = [SamplingParams(max_new_tokens=12, temperature=1.0, ignore_eos=True)] * 3
+    batch = eng.generate([PROMPT, "x = ", "for i in", "while"], [sp] + others)
+    assert batch[0].token_ids == alone
+    diff = eng.generate(PROMPT, SamplingParams(max_new_tokens=12, temperature=1.0, seed=8,
+                                               ignore_eos=True))[0].token_ids
+    assert diff != alone
+
+
+def test_stop_token_ids_and_stop_strings(eng):
+    base = eng.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))[0]
+    stop_tok = base.token_ids[5]
+    first = base.token_ids.index(stop_tok)
+    out = eng.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True,
+                                              stop_token_ids=[stop_tok]))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[:first + 1]
+    text = base.text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop.strip():
+        out = eng.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0,
+                                                  ignore_eos=True, stop=[stop]))[0]
+        assert out.finish_reason == "stop"
+        assert stop not in out.text and text.startswith(out.text)
+
+
+def test_eos_finishes_unless_ignored(eng):
+    eos = eng.model_config.eos_token_ids[0]
+    base = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))[0]
+    # Force EOS by making it a stop token id too: finish_reason "stop" at once.
+    out = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0,
+                                              stop_token_ids=[base.token_ids[0]]))[0]
+    assert out.token_ids == base.token_ids[:1] and out.finish_reason == "stop"
+    assert eos not in base.token_ids or base.finish_reason == "length"
+
+
+def test_logprobs(eng):
+    out = eng.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0, logprobs=True,
+                                              ignore_eos=True))[0]
+    assert out.logprobs is not None and len(out.logprobs) == 4
+    assert all(lp <= 0 for lp in out.logprobs)
+
+
+def test_max_new_tokens_zero(eng):
+    out = eng.generate(PROMPT, SamplingParams(max_new_tokens=0))[0]
+    assert out.token_ids == [] and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kwargs, field", [({"max_new_tokens": -1}, "max_new_tokens"),
+                                           ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                           ({"temperature": -0.5}, "temperature"),
+                                           ({"min_p": 2.0}, "min_p")])
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_raise_before_kv(eng):
+    before = eng.stats()
+    with pytest.raises(ValueError, match="context"):
+        eng.generate(input_ids=[[1] * eng.runner.max_context])
+    with pytest.raises(ValueError, match="vocabulary"):
+        eng.generate(input_ids=[[1, eng.model_config.vocab_size + 5]])
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate(input_ids=[[]])
+    assert eng.stats()["free_slots"] == before["free_slots"]
+    eng.check_memory()
+
+
+def test_unknown_model_path(tmp_path):
+    from radixrt import Engine
+    with pytest.raises((FileNotFoundError, ValueError), match="no-such-model"):
+        Engine(model=str(tmp_path / "no-such-model"))
+
+
+def test_stats_and_flush(eng):
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    eng.generate([PROMPT] * 3, sp)
+    eng.generate(PROMPT, sp)
+    s = eng.stats()
+    for key in ("prompt_tokens", "cached_tokens", "prefill_tokens", "evicted_tokens", "hit_rate"):
+        assert key in s
+    assert s["cached_tokens"] > 0 and s["cache_tokens"] > 0
+    eng.flush_cache()
+    assert eng.stats()["cache_tokens"] == 0
+    eng.check_memory()

@@ -1,0 +1,675 @@
+"""RadixCache: seed scenarios, a stateful serving-trace test and a naive-trie reference."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
+                                 rule)
+
+from radixrt.cache import KVSlotAllocator, RadixCache, check_slot_partition
+
+A, B, C, D, E, X, Y = 10, 11, 12, 13, 14, 20, 21
+
+
+def make(num_slots: int = 256, page_size: int = 1, policy: str = "lru"):
+    alloc = KVSlotAllocator(num_slots, page_size)
+    return alloc, RadixCache(alloc, page_size, eviction_policy=policy)
+
+
+def put(alloc: KVSlotAllocator, cache: RadixCache, tokens: list[int]) -> tuple[int, torch.Tensor]:
+    """Serve ``tokens`` from scratch: fresh slots, insert, free what the tree did not take."""
+    slots = alloc.alloc(len(tokens))
+    assert slots is not None
+    cached = cache.insert(tokens, slots)
+    aligned = len(tokens) // cache.page_size * cache.page_size
+    alloc.free(torch.cat([slots[:cached], slots[aligned:]]))
+    return cached, slots
+
+
+def children(node) -> dict:
+    return {tuple(c.key): c for c in node.children.values()}
+
+
+def check(alloc, cache, private=()):
+    cache.check_integrity()
+    alloc.check_integrity()
+    check_slot_partition(alloc, cache, list(private))
+
+
+# ------------------------------------------------------------- seed scenarios
+
+
+def test_empty_tree_match():
+    alloc, cache = make()
+    r = cache.match_prefix([1, 2, 3])
+    assert r.hit_len == 0 and r.kv_indices.numel() == 0 and r.last_node is cache.root
+    r = cache.match_prefix([])
+    assert r.hit_len == 0 and r.last_node is cache.root
+    check(alloc, cache)
+
+
+def test_split_on_insert():
+    alloc, cache = make()
+    first = alloc.alloc(5)
+    assert cache.insert([A, B, C, D, E], first) == 0
+    second = alloc.alloc(5)
+    assert cache.insert([A, B, C, X, Y], second) == 3
+    alloc.free(second[:3])  # the caller's duplicate KV of [A B C]
+
+    top = children(cache.root)
+    assert list(top) == [(A, B, C)]
+    abc = top[(A, B, C)]
+    assert abc.value.tolist() == first[:3].tolist()
+    kids = children(abc)
+    assert set(kids) == {(D, E), (X, Y)}
+    assert kids[(D, E)].value.tolist() == first[3:].tolist()
+    assert kids[(X, Y)].value.tolist() == second[3:].tolist()
+    # KV of [A B C] is held once: 3 + 2 + 2 tokens in the tree.
+    assert cache.all_slots().numel() == 7
+    assert cache.total_size() == cache.evictable_size == 7
+    assert cache.num_evictable_leaves == 2
+    check(alloc, cache)
+
+    r = cache.match_prefix([A, B, C, X, Y, 99])
+    assert r.hit_len == 5
+    assert r.kv_indices.tolist() == first[:3].tolist() + second[3:].tolist()
+
+
+def test_insert_existing_and_prefix_of_existing():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3, 4])
+    assert put(alloc, cache, [1, 2, 3, 4])[0] == 4
+    # A strict prefix of a cached key splits the edge and caches nothing new.
+    assert put(alloc, cache, [1, 2])[0] == 2
+    assert cache.total_size() == 4
+    assert [tuple(n.key) for n in cache._nodes() if n is not cache.root] == [(1, 2), (3, 4)]
+    check(alloc, cache)
+
+
+def test_insert_needs_enough_kv_indices():
+    alloc, cache = make()
+    with pytest.raises(ValueError, match="kv_indices"):
+        cache.insert([1, 2, 3], alloc.alloc(2))
+
+
+def test_split_on_match_mid_edge():
+    alloc, cache = make()
+    _, slots = put(alloc, cache, [1, 2, 3, 4, 5])
+    r = cache.match_prefix([1, 2, 3, 9])
+    assert r.hit_len == 3
+    assert r.kv_indices.tolist() == slots[:3].tolist()
+    assert r.last_node.key == [1, 2, 3]
+    assert r.last_node.value.tolist() == slots[:3].tolist()
+    assert r.last_node.parent is cache.root
+    assert list(children(r.last_node)) == [(4, 5)]
+    assert cache.total_size() == 5
+    check(alloc, cache)
+    # Locking the split node protects exactly the hit.
+    cache.lock(r.last_node)
+    assert cache.protected_size == 3 and cache.evictable_size == 2
+    check(alloc, cache)
+
+
+def test_partial_prefix_hits():
+    alloc, cache = make()
+    _, s1 = put(alloc, cache, [1, 2, 3, 4, 5])
+    _, s2 = put(alloc, cache, [1, 2, 7, 8])
+    assert cache.match_prefix([1]).hit_len == 1
+    r = cache.match_prefix([1, 2])
+    assert r.hit_len == 2 and r.kv_indices.tolist() == s1[:2].tolist()
+    r = cache.match_prefix([1, 2, 3, 4, 5, 6, 7])
+    assert r.hit_len == 5 and r.kv_indices.tolist() == s1.tolist()
+    r = cache.match_prefix([1, 2, 7, 9])
+    assert r.hit_len == 3 and r.kv_indices.tolist() == s1[:2].tolist() + s2[2:3].tolist()
+    r = cache.match_prefix([9, 1, 2])
+    assert r.hit_len == 0 and r.last_node is cache.root
+    # Tensor input works the same.
+    assert cache.match_prefix(torch.tensor([1, 2, 3, 4])).hit_len == 4
+    check(alloc, cache)
+
+
+def test_lock_protects_from_eviction():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [5, 6])
+    r = cache.match_prefix([1, 2, 3])
+    cache.lock(r.last_node)
+    assert cache.protected_size == 3 and cache.evictable_size == 2
+    assert cache.evict(100) == 2  # only [5 6] can go
+    assert cache.evict(100) == 0
+    assert cache.match_prefix([1, 2, 3]).hit_len == 3
+    assert cache.match_prefix([5, 6]).hit_len == 0
+    check(alloc, cache)
+    cache.unlock(r.last_node)
+    assert cache.evict(100) == 3
+    assert alloc.available == alloc.capacity
+    check(alloc, cache)
+
+
+def test_lock_of_a_child_protects_ancestors():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [1, 2, 4])
+    r = cache.match_prefix([1, 2, 4])
+    cache.lock(r.last_node)
+    assert cache.protected_size == 3  # [1 2] and [4]
+    assert cache.evict(100) == 1      # only [3]
+    assert cache.match_prefix([1, 2, 4]).hit_len == 3
+    cache.unlock(r.last_node)
+    check(alloc, cache)
+
+
+def test_lru_order():
+    alloc, cache = make()
+    put(alloc, cache, [1, 1, 1])
+    put(alloc, cache, [2, 2, 2])
+    put(alloc, cache, [3, 3, 3])
+    cache.match_prefix([1, 1, 1])  # [1 1 1] is now the most recent
+    assert cache.evict(1) == 3
+    assert cache.match_prefix([2, 2, 2]).hit_len == 0
+    assert cache.evict(1) == 3
+    assert cache.match_prefix([3, 3, 3]).hit_len == 0
+    assert cache.match_prefix([1, 1, 1]).hit_len == 3
+    check(alloc, cache)
+
+
+def test_evict_at_least_requested():
+    alloc, cache = make()
+    put(alloc, cache, [1] * 4)
+    put(alloc, cache, [2] * 4)
+    put(alloc, cache, [3] * 4)
+    assert cache.evict(5) == 8  # whole leaves: two of them
+    assert cache.evict(0) == 0
+    assert cache.total_size() == 4
+    check(alloc, cache)
+
+
+def test_parent_evicted_after_last_child():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [1, 2, 4])
+    assert cache.num_evictable_leaves == 2
+    assert cache.evict(1) == 1  # [3], the older leaf
+    assert cache.match_prefix([1, 2, 3]).hit_len == 2
+    assert cache.num_evictable_leaves == 1
+    assert cache.evict(1) == 1  # [4]
+    # [1 2] is now a leaf and a candidate.
+    assert cache.num_evictable_leaves == 1
+    check(alloc, cache)
+    assert cache.evict(1) == 2
+    assert cache.total_size() == 0 and cache.num_evictable_leaves == 0
+    assert not cache.root.children
+    assert alloc.available == alloc.capacity
+    check(alloc, cache)
+
+
+def test_parent_evicted_in_same_call():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [1, 2, 4])
+    assert cache.evict(4) == 4
+    assert cache.total_size() == 0
+    check(alloc, cache)
+
+
+def test_unlock_returns_tokens_to_evictable():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3, 4])
+    r = cache.match_prefix([1, 2, 3, 4])
+    cache.lock(r.last_node)
+    cache.lock(r.last_node)  # two requests share it
+    assert (cache.evictable_size, cache.protected_size) == (0, 4)
+    assert cache.num_evictable_leaves == 0
+    cache.unlock(r.last_node)
+    assert (cache.evictable_size, cache.protected_size) == (0, 4)
+    cache.unlock(r.last_node)
+    assert (cache.evictable_size, cache.protected_size) == (4, 0)
+    assert cache.num_evictable_leaves == 1
+    check(alloc, cache)
+
+
+def test_unlock_below_zero_raises():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    node = cache.match_prefix([1, 2, 3]).last_node
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.unlock(node)
+    cache.lock(node)
+    cache.unlock(node)
+    with pytest.raises(RuntimeError, match="not locked"):
+        cache.unlock(node)
+    check(alloc, cache)
+
+
+def test_lock_unlock_root_is_noop():
+    alloc, cache = make()
+    cache.lock(cache.root)
+    cache.unlock(cache.root)
+    assert cache.root.lock_ref == 1
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 16])
+def test_paged_hits_are_page_aligned(page_size):
+    p = page_size
+    alloc, cache = make(64 * p, p)
+    base = list(range(100, 100 + 3 * p + p - 1))  # not a whole number of pages if p > 1
+    cached, slots = put(alloc, cache, base)
+    assert cached == 0
+    assert cache.total_size() == 3 * p  # only whole pages are inserted
+    for n in range(len(base) + 2):
+        q = base[:n] + [7] * 3
+        r = cache.match_prefix(q)
+        want = min(n, 3 * p) // p * p
+        assert r.hit_len == want, (n, r.hit_len)
+        assert r.kv_indices.tolist() == slots[:want].tolist()
+    # A fork in the middle of a page only shares the whole pages before it.
+    fork = base[:p + p // 2] + [999] * (2 * p)
+    cached, fslots = put(alloc, cache, fork)
+    want = (p + p // 2) // p * p
+    assert cached == want
+    for node in cache._nodes():
+        assert len(node.key) % p == 0
+        if node is not cache.root:
+            assert (int(node.value[0]) % p) == 0  # nodes hold whole pages
+    r = cache.match_prefix(fork)
+    assert r.hit_len == len(fork) // p * p
+    assert r.kv_indices.tolist() == slots[:want].tolist() + fslots[want:r.hit_len].tolist()
+    check(alloc, cache)
+    cache.evict(10 ** 6)
+    assert alloc.available == alloc.capacity
+    check(alloc, cache)
+
+
+def test_page_size_mismatch_raises():
+    alloc = KVSlotAllocator(64, 4)
+    with pytest.raises(ValueError, match="page_size"):
+        RadixCache(alloc, 2)
+    with pytest.raises(ValueError, match="eviction_policy"):
+        RadixCache(alloc, 4, eviction_policy="fifo")
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_lfu_evicts_less_hit_leaf_first(policy):
+    alloc, cache = make(policy=policy)
+    put(alloc, cache, [1, 1])
+    put(alloc, cache, [2, 2])
+    for _ in range(3):
+        cache.match_prefix([1, 1])
+    cache.match_prefix([2, 2])  # [2 2]: fewer hits but the most recent
+    assert cache.evict(1) == 2
+    gone = [1, 1] if policy == "lru" else [2, 2]
+    kept = [2, 2] if policy == "lru" else [1, 1]
+    assert cache.match_prefix(gone).hit_len == 0
+    assert cache.match_prefix(kept).hit_len == 2
+    check(alloc, cache)
+
+
+def test_lfu_ties_broken_by_recency():
+    alloc, cache = make(policy="lfu")
+    put(alloc, cache, [1])
+    put(alloc, cache, [2])
+    cache.match_prefix([2])
+    cache.match_prefix([1])
+    cache.evict(1)
+    assert cache.match_prefix([2]).hit_len == 0
+
+
+def test_reset():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    put(alloc, cache, [1, 4])
+    r = cache.match_prefix([1, 2, 3])
+    cache.lock(r.last_node)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.reset()
+    cache.unlock(r.last_node)
+    cache.reset()
+    assert cache.total_size() == 0 and not cache.root.children
+    assert cache.num_evictable_leaves == 0
+    assert alloc.available == alloc.capacity
+    check(alloc, cache)
+    # Usable after a reset.
+    put(alloc, cache, [1, 2])
+    assert cache.match_prefix([1, 2]).hit_len == 2
+    check(alloc, cache)
+
+
+# --------------------------------------------- check_integrity really checks
+
+
+def _tree():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3, 4])
+    put(alloc, cache, [1, 2, 5, 6])
+    put(alloc, cache, [7, 8])
+    check(alloc, cache)
+    return alloc, cache
+
+
+def test_integrity_catches_bad_evictable_size():
+    alloc, cache = _tree()
+    cache.evictable_size += 1
+    with pytest.raises(AssertionError, match="evictable_size"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_bad_protected_size():
+    alloc, cache = _tree()
+    cache.protected_size -= 1
+    with pytest.raises(AssertionError, match="protected_size"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_bad_lock_ref():
+    alloc, cache = _tree()
+    node = cache.match_prefix([1, 2, 3, 4]).last_node
+    node.lock_ref = 1  # locked without going through lock(): parent below child
+    with pytest.raises(AssertionError):
+        cache.check_integrity()
+
+
+def test_integrity_catches_stale_evictable_set():
+    alloc, cache = _tree()
+    leaf = cache.match_prefix([7, 8]).last_node
+    leaf.last_access += 100  # changed behind the sorted set's back
+    with pytest.raises(AssertionError, match="stale"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_missing_leaf():
+    alloc, cache = _tree()
+    leaf = cache.match_prefix([7, 8]).last_node
+    cache._remove_evictable(leaf)
+    with pytest.raises(AssertionError, match="evictable set"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_key_value_mismatch():
+    alloc, cache = _tree()
+    leaf = cache.match_prefix([7, 8]).last_node
+    leaf.value = leaf.value[:1]
+    with pytest.raises(AssertionError, match="lengths differ"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_slot_held_twice():
+    alloc, cache = _tree()
+    a = cache.match_prefix([7, 8]).last_node
+    b = cache.match_prefix([1, 2, 3, 4]).last_node
+    b.value = a.value.clone()
+    with pytest.raises(AssertionError, match="two tree nodes"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_slot_free_and_in_tree():
+    alloc, cache = _tree()
+    leaf = cache.match_prefix([7, 8]).last_node
+    alloc.free(leaf.value)  # behind the tree's back
+    with pytest.raises(AssertionError, match="both free and in the tree"):
+        cache.check_integrity()
+
+
+def test_integrity_catches_bad_parent_link():
+    alloc, cache = _tree()
+    leaf = cache.match_prefix([7, 8]).last_node
+    leaf.parent = cache.match_prefix([1, 2]).last_node
+    with pytest.raises(AssertionError, match="parent link"):
+        cache.check_integrity()
+
+
+def test_partition_catches_leak():
+    alloc, cache = _tree()
+    alloc.alloc(3)  # handed out and forgotten
+    with pytest.raises(AssertionError, match="leaked"):
+        check_slot_partition(alloc, cache, [])
+
+
+# ---------------------------------------------- stateful serving-trace test
+
+ALPHABET = st.integers(0, 3)
+
+
+class Request:
+    __slots__ = ("tokens", "prefix", "own", "node")
+
+    def __init__(self, tokens, prefix, own, node):
+        self.tokens = tokens    # list[int], prompt plus generated tokens
+        self.prefix = prefix    # slots of tokens[:len(prefix)], owned by the tree
+        self.own = own          # slots of the rest, owned by the request
+        self.node = node        # locked node whose path covers ``prefix``
+
+
+class ServingTrace(RuleBasedStateMachine):
+    """Simulated scheduler life cycle against one small pool.
+
+    ``meaning[slot]`` records which token prefix the KV in ``slot`` was
+    computed for; every hit must hand back slots that mean the matched prefix.
+    """
+
+    @initialize(page_size=st.sampled_from([1, 2, 4]), num_slots=st.sampled_from([64, 96, 128]),
+                policy=st.sampled_from(["lru", "lfu"]))
+    def setup(self, page_size, num_slots, policy):
+        self.p = page_size
+        self.alloc = KVSlotAllocator(num_slots, page_size)
+        self.cache = RadixCache(self.alloc, page_size, eviction_policy=policy)
+        self.live: list[Request] = []
+        self.seen: list[list[int]] = []
+        self.meaning: dict[int, tuple[int, ...]] = {}
+
+    # -- helpers
+
+    def _alloc(self, n: int, last_slot: int):
+        """Allocate like a scheduler: evict if short, None if still short."""
+        need = -(-n // self.p) * self.p if last_slot < 0 else n
+        slots = self.alloc.alloc_extend(n, last_slot)
+        if slots is None:
+            self.cache.evict(need - self.alloc.available)
+            slots = self.alloc.alloc_extend(n, last_slot)
+        return slots
+
+    def _check_hit(self, tokens, hit_len, kv):
+        assert hit_len % self.p == 0 and hit_len <= len(tokens)
+        assert kv.numel() == hit_len
+        for i, s in enumerate(kv.tolist()):
+            assert self.meaning[s] == tuple(tokens[:i + 1]), "hit returned KV of another prefix"
+
+    def _record(self, tokens, start, slots):
+        for i, s in enumerate(slots.tolist()):
+            self.meaning[s] = tuple(tokens[:start + i + 1])
+
+    def _last_slot(self, req: Request) -> int:
+        if req.own.numel():
+            return int(req.own[-1])
+        return int(req.prefix[-1]) if req.prefix.numel() else -1
+
+    def _cache_into_tree(self, req: Request) -> int:
+        """Insert the request's tokens; free its duplicate slots. Returns aligned length."""
+        slots = torch.cat([req.prefix, req.own])
+        h = req.prefix.numel()
+        cached = self.cache.insert(req.tokens, slots)
+        aligned = len(req.tokens) // self.p * self.p
+        assert h <= cached <= aligned, (h, cached, aligned)
+        # [h, cached): already in the tree (another request inserted it): a
+        # duplicate the request owns, whole pages because h and cached are aligned.
+        if cached > h:
+            self.alloc.free(slots[h:cached])
+        return aligned
+
+    # -- rules
+
+    @rule(data=st.data())
+    def start_request(self, data):
+        if self.seen and data.draw(st.booleans(), label="share"):
+            stem = data.draw(st.sampled_from(self.seen), label="stem")
+            stem = stem[:data.draw(st.integers(0, len(stem)), label="cut")]
+        else:
+            stem = []
+        suffix = data.draw(st.lists(ALPHABET, min_size=0 if stem else 1, max_size=20), label="sfx")
+        tokens = stem + suffix
+        if not tokens:
+            return
+        self.seen.append(tokens)
+        r = self.cache.match_prefix(tokens)
+        self._check_hit(tokens, r.hit_len, r.kv_indices)
+        self.cache.lock(r.last_node)
+        own = self._alloc(len(tokens) - r.hit_len, -1)
+        if own is None:
+            self.cache.unlock(r.last_node)  # drop the request
+            return
+        self._record(tokens, r.hit_len, own)
+        self.live.append(Request(list(tokens), r.kv_indices, own, r.last_node))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), n=st.integers(1, 6))
+    def decode(self, data, n):
+        req = data.draw(st.sampled_from(self.live), label="req")
+        new = data.draw(st.lists(ALPHABET, min_size=n, max_size=n), label="gen")
+        avail = self.alloc.available
+        slots = self._alloc(n, self._last_slot(req))
+        if slots is None:
+            assert self.alloc.available <= avail
+            return
+        start = len(req.tokens)
+        req.tokens.extend(new)
+        req.own = torch.cat([req.own, slots])
+        self._record(req.tokens, start, slots)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def cache_unfinished(self, data):
+        """Chunked-prefill style: put the request's tokens in the tree and keep running."""
+        req = data.draw(st.sampled_from(self.live), label="req")
+        h = req.prefix.numel()
+        slots = torch.cat([req.prefix, req.own])
+        aligned = self._cache_into_tree(req)
+        r = self.cache.match_prefix(req.tokens)
+        assert r.hit_len == aligned
+        self._check_hit(req.tokens, r.hit_len, r.kv_indices)
+        assert r.kv_indices[:h].tolist() == req.prefix.tolist()
+        self.cache.lock(r.last_node)
+        self.cache.unlock(req.node)
+        req.prefix, req.own, req.node = r.kv_indices, slots[aligned:], r.last_node
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish_request(self, data):
+        i = data.draw(st.integers(0, len(self.live) - 1), label="idx")
+        req = self.live.pop(i)
+        self._finish(req)
+
+    def _finish(self, req: Request):
+        slots = torch.cat([req.prefix, req.own])
+        aligned = self._cache_into_tree(req)
+        if aligned < len(req.tokens):
+            self.alloc.free(slots[aligned:])  # unaligned tail page
+        self.cache.unlock(req.node)
+        r = self.cache.match_prefix(req.tokens)  # what it left behind is findable
+        assert r.hit_len == aligned
+        self._check_hit(req.tokens, r.hit_len, r.kv_indices)
+
+    @rule(n=st.integers(0, 40))
+    def evict(self, n):
+        before = self.cache.evictable_size
+        freed = self.cache.evict(n)
+        assert freed <= before
+        assert freed >= min(n, before) or self.cache.evictable_size == 0
+        assert self.cache.evictable_size == before - freed
+
+    @rule(data=st.data())
+    def peek(self, data):
+        if not self.seen:
+            return
+        tokens = data.draw(st.sampled_from(self.seen), label="peek")
+        r = self.cache.match_prefix(tokens)
+        self._check_hit(tokens, r.hit_len, r.kv_indices)
+
+    # -- invariants
+
+    @invariant()
+    def consistent(self):
+        self.alloc.check_integrity()
+        check_slot_partition(self.alloc, self.cache, [r.own for r in self.live])
+        assert self.alloc.available + self.cache.total_size() + sum(
+            -(-r.own.numel() // self.p) * self.p for r in self.live) == self.alloc.capacity
+
+    def teardown(self):
+        if not hasattr(self, "cache"):
+            return
+        while self.live:
+            self._finish(self.live.pop())
+        check_slot_partition(self.alloc, self.cache, [])
+        assert self.cache.protected_size == 0
+        assert self.alloc.available + self.cache.evictable_size == self.alloc.capacity
+        if self.p == 1:
+            assert self.alloc.capacity == self.alloc.num_slots - 1
+        self.cache.evict(10 ** 9)
+        assert self.alloc.available == self.alloc.capacity
+
+
+ServingTrace.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+TestServingTrace = ServingTrace.TestCase
+
+
+# ------------------------------------------------------ naive reference check
+
+
+def _page_key(seq, i, p):
+    """The KV at position i is identified by its whole page's prefix and its offset."""
+    return tuple(seq[:(i // p + 1) * p]), i % p
+
+
+def _lcp(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 4])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_match_agrees_with_naive_reference(page_size, seed):
+    rng = random.Random(seed * 10 + page_size)
+    p = page_size
+    alloc, cache = make(8192 * p, p, policy=rng.choice(["lru", "lfu"]))
+    stored: list[list[int]] = []            # aligned keys inserted so far
+    first_slot: dict[tuple, int] = {}       # _page_key -> slot first cached for it
+    vocab = rng.choice([2, 3, 5])
+
+    def random_seq():
+        if stored and rng.random() < 0.7:
+            base = rng.choice(stored)
+            base = base[:rng.randint(0, len(base))]
+        else:
+            base = []
+        return base + [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]
+
+    for _ in range(300):
+        seq = random_seq()
+        want = max((_lcp(seq, s) for s in stored), default=0) // p * p
+        if rng.random() < 0.5:
+            r = cache.match_prefix(seq)
+            assert r.hit_len == want, (seq, r.hit_len, want)
+            assert r.kv_indices.tolist() == [first_slot[_page_key(seq, i, p)] for i in range(want)]
+        else:
+            slots = alloc.alloc(len(seq))
+            cached = cache.insert(seq, slots)
+            assert cached == min(want, len(seq) // p * p)
+            aligned = len(seq) // p * p
+            for i in range(cached, aligned):
+                first_slot[_page_key(seq, i, p)] = int(slots[i])
+            alloc.free(torch.cat([slots[:cached], slots[aligned:]]))
+            stored.append(seq[:aligned])
+    # One tree token per distinct (page prefix, offset) of the stored keys.
+    assert cache.evictable_size == len({_page_key(s, i, p) for s in stored for i in range(len(s))})
+    assert cache.evictable_size == len(first_slot)
+    check(alloc, cache)
