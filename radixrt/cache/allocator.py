@@ -16,11 +16,37 @@ Contract:
 - Freeing a slot that is free, reserved, out of range or never handed out
   raises ``ValueError``. That check is always on (one vectorized lookup);
   ``debug=True`` also checks duplicates and the free list's consistency.
+- Slots come back as int64 CPU tensors; ``free``/``is_free`` also accept int
+  tensors on any device (read on the CPU) and int numpy arrays.
+
+The free list and a per-page state byte live in numpy arrays: each call moves
+a handful of pages, and a few numpy calls cost far less than the equivalent
+torch calls (this sits on the scheduler's critical path).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+# Per-page state. "In use" is 0 so that one any() over the states of the
+# pages being freed finds every bad one (free, or the reserved page).
+_USED, _FREE, _RESERVED = 0, 1, 2
+
+
+def _as_numpy(slots: torch.Tensor | np.ndarray) -> np.ndarray:
+    """1-D int64 numpy array (a view where possible) of slot ids on any device."""
+    if isinstance(slots, np.ndarray):
+        arr = slots
+    else:
+        if slots.device.type != "cpu":
+            slots = slots.cpu()
+        arr = slots.numpy()
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.dtype != np.int64:
+        arr = arr.astype(np.int64)
+    return arr
 
 
 class KVSlotAllocator:
@@ -37,6 +63,7 @@ class KVSlotAllocator:
         self.page_size = page_size
         self.num_pages = num_slots // page_size
         self.debug = debug
+        self._offsets = np.arange(page_size, dtype=np.int64)
         self.clear()
 
     @property
@@ -52,10 +79,10 @@ class KVSlotAllocator:
         """Return every page to the free list (forgets all owners)."""
         # The free list is a stack: _stack[:_top] are the free page ids, so
         # alloc and free cost O(pages moved), whatever the pool size.
-        self._stack = torch.arange(self.num_pages - 1, 0, -1, dtype=torch.int64)
+        self._stack = np.arange(self.num_pages - 1, 0, -1, dtype=np.int64)
         self._top = self.num_pages - 1
-        self._page_is_free = torch.ones(self.num_pages, dtype=torch.bool)
-        self._page_is_free[0] = False
+        self._state = np.full(self.num_pages, _FREE, dtype=np.uint8)
+        self._state[0] = _RESERVED
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n slots in fresh pages, or None (and nothing taken) if too few are free."""
@@ -64,7 +91,7 @@ class KVSlotAllocator:
         pages = self._take_pages(-(-n // self.page_size))
         if pages is None:
             return None
-        return self._page_slots(pages)[:n]
+        return torch.from_numpy(pages if self.page_size == 1 else self._page_slots(pages)[:n])
 
     def alloc_extend(self, n: int, last_slot: int) -> torch.Tensor | None:
         """n slots that continue a request whose last slot is ``last_slot``.
@@ -76,59 +103,87 @@ class KVSlotAllocator:
         if p == 1 or last_slot < 0:
             return self.alloc(n)
         in_tail = min(n, p - 1 - last_slot % p)
-        tail = torch.arange(last_slot + 1, last_slot + 1 + in_tail, dtype=torch.int64)
+        tail = np.arange(last_slot + 1, last_slot + 1 + in_tail, dtype=np.int64)
         if in_tail == n:
-            return tail
-        fresh = self.alloc(n - in_tail)
-        return None if fresh is None else torch.cat([tail, fresh])
+            return torch.from_numpy(tail)
+        pages = self._take_pages(-(-(n - in_tail) // p))
+        if pages is None:
+            return None
+        fresh = self._page_slots(pages)[:n - in_tail]
+        return torch.from_numpy(np.concatenate([tail, fresh]))
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor | np.ndarray) -> None:
         """Return the pages holding ``slots`` to the free list."""
-        if slots.numel() == 0:
+        if slots.size == 0 if isinstance(slots, np.ndarray) else slots.numel() == 0:
             return
-        slots = slots.reshape(-1).to(torch.int64)
-        if int(slots.min()) < self.page_size or int(slots.max()) >= self.num_slots:
-            raise ValueError(f"free: slot ids must be in [{self.page_size}, {self.num_slots}); "
-                             f"got min {int(slots.min())}, max {int(slots.max())}")
-        pages = slots if self.page_size == 1 else torch.unique(slots // self.page_size)
-        if self.debug and pages.numel() != torch.unique(pages).numel():
-            raise ValueError("free: the same slot was passed twice")
-        already = self._page_is_free[pages]
-        if bool(already.any()):
-            bad = pages[already][:8] * self.page_size
-            raise ValueError(f"free: slots {bad.tolist()} are already free (double free, "
-                             "or never handed out)")
-        self._page_is_free[pages] = True
-        self._stack[self._top:self._top + pages.numel()] = pages
-        self._top += pages.numel()
+        slots = _as_numpy(slots)
+        p = self.page_size
+        if self.debug:
+            self._check_range(slots)
+            pages = np.unique(slots // p)
+            if p == 1 and pages.size != slots.size:
+                raise ValueError("free: the same slot was passed twice")
+        else:
+            pages = slots if p == 1 else np.unique(slots // p)
+        # One gather checks everything: a page is freeable iff its state is
+        # _USED (0); out-of-range ids raise IndexError, negative ones are
+        # caught by the range check on the error path or by min() below.
+        try:
+            if int(pages.min()) < 1:
+                raise IndexError
+            bad = self._state[pages].any()
+        except IndexError:
+            bad = True
+        if bad:
+            self._raise_bad_free(slots, pages)
+        self._state[pages] = _FREE
+        self._stack[self._top:self._top + pages.size] = pages
+        self._top += pages.size
         if self.debug:
             self.check_integrity()
 
     def is_free(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor: whether each slot's page is on the free list."""
-        return self._page_is_free[slots.to(torch.int64) // self.page_size]
+        pages = _as_numpy(slots) // self.page_size
+        return torch.from_numpy(self._state[pages] == _FREE).reshape(slots.shape)
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot id (for integrity checks)."""
-        return self._page_slots(self._stack[:self._top])
+        return torch.from_numpy(self._page_slots(self._stack[:self._top]))
 
     def check_integrity(self) -> None:
         pages = self._stack[:self._top]
-        assert pages.numel() == torch.unique(pages).numel(), "free list holds a page twice"
-        assert int(self._page_is_free.sum()) == pages.numel(), "free flags disagree with free list"
-        assert bool(self._page_is_free[pages].all()), "free list holds a page not flagged free"
-        assert not bool(self._page_is_free[0]), "reserved page is on the free list"
+        assert pages.size == np.unique(pages).size, "free list holds a page twice"
+        assert int((self._state == _FREE).sum()) == pages.size, "free flags disagree with free list"
+        assert bool((self._state[pages] == _FREE).all()), "free list holds a page not flagged free"
+        assert self._state[0] == _RESERVED, "reserved page is on the free list"
+        assert int((self._state == _RESERVED).sum()) == 1, "a page other than page 0 is reserved"
 
-    def _take_pages(self, num_pages: int) -> torch.Tensor | None:
+    # ------------------------------------------------------------ internals
+
+    def _check_range(self, slots: np.ndarray) -> None:
+        lo, hi = int(slots.min()), int(slots.max())
+        if lo < self.page_size or hi >= self.num_slots:
+            raise ValueError(f"free: slot ids must be in [{self.page_size}, {self.num_slots}); "
+                             f"got min {lo}, max {hi}")
+
+    def _raise_bad_free(self, slots: np.ndarray, pages: np.ndarray) -> None:
+        self._check_range(slots)
+        bad = pages[self._state[pages] != _USED][:8] * self.page_size
+        raise ValueError(f"free: slots {bad.tolist()} are already free (double free, "
+                         "or never handed out)")
+
+    def _take_pages(self, num_pages: int) -> np.ndarray | None:
+        """Pop num_pages page ids (a fresh array), or None and take nothing."""
         if num_pages > self._top:
             return None
         self._top -= num_pages
-        pages = self._stack[self._top:self._top + num_pages].flip(0)
-        self._page_is_free[pages] = False
+        pages = self._stack[self._top:self._top + num_pages][::-1].copy()
+        self._state[pages] = _USED
         return pages
 
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
+    def _page_slots(self, pages: np.ndarray) -> np.ndarray:
+        """Slot ids of ``pages``, page by page (always a fresh array)."""
         if self.page_size == 1:
-            return pages.clone()
-        offsets = torch.arange(self.page_size, dtype=torch.int64)
-        return (pages[:, None] * self.page_size + offsets).reshape(-1)
+            return pages.copy()
+        return (pages[:, None] * self.page_size + self._offsets).reshape(-1)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 from sortedcontainers import SortedList
 
@@ -32,7 +33,7 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("id", "key", "value", "parent", "children", "lock_ref",
+    __slots__ = ("id", "key", "_value", "_np", "parent", "children", "lock_ref",
                  "last_access", "hit_count", "entry")
 
     def __init__(self, node_id: int, key: list[int], value: torch.Tensor,
@@ -47,6 +48,18 @@ class TreeNode:
         self.hit_count = 0
         self.entry: tuple | None = None  # its tuple in the evictable set, if there
 
+    @property
+    def value(self) -> torch.Tensor:
+        return self._value
+
+    @value.setter
+    def value(self, value: torch.Tensor) -> None:
+        # A CPU numpy view (a copy for device tensors) kept next to the
+        # tensor, so evict can hand slots to the allocator without a torch
+        # round trip per node.
+        self._value = value
+        self._np = value.numpy() if value.device.type == "cpu" else value.cpu().numpy()
+
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
 
@@ -60,7 +73,11 @@ class MatchResult(NamedTuple):
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two lists, by slice comparisons in C."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
+    if len(a) != n:
+        a = a[:n]
+    if len(b) != n:
+        b = b[:n]
+    if a == b:
         return n
     lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
     while hi - lo > 1:
@@ -145,7 +162,10 @@ class RadixCache:
             pos += n
             node = child
         if pos < len(key):
-            node = self._add_leaf(node, key[pos:], kv_indices[pos:len(key)].to(torch.int64).clone())
+            value = kv_indices[pos:len(key)]
+            if value.dtype != torch.int64:
+                value = value.to(torch.int64)
+            node = self._add_leaf(node, key[pos:], value.clone())
         self._touch_path(node, hit=False)
         return pos
 
@@ -182,7 +202,7 @@ class RadixCache:
         while freed < num_tokens and self._evictable:
             node = self._evictable.pop(0)[-1]
             node.entry = None
-            slots.append(node.value)
+            slots.append(node._np)
             freed += len(node.key)
             self.evictable_size -= len(node.key)
             parent = node.parent
@@ -191,7 +211,7 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 self._add_evictable(parent)
         if slots:
-            self.allocator.free(torch.cat(slots))
+            self.allocator.free(np.concatenate(slots) if len(slots) > 1 else slots[0])
         return freed
 
     def total_size(self) -> int:
@@ -251,6 +271,7 @@ class RadixCache:
         p = self.page_size
         assert node.key, f"{node!r} has an empty key"
         assert len(node.key) == node.value.numel(), f"{node!r}: key/value lengths differ"
+        assert np.array_equal(node._np, node.value.cpu().numpy()), f"{node!r}: stale numpy view"
         assert len(node.key) % p == 0, f"{node!r}: key is not page-aligned"
         assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r}: bad parent link"
         child_refs = sum(c.lock_ref for c in node.children.values())
