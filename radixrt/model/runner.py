@@ -50,7 +50,10 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.model_cfg = model_cfg
-        self.max_context = model_cfg.max_position_embeddings
+        # A sliding-window model (Mistral v0.1) is exact as long as no sequence
+        # outgrows its window, so the window bounds the context.
+        self.max_context = min(model_cfg.max_position_embeddings,
+                               model_cfg.sliding_window or model_cfg.max_position_embeddings)
         self.model = self._load_model(model_path)
         num_slots = self._num_slots(config)
         self.pool = KVPool(num_slots, model_cfg.num_layers, self.model.model.layers[0].self_attn.num_kv_heads,
