@@ -14,14 +14,17 @@ Contract:
   freeing any slot of a page frees all of it.
 - ``available`` counts free *slots* (free pages × page_size).
 - Freeing a slot that is free, reserved, out of range or never handed out
-  raises ``ValueError``. That check is always on (one vectorized lookup);
-  ``debug=True`` also checks duplicates and the free list's consistency.
+  raises ``ValueError`` and frees nothing. That check is always on (one
+  vectorized lookup). With page_size 1, a slot passed twice in one call
+  raises too (always for frees of up to 16 slots, else with ``debug=True``);
+  ``debug=True`` also checks the free list's consistency after each free.
 - Slots come back as int64 CPU tensors; ``free``/``is_free`` also accept int
   tensors on any device (read on the CPU) and int numpy arrays.
 
-The free list and a per-page state byte live in numpy arrays: each call moves
-a handful of pages, and a few numpy calls cost far less than the equivalent
-torch calls (this sits on the scheduler's critical path).
+The free list (a numpy stack of page ids) and one state byte per page (a
+bytearray with a numpy view) are built for the scheduler's hot path: small
+frees run in plain Python, large ones in a few numpy calls; no torch call
+but the one that wraps a result.
 """
 
 from __future__ import annotations
@@ -30,23 +33,23 @@ import numpy as np
 import torch
 
 # Per-page state. "In use" is 0 so that one any() over the states of the
-# pages being freed finds every bad one (free, or the reserved page).
+# pages being freed finds every bad one (free, reserved or out of range).
 _USED, _FREE, _RESERVED = 0, 1, 2
+# Frees of at most this many slots take the plain-Python path.
+_SMALL = 16
 
 
 def _as_numpy(slots: torch.Tensor | np.ndarray) -> np.ndarray:
     """1-D int64 numpy array (a view where possible) of slot ids on any device."""
-    if isinstance(slots, np.ndarray):
-        arr = slots
-    else:
-        if slots.device.type != "cpu":
+    if isinstance(slots, torch.Tensor):
+        if not slots.is_cpu:
             slots = slots.cpu()
-        arr = slots.numpy()
-    if arr.ndim != 1:
-        arr = arr.reshape(-1)
-    if arr.dtype != np.int64:
-        arr = arr.astype(np.int64)
-    return arr
+        slots = slots.numpy()
+    if slots.ndim != 1:
+        slots = slots.reshape(-1)
+    if slots.dtype != np.int64:
+        slots = slots.astype(np.int64)
+    return slots
 
 
 class KVSlotAllocator:
@@ -81,8 +84,14 @@ class KVSlotAllocator:
         # alloc and free cost O(pages moved), whatever the pool size.
         self._stack = np.arange(self.num_pages - 1, 0, -1, dtype=np.int64)
         self._top = self.num_pages - 1
-        self._state = np.full(self.num_pages, _FREE, dtype=np.uint8)
-        self._state[0] = _RESERVED
+        # One state byte per page, plus a sentinel page past the end: the
+        # vectorized check gathers with mode="clip", so ids below 0 land on
+        # page 0 and ids past the end on the sentinel, both _RESERVED.
+        self._state = bytearray([_FREE]) * (self.num_pages + 1)
+        self._state[0] = self._state[self.num_pages] = _RESERVED
+        self._state_np = np.frombuffer(self._state, dtype=np.uint8)
+        # Page-size > 1 frees dedupe pages through this (see _free_vectorized).
+        self._scratch = np.zeros(self.num_pages if self.page_size > 1 else 0, dtype=np.int64)
 
     def alloc(self, n: int) -> torch.Tensor | None:
         """n slots in fresh pages, or None (and nothing taken) if too few are free."""
@@ -114,38 +123,23 @@ class KVSlotAllocator:
 
     def free(self, slots: torch.Tensor | np.ndarray) -> None:
         """Return the pages holding ``slots`` to the free list."""
-        if slots.size == 0 if isinstance(slots, np.ndarray) else slots.numel() == 0:
+        if not isinstance(slots, np.ndarray):
+            if not slots.is_cpu:
+                slots = slots.cpu()
+            slots = slots.numpy()
+        if slots.size == 0:
             return
-        slots = _as_numpy(slots)
-        p = self.page_size
-        if self.debug:
-            self._check_range(slots)
-            pages = np.unique(slots // p)
-            if p == 1 and pages.size != slots.size:
-                raise ValueError("free: the same slot was passed twice")
+        if slots.size <= _SMALL and slots.dtype.kind in "iu":
+            self._free_small(slots.reshape(-1).tolist())
         else:
-            pages = slots if p == 1 else np.unique(slots // p)
-        # One gather checks everything: a page is freeable iff its state is
-        # _USED (0); out-of-range ids raise IndexError, negative ones are
-        # caught by the range check on the error path or by min() below.
-        try:
-            if int(pages.min()) < 1:
-                raise IndexError
-            bad = self._state[pages].any()
-        except IndexError:
-            bad = True
-        if bad:
-            self._raise_bad_free(slots, pages)
-        self._state[pages] = _FREE
-        self._stack[self._top:self._top + pages.size] = pages
-        self._top += pages.size
+            self._free_vectorized(_as_numpy(slots))
         if self.debug:
             self.check_integrity()
 
     def is_free(self, slots: torch.Tensor) -> torch.Tensor:
         """Bool tensor: whether each slot's page is on the free list."""
         pages = _as_numpy(slots) // self.page_size
-        return torch.from_numpy(self._state[pages] == _FREE).reshape(slots.shape)
+        return torch.from_numpy(self._state_np[pages] == _FREE).reshape(tuple(slots.shape))
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot id (for integrity checks)."""
@@ -153,13 +147,54 @@ class KVSlotAllocator:
 
     def check_integrity(self) -> None:
         pages = self._stack[:self._top]
+        states = self._state_np[:self.num_pages]
         assert pages.size == np.unique(pages).size, "free list holds a page twice"
-        assert int((self._state == _FREE).sum()) == pages.size, "free flags disagree with free list"
-        assert bool((self._state[pages] == _FREE).all()), "free list holds a page not flagged free"
-        assert self._state[0] == _RESERVED, "reserved page is on the free list"
-        assert int((self._state == _RESERVED).sum()) == 1, "a page other than page 0 is reserved"
+        assert int((states == _FREE).sum()) == pages.size, "free flags disagree with free list"
+        assert bool((states[pages] == _FREE).all()), "free list holds a page not flagged free"
+        assert states[0] == _RESERVED, "reserved page is on the free list"
+        assert int((states == _RESERVED).sum()) == 1, "a page other than page 0 is reserved"
+        assert self._state[self.num_pages] == _RESERVED, "sentinel page changed"
 
     # ------------------------------------------------------------ internals
+
+    def _free_small(self, slots: list[int]) -> None:
+        p, state, num_pages = self.page_size, self._state, self.num_pages
+        if p == 1:
+            pages = slots
+            if len(pages) > 1 and len(set(pages)) != len(pages):
+                raise ValueError("free: the same slot was passed twice")
+        else:
+            pages = sorted({s // p for s in slots})
+        for page in pages:
+            if not 0 < page < num_pages or state[page] != _USED:
+                self._raise_bad_free(np.array(slots, dtype=np.int64),
+                                     np.array(pages, dtype=np.int64))
+        for page in pages:
+            state[page] = _FREE
+        top = self._top
+        self._stack[top:top + len(pages)] = pages
+        self._top = top + len(pages)
+
+    def _free_vectorized(self, slots: np.ndarray) -> None:
+        p = self.page_size
+        if self.debug:
+            self._check_range(slots)
+            if p == 1 and np.unique(slots).size != slots.size:
+                raise ValueError("free: the same slot was passed twice")
+        pages = slots if p == 1 else slots // p
+        state = self._state_np
+        if np.count_nonzero(state.take(pages, mode="clip")):
+            self._raise_bad_free(slots, pages)
+        if p > 1:
+            # Each page once (the slots of a page usually come together):
+            # scatter positions into a scratch array, keep the position that
+            # stuck for each page. O(n), unlike a sort.
+            order = np.arange(pages.size)
+            self._scratch[pages] = order
+            pages = pages[self._scratch[pages] == order]
+        state[pages] = _FREE
+        self._stack[self._top:self._top + pages.size] = pages
+        self._top += pages.size
 
     def _check_range(self, slots: np.ndarray) -> None:
         lo, hi = int(slots.min()), int(slots.max())
@@ -169,7 +204,7 @@ class KVSlotAllocator:
 
     def _raise_bad_free(self, slots: np.ndarray, pages: np.ndarray) -> None:
         self._check_range(slots)
-        bad = pages[self._state[pages] != _USED][:8] * self.page_size
+        bad = np.unique(pages[self._state_np[pages] != _USED])[:8] * self.page_size
         raise ValueError(f"free: slots {bad.tolist()} are already free (double free, "
                          "or never handed out)")
 
@@ -179,7 +214,7 @@ class KVSlotAllocator:
             return None
         self._top -= num_pages
         pages = self._stack[self._top:self._top + num_pages][::-1].copy()
-        self._state[pages] = _USED
+        self._state_np[pages] = _USED
         return pages
 
     def _page_slots(self, pages: np.ndarray) -> np.ndarray:

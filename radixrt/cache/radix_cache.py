@@ -3,7 +3,10 @@
 Contract (see shared DESIGN.md, "The KV cache"):
 - Every node but the root holds a non-empty ``key`` (token ids) and a
   ``value`` (int64 slot tensor of the same length). With page_size > 1 every
-  key is a whole number of pages.
+  key is a whole number of pages. Values live on the CPU as int64 numpy
+  arrays; ``node.value`` and ``MatchResult.kv_indices`` are CPU int64 tensors
+  sharing that memory (treat them as read-only). ``insert`` takes slot
+  tensors on any device.
 - ``lock_ref`` of a node counts the locks taken on it or on any descendant;
   a node with lock_ref > 0 is never evicted. Tokens of nodes with lock_ref == 0
   are counted in ``evictable_size``, the others in ``protected_size``.
@@ -16,7 +19,9 @@ Contract (see shared DESIGN.md, "The KV cache"):
   exact and reproducible.
 
 Keys are compared as runs (list slices compare in C), never token by token
-in Python.
+in Python. Slots stay in numpy from insert to evict (torch is touched once
+per match, to hand out the result): on the scheduler's path each torch call
+costs several µs, more than the rest of a tree operation.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ _EMPTY = torch.empty(0, dtype=torch.int64)
 
 
 class TreeNode:
-    __slots__ = ("id", "key", "_value", "_np", "parent", "children", "lock_ref",
+    __slots__ = ("id", "key", "_np", "parent", "children", "lock_ref",
                  "last_access", "hit_count", "entry")
 
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor,
+    def __init__(self, node_id: int, key: list[int], value: np.ndarray | torch.Tensor,
                  parent: TreeNode | None) -> None:
         self.id = node_id
         self.key = key
-        self.value = value
+        self._np = _slots_np(value)  # int64 slot ids, on the CPU
         self.parent = parent
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
@@ -50,15 +55,12 @@ class TreeNode:
 
     @property
     def value(self) -> torch.Tensor:
-        return self._value
+        """The node's slots: an int64 CPU tensor sharing the node's memory."""
+        return torch.from_numpy(self._np)
 
     @value.setter
-    def value(self, value: torch.Tensor) -> None:
-        # A CPU numpy view (a copy for device tensors) kept next to the
-        # tensor, so evict can hand slots to the allocator without a torch
-        # round trip per node.
-        self._value = value
-        self._np = value.numpy() if value.device.type == "cpu" else value.cpu().numpy()
+    def value(self, value: torch.Tensor | np.ndarray) -> None:
+        self._np = _slots_np(value)
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -106,7 +108,7 @@ class RadixCache:
     def _init_tree(self) -> None:
         self._next_id = 0
         self._clock = 0
-        self.root = self._new_node([], _EMPTY, None)
+        self.root = self._new_node([], np.empty(0, dtype=np.int64), None)
         self.root.lock_ref = 1  # the root is never evictable
         self.evictable_size = 0
         self.protected_size = 0
@@ -131,14 +133,16 @@ class RadixCache:
             split = n < len(child.key)
             if split:
                 child = self._split(child, n)
-            values.append(child.value)
+            values.append(child._np)
             pos += n
             node = child
             if split:
                 break
         self._touch_path(node, hit=True)
-        kv = torch.cat(values) if len(values) > 1 else (values[0] if values else _EMPTY)
-        return MatchResult(pos, kv, node)
+        if not values:
+            return MatchResult(0, _EMPTY, node)
+        kv = np.concatenate(values) if len(values) > 1 else values[0]
+        return MatchResult(pos, torch.from_numpy(kv), node)
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
         """Add ``token_ids`` → ``kv_indices``; return how many leading tokens were cached.
@@ -149,8 +153,9 @@ class RadixCache:
         path forks from an existing one.
         """
         key = self._page_align(_as_list(token_ids))
-        if kv_indices.numel() < len(key):
-            raise ValueError(f"insert: {len(key)} tokens but only {kv_indices.numel()} kv_indices")
+        num_kv = kv_indices.size if isinstance(kv_indices, np.ndarray) else kv_indices.numel()
+        if num_kv < len(key):
+            raise ValueError(f"insert: {len(key)} tokens but only {num_kv} kv_indices")
         node, pos = self.root, 0
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
@@ -162,20 +167,27 @@ class RadixCache:
             pos += n
             node = child
         if pos < len(key):
-            value = kv_indices[pos:len(key)]
-            if value.dtype != torch.int64:
-                value = value.to(torch.int64)
-            node = self._add_leaf(node, key[pos:], value.clone())
-        self._touch_path(node, hit=False)
+            # The tree owns copies of its keys and values. _as_list hands
+            # back the caller's own list, but _page_align (page_size > 1)
+            # and any conversion make a fresh one.
+            private = pos or self.page_size > 1 or not isinstance(token_ids, list)
+            leaf_key = key[pos:] if pos else (key if private else key[:])
+            value = _slots_np(kv_indices)[pos:len(key)].copy()
+            self._touch_path(node, hit=False, new_leaf=(leaf_key, value))
+        else:
+            self._touch_path(node, hit=False)
         return pos
 
     def lock(self, node: TreeNode) -> None:
         """lock_ref += 1 on node and every ancestor (the root excepted)."""
-        while node is not self.root:
+        root = self.root
+        while node is not root:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
-                self._remove_evictable(node)
+                if node.entry is not None:
+                    self._evictable.remove(node.entry)
+                    node.entry = None
             node.lock_ref += 1
             node = node.parent
 
@@ -183,7 +195,8 @@ class RadixCache:
         """lock_ref -= 1 on node and every ancestor; raises if a ref would go below 0."""
         if node is not self.root and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} which is not locked")
-        while node is not self.root:
+        root = self.root
+        while node is not root:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -225,15 +238,15 @@ class RadixCache:
         """Free every cached slot and empty the tree. Nothing may be locked."""
         if self.protected_size:
             raise RuntimeError(f"reset with {self.protected_size} tokens locked by running requests")
-        slots = [n.value for n in self._nodes() if n is not self.root]
+        slots = [n._np for n in self._nodes() if n is not self.root]
         if slots:
-            self.allocator.free(torch.cat(slots))
+            self.allocator.free(np.concatenate(slots))
         self._init_tree()
 
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree holds (for memory checks)."""
-        vals = [n.value for n in self._nodes() if n is not self.root]
-        return torch.cat(vals) if vals else _EMPTY
+        vals = [n._np for n in self._nodes() if n is not self.root]
+        return torch.from_numpy(np.concatenate(vals)) if vals else _EMPTY
 
     def check_integrity(self) -> None:
         """Walk the whole tree and assert every invariant; raises AssertionError."""
@@ -251,7 +264,7 @@ class RadixCache:
                 protected += len(node.key)
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.id)
-            values.append(node.value)
+            values.append(node._np)
         assert evictable == self.evictable_size, f"evictable_size {self.evictable_size} != {evictable}"
         assert protected == self.protected_size, f"protected_size {self.protected_size} != {protected}"
         in_set = {e[-1].id for e in self._evictable}
@@ -259,19 +272,22 @@ class RadixCache:
         assert in_set == leaves, f"evictable set {sorted(in_set)} != unlocked leaves {sorted(leaves)}"
         for e in self._evictable:
             assert e is e[-1].entry and e == self._entry(e[-1]), f"stale evictable entry {e[:-1]}"
-        slots = torch.cat(values) if values else _EMPTY
-        assert slots.numel() == torch.unique(slots).numel(), "a slot is held by two tree nodes"
-        if slots.numel():
+        slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
+        assert slots.size == np.unique(slots).size, "a slot is held by two tree nodes"
+        if slots.size:
             assert int(slots.min()) >= self.page_size, "the tree holds a reserved slot"
-            assert not bool(self.allocator.is_free(slots).any()), "a slot is both free and in the tree"
+            assert int(slots.max()) < self.allocator.num_slots, "the tree holds an out-of-range slot"
+            assert not bool(self.allocator.is_free(torch.from_numpy(slots)).any()), \
+                "a slot is both free and in the tree"
 
     # ------------------------------------------------------------ internals
 
     def _check_node(self, node: TreeNode) -> None:
         p = self.page_size
         assert node.key, f"{node!r} has an empty key"
-        assert len(node.key) == node.value.numel(), f"{node!r}: key/value lengths differ"
-        assert np.array_equal(node._np, node.value.cpu().numpy()), f"{node!r}: stale numpy view"
+        assert isinstance(node._np, np.ndarray) and node._np.dtype == np.int64 \
+            and node._np.ndim == 1, f"{node!r}: value is not a 1-D int64 array"
+        assert len(node.key) == node._np.size, f"{node!r}: key/value lengths differ"
         assert len(node.key) % p == 0, f"{node!r}: key is not page-aligned"
         assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r}: bad parent link"
         child_refs = sum(c.lock_ref for c in node.children.values())
@@ -285,7 +301,7 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _new_node(self, key: list[int], value: torch.Tensor, parent: TreeNode | None) -> TreeNode:
+    def _new_node(self, key: list[int], value: np.ndarray, parent: TreeNode | None) -> TreeNode:
         node = TreeNode(self._next_id, key, value, parent)
         self._next_id += 1
         return node
@@ -305,39 +321,48 @@ class RadixCache:
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split child's edge after n tokens; return the new upper node."""
         parent = child.parent
-        upper = self._new_node(child.key[:n], child.value[:n], parent)
+        upper = self._new_node(child.key[:n], child._np[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
         parent.children[self._child_key(upper.key, 0)] = upper
         child.key = child.key[n:]
-        child.value = child.value[n:]
+        child._np = child._np[n:]
         child.parent = upper
         upper.children[self._child_key(child.key, 0)] = child
         return upper
 
-    def _add_leaf(self, parent: TreeNode, key: list[int], value: torch.Tensor) -> TreeNode:
-        leaf = self._new_node(key, value, parent)
-        if not parent.children:
-            self._remove_evictable(parent)
-        parent.children[self._child_key(key, 0)] = leaf
-        self.evictable_size += len(key)
-        self._add_evictable(leaf)
-        return leaf
+    def _touch_path(self, node: TreeNode, hit: bool,
+                    new_leaf: tuple[list[int], np.ndarray] | None = None) -> None:
+        """Refresh last_access (and hit_count) from node up to the root.
 
-    def _touch_path(self, node: TreeNode, hit: bool) -> None:
-        """Refresh last_access (and hit_count) from node up to the root."""
+        With ``new_leaf`` = (key, value), first hang a new leaf under node and
+        start the walk from it (so it enters the evictable set once, current).
+        """
         self._clock += 1
-        leaf = node
-        reinsert = leaf.entry is not None
-        if reinsert:
-            self._remove_evictable(leaf)
-        while node is not self.root:
-            node.last_access = self._clock
+        clock = self._clock
+        if new_leaf is not None:
+            key, value = new_leaf
+            leaf = self._new_node(key, value, node)
+            leaf.last_access = clock
+            if not node.children:
+                self._remove_evictable(node)  # no longer a leaf
+            node.children[self._child_key(key, 0)] = leaf
+            self.evictable_size += len(key)
+            self._add_evictable(leaf)
+        else:
+            leaf = node
+            if leaf.entry is not None:
+                self._remove_evictable(leaf)
+                leaf.last_access = clock
+                leaf.hit_count += hit
+                self._add_evictable(leaf)
+                node = leaf.parent
+        root = self.root
+        while node is not root:
+            node.last_access = clock
             node.hit_count += hit
             node = node.parent
-        if reinsert:
-            self._add_evictable(leaf)
 
     def _entry(self, node: TreeNode) -> tuple:
         if self.eviction_policy == "lfu":
@@ -352,6 +377,17 @@ class RadixCache:
         if node.entry is not None:
             self._evictable.remove(node.entry)
             node.entry = None
+
+
+def _slots_np(slots: torch.Tensor | np.ndarray) -> np.ndarray:
+    """1-D int64 numpy array of slot ids (a view of CPU int64 tensors)."""
+    if isinstance(slots, torch.Tensor):
+        if not slots.is_cpu:
+            slots = slots.cpu()
+        slots = slots.numpy()
+    if slots.dtype != np.int64:
+        slots = slots.astype(np.int64)
+    return slots if slots.ndim == 1 else slots.reshape(-1)
 
 
 def _as_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:

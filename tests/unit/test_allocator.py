@@ -244,3 +244,97 @@ def test_clear_returns_everything():
     alloc.clear()
     assert alloc.available == alloc.capacity
     alloc.check_integrity()
+
+
+# Frees of up to 16 slots run in plain Python, larger ones vectorized: check both.
+SIZES = [1, 5, 40]
+
+
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_bad_free_rejected_whole_on_both_paths(n, page_size):
+    alloc = KVSlotAllocator(64 * page_size, page_size)
+    s = alloc.alloc(n * page_size)
+    alloc.free(s[:page_size])            # first page now free
+    avail = alloc.available
+    for bad in (s, torch.cat([s[page_size:], s[:1]])):
+        with pytest.raises(ValueError, match="already free"):
+            alloc.free(bad)
+        assert alloc.available == avail  # nothing of the batch was freed
+    for bad_id in (0, -1, -page_size - 3, alloc.num_slots, 10 ** 9):
+        bad = torch.cat([s[page_size:], torch.tensor([bad_id])])
+        with pytest.raises(ValueError, match="must be in"):
+            alloc.free(bad)
+        assert alloc.available == avail
+    alloc.check_integrity()
+    alloc.free(s[page_size:])
+    assert alloc.available == alloc.capacity
+    alloc.check_integrity()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_free_accepts_numpy_and_int32(n):
+    alloc = KVSlotAllocator(128, 1)
+    s = alloc.alloc(2 * n)
+    alloc.free(s[:n].numpy().copy())
+    alloc.free(s[n:].to(torch.int32))
+    assert alloc.available == alloc.capacity
+    alloc.check_integrity()
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_duplicate_slot_in_one_call(n):
+    alloc = KVSlotAllocator(128, 1, debug=True)
+    s = alloc.alloc(n)
+    with pytest.raises(ValueError, match="twice"):
+        alloc.free(torch.cat([s, s[:1]]))
+    assert alloc.available == alloc.capacity - n
+
+
+def test_small_free_rejects_duplicates_without_debug():
+    alloc = KVSlotAllocator(32, 1)
+    s = alloc.alloc(3)
+    with pytest.raises(ValueError, match="twice"):
+        alloc.free(torch.tensor([int(s[0]), int(s[0])]))
+    alloc.free(s)
+    alloc.check_integrity()
+
+
+def test_is_free_shape_and_values():
+    alloc = KVSlotAllocator(32, 4)
+    s = alloc.alloc(8)
+    alloc.free(s[:1])
+    flags = alloc.is_free(s.reshape(2, 4))
+    assert flags.shape == (2, 4) and flags.dtype == torch.bool
+    assert flags[0].all() and not flags[1].any()
+
+
+def test_alloc_results_are_private_int64_tensors():
+    alloc = KVSlotAllocator(64, 4)
+    a = alloc.alloc(6)
+    assert a.dtype == torch.int64 and a.device.type == "cpu"
+    before = alloc.free_slots().clone()
+    a[:] = 0  # the caller may scribble on what it got
+    assert torch.equal(alloc.free_slots(), before)
+    alloc.check_integrity()
+
+
+@pytest.mark.parametrize("n_pages", [2, 9])
+def test_paged_free_dedupes_pages_in_any_order(n_pages):
+    p = 4
+    alloc = KVSlotAllocator(64 * p, p)
+    s = alloc.alloc(n_pages * p)
+    mixed = torch.cat([s[p:], s[:p], s[p + 1:p + 2], s[:1]])  # pages repeat, not adjacent
+    alloc.free(mixed)
+    assert alloc.available == alloc.capacity
+    alloc.check_integrity()
+    assert sorted(alloc.alloc(alloc.capacity).tolist()) == list(range(p, 64 * p))
+
+
+def test_paged_double_free_message_lists_each_page_once():
+    p = 4
+    alloc = KVSlotAllocator(64 * p, p)
+    s = alloc.alloc(8 * p)
+    alloc.free(s[:p])
+    with pytest.raises(ValueError, match=rf"slots \[{int(s[0])}\] are already free"):
+        alloc.free(s)

@@ -97,6 +97,41 @@ def test_insert_needs_enough_kv_indices():
         cache.insert([1, 2, 3], alloc.alloc(2))
 
 
+def test_insert_keeps_its_own_copies():
+    alloc, cache = make()
+    tokens = [1, 2, 3, 4]
+    slots = alloc.alloc(4)
+    cache.insert(tokens, slots)
+    tokens.append(5)      # the caller reuses its list ...
+    tokens[0] = 9
+    kept = slots.tolist()
+    slots[:] = 0          # ... and its slot tensor
+    r = cache.match_prefix([1, 2, 3, 4, 5])
+    assert r.hit_len == 4 and r.kv_indices.tolist() == kept
+    assert cache.match_prefix([9]).hit_len == 0
+    check(alloc, cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_insert_accepts_other_token_and_slot_types(page_size):
+    p = page_size
+    alloc, cache = make(64 * p, p)
+    toks = list(range(100, 100 + 3 * p))
+    s = alloc.alloc(3 * p)
+    cache.insert(torch.tensor(toks), s.to(torch.int32))
+    r = cache.match_prefix(tuple(toks))
+    assert r.hit_len == 3 * p and r.kv_indices.dtype == torch.int64
+    assert r.kv_indices.tolist() == s.tolist()
+    s2 = alloc.alloc(2 * p)
+    cache.insert(toks[:p] + [7] * p, torch.cat([s[:p], s2[:p]]).numpy())
+    alloc.free(s2[p:])
+    assert cache.match_prefix(toks[:p] + [7] * p).kv_indices.tolist() == s[:p].tolist() + s2[:p].tolist()
+    for node in cache._nodes():
+        if node is not cache.root:
+            assert isinstance(node.value, torch.Tensor) and node.value.dtype == torch.int64
+    check(alloc, cache)
+
+
 def test_split_on_match_mid_edge():
     alloc, cache = make()
     _, slots = put(alloc, cache, [1, 2, 3, 4, 5])
@@ -530,10 +565,12 @@ class ServingTrace(RuleBasedStateMachine):
     def decode(self, data, n):
         req = data.draw(st.sampled_from(self.live), label="req")
         new = data.draw(st.lists(ALPHABET, min_size=n, max_size=n), label="gen")
-        avail = self.alloc.available
+        # evict only moves tokens from the tree to the free list, and a failed
+        # alloc takes nothing, so this sum does not move when alloc fails.
+        before = self.alloc.available + self.cache.evictable_size
         slots = self._alloc(n, self._last_slot(req))
         if slots is None:
-            assert self.alloc.available <= avail
+            assert self.alloc.available + self.cache.evictable_size == before
             return
         start = len(req.tokens)
         req.tokens.extend(new)
