@@ -1,0 +1,244 @@
+"""Prefix + causal attention for an extend (prefill) batch over the paged KV buffers.
+
+Request b owns the new tokens ``qo_indptr[b]:qo_indptr[b+1]`` of q, k_new,
+v_new (``[T, H, D]``, ``[T, KH, D]``) and the prefix whose KV slots are
+``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` in k_buffer/v_buffer
+(``[num_slots, KH, D]``). New token i of request b attends to its whole
+prefix and to new tokens 0..i of the same request. The new tokens' K/V are
+read from k_new/v_new, so they need not be stored in the buffers first.
+
+Grid ``(cdiv(max_extend_len, BLOCK_M), H, B)``: one program per block of
+BLOCK_M queries of one query head of one request (blocks past the request's
+length exit at once; the last blocks, which carry the most causal work, start
+first). GQA: query head h reads KV head ``h // (H / KH)``;
+the G query heads of a KV head are neighbours on grid axis 1, so they run
+close together and share its K/V tiles through L2. Per program: a flash
+attention loop (online softmax in fp32, exp2 with the scale folded in) over
+(1) the prefix in BLOCK_N chunks gathered through kv_indices, (2) the new
+keys wholly below the block's diagonal, unmasked, (3) the diagonal chunks,
+causally masked. Every row sees key 0 of its first chunk, so the running max
+is finite after one chunk and no row is ever all -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrt_kernels._common import (INTERPRET, check_device, check_float, check_index,
+                                     check_indptr_values, check_shape, check_slot_values,
+                                     dot_precision, next_power_of_2, upcast_after_load)
+
+
+@dataclass(frozen=True, slots=True)
+class ExtendConfig:
+    """Tile sizes and launch options; block sizes are powers of two >= 16 (tl.dot)."""
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.block_m % self.block_n:
+            raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}")
+
+
+#: Small tiles for the interpreter: short test sequences still span several chunks.
+INTERPRETER_CONFIG = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+
+
+def default_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> ExtendConfig:
+    """Untuned GPU defaults: checked to compile for sm_90 within 227 KB of shared memory and
+    without register spills for fp16/bf16 (fp32 runs three-pass TF32 dots and spills a little).
+    Small tiles under the interpreter."""
+    if INTERPRET:
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        if head_dim <= 64:
+            return ExtendConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+        if head_dim <= 128:
+            return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
+        return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
+
+
+def launch_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                config: ExtendConfig | None = None) -> dict[str, object]:
+    """The kernel's constexprs and launch options for these shapes (also used by the compile test)."""
+    cfg = config or default_extend_config(head_dim, dtype)
+    return dict(HEAD_DIM=head_dim, GROUP=heads // kv_heads, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                BLOCK_D=max(16, next_power_of_2(head_dim)), UPCAST=upcast_after_load(dtype),
+                DOT_PRECISION=dot_precision(dtype, exact=False),
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+@triton.jit
+def _load(ptrs, mask, UPCAST: tl.constexpr):
+    x = tl.load(ptrs, mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION: tl.constexpr):
+    """Fold one chunk in: qk [M, N] scores in log2 units (-inf where masked), v [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Qo_indptr, Kv_indptr, Kv_indices,
+                   qk_scale,
+                   stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
+                   stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
+                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    # Last blocks first: under the causal mask they carry the most work.
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    req = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(Qo_indptr + req).to(tl.int64)
+    ext_len = (tl.load(Qo_indptr + req + 1) - q_start).to(tl.int32)
+    if block_m * BLOCK_M >= ext_len:
+        return
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # new-token index i within the request
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    mask_d = dims < HEAD_DIM
+    mask_md = (rows < ext_len)[:, None] & mask_d[None, :]
+    q = _load(Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :], mask_md, UPCAST)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # (1) the cached prefix, gathered slot by slot
+    kv_start = tl.load(Kv_indptr + req).to(tl.int64)
+    prefix_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32)
+    for start in range(0, prefix_len, BLOCK_N):
+        mask_n = start + cols < prefix_len
+        slots = tl.load(Kv_indices + kv_start + start + cols, mask=mask_n, other=0).to(tl.int64)
+        kt = _load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + dims[:, None],
+                   mask_d[:, None] & mask_n[None, :], UPCAST)  # [D, N]
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        v = _load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
+                  mask_n[:, None] & mask_d[None, :], UPCAST)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+
+    # (2) new keys j < block_m·BLOCK_M <= i: visible to every row, all < ext_len
+    diag = block_m * BLOCK_M
+    for start in range(0, diag, BLOCK_N):
+        toks = (q_start + start + cols).to(tl.int64)
+        kt = _load(K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
+                   mask_d[:, None], UPCAST)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        v = _load(V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+                  mask_d[None, :], UPCAST)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+
+    # (3) the diagonal chunks: key j visible to query i iff j <= i (and j < ext_len)
+    for start in range(diag, tl.minimum(ext_len, diag + BLOCK_M), BLOCK_N):
+        mask_n = start + cols < ext_len
+        toks = (q_start + start + cols).to(tl.int64)
+        kt = _load(K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
+                   mask_d[:, None] & mask_n[None, :], UPCAST)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        visible = (start + cols[None, :] <= rows[:, None]) & mask_n[None, :]
+        qk = tl.where(visible, qk, float("-inf"))
+        v = _load(V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+                  mask_n[:, None] & mask_d[None, :], UPCAST)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+
+    o = acc / l_i[:, None]
+    tl.store(O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             o.to(O.dtype.element_ty), mask=mask_md)
+
+
+def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, o: torch.Tensor,
+                     k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor,
+                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
+                     max_extend_len: int | None = None,
+                     config: ExtendConfig | None = None) -> torch.Tensor:
+    """Write attention of the new tokens over prefix + themselves (causal) into o; return o.
+
+    q, o ``[T, H, D]``; k_new, v_new ``[T, KH, D]``; k_buffer, v_buffer
+    ``[num_slots, KH, D]``, all one dtype; H a multiple of KH. qo_indptr,
+    kv_indptr int32/int64 ``[B + 1]``; kv_indices int32/int64. max_extend_len
+    (the longest ``qo_indptr`` segment) sizes the grid; None reads it from
+    qo_indptr (a device sync on CUDA). A smaller value leaves rows unwritten.
+    """
+    _check_extend_args(q, k_new, v_new, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+                       sm_scale, max_extend_len)
+    t, heads, head_dim = q.shape
+    batch = qo_indptr.numel() - 1
+    if t == 0 or batch == 0:
+        return o
+    if max_extend_len is None:
+        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
+    grid = (triton.cdiv(max_extend_len, meta["BLOCK_M"]), heads, batch)
+    _extend_kernel[grid](
+        q, k_new, v_new, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+        sm_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
+        o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
+        v_buffer.stride(0), v_buffer.stride(1), **meta)
+    return o
+
+
+def _check_extend_args(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, o: torch.Tensor,
+                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor,
+                       kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
+                       max_extend_len: int | None) -> None:
+    check_float("q", q, 3)
+    t, heads, head_dim = q.shape
+    for name, x in (("k_new", k_new), ("v_new", v_new), ("o", o), ("k_buffer", k_buffer),
+                    ("v_buffer", v_buffer)):
+        check_float(name, x, 3, q.dtype)
+    kv_heads = k_buffer.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
+    check_shape("o", o, (t, heads, head_dim))
+    check_shape("k_new", k_new, (t, kv_heads, head_dim))
+    check_shape("v_new", v_new, (t, kv_heads, head_dim))
+    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
+    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    check_index("qo_indptr", qo_indptr)
+    check_index("kv_indptr", kv_indptr, qo_indptr.numel())
+    check_index("kv_indices", kv_indices)
+    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("o", o), ("k_buffer", k_buffer),
+                    ("v_buffer", v_buffer), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
+                    ("kv_indices", kv_indices)):
+        check_device(name, x, q.device)
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    if max_extend_len is not None and (not isinstance(max_extend_len, int) or max_extend_len < 0):
+        raise ValueError(f"max_extend_len must be a non-negative int, got {max_extend_len!r}")
+    check_indptr_values("qo_indptr", qo_indptr, t)
+    check_indptr_values("kv_indptr", kv_indptr, None)
+    if kv_indptr.device.type == "cpu" and kv_indptr.numel():
+        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
+        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if qo_indptr.numel() > 1 else 0
+        if max_extend_len is not None and max_extend_len < longest:
+            raise ValueError(f"max_extend_len {max_extend_len} < longest extend {longest}")

@@ -1,0 +1,105 @@
+"""The kernels compile for an H100/H200 (sm_90) with their default GPU configs, no GPU needed.
+
+Triton compiles ahead of time from source plus a signature (its bundled ptxas
+makes the cubin), so a CPU machine can check what the interpreter cannot:
+that the code lowers for a real target, that each config fits in 227 KB of
+shared memory, and (``ptxas -v``) that fp16/bf16 kernels do not spill
+registers. Pointer and stride arguments are marked 16-divisible as the
+launcher marks them, which decides vectorisation. Runs with
+TRITON_INTERPRET=0 (see ``KERNEL_ENV``): interpreted functions cannot compile.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import tempfile
+
+import pytest
+import torch
+
+KERNEL_ENV = {"TRITON_INTERPRET": "0"}
+
+triton = pytest.importorskip("triton")
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+except ImportError as e:  # another Triton layout: nothing to check against
+    pytest.skip(f"Triton's ahead-of-time compiler API is not available: {e}", allow_module_level=True)
+
+import radixrt_kernels.decode_attention as decode
+import radixrt_kernels.extend_attention as extend
+import radixrt_kernels.store_kv as store
+
+SM90 = 90
+MAX_SHARED_BYTES = 227 * 1024
+TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+
+
+def _compile(fn, pointers: dict[str, str], meta: dict[str, object]) -> tuple[int, int]:
+    """Compile ``fn`` for sm_90 → (shared memory bytes, register spill-store bytes)."""
+    constexprs = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
+    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
+    signature, attrs = {}, {}
+    for i, p in enumerate(fn.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+        elif p.name in pointers:
+            signature[p.name] = "*" + pointers[p.name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif p.name == "qk_scale":
+            signature[p.name] = "fp32"
+        else:
+            signature[p.name] = "i32"
+            if p.name.startswith("stride"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", SM90, 32), options=options)
+    return kernel.metadata.shared, _spill_bytes(kernel.asm["ptx"])
+
+
+def _spill_bytes(ptx: str) -> int:
+    try:
+        ptxas = get_ptxas(SM90).path
+    except Exception as e:  # noqa: BLE001 - any failure to find ptxas means: cannot check spills
+        pytest.skip(f"no ptxas: {e}")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+        f.write(ptx)
+        f.flush()
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{SM90}a", f.name, "-o", "/dev/null"],
+                             capture_output=True, text=True, check=True).stderr
+    return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
+
+
+@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
+                                            (torch.float16, 128), (torch.float32, 128)], ids=str)
+def test_extend_compiles_for_sm90(dtype, head_dim):
+    t = TYPE[dtype]
+    pointers = {n: t for n in ("Q", "K_new", "V_new", "O", "K_buf", "V_buf")}
+    pointers |= {n: "i64" for n in ("Qo_indptr", "Kv_indptr", "Kv_indices")}
+    shared, spills = _compile(extend._extend_kernel, pointers, extend.launch_meta(dtype, 32, 8, head_dim))
+    assert shared <= MAX_SHARED_BYTES
+    if dtype != torch.float32:  # fp32 (three-pass TF32 dots) is a correctness path: spills allowed
+        assert spills == 0
+
+
+@pytest.mark.parametrize("dtype,head_dim,group", [(torch.bfloat16, 64, 4), (torch.bfloat16, 128, 1),
+                                                  (torch.bfloat16, 128, 8), (torch.bfloat16, 256, 4),
+                                                  (torch.float32, 128, 4)], ids=str)
+def test_decode_compiles_for_sm90(dtype, head_dim, group):
+    t = TYPE[dtype]
+    pointers = {"Q": t, "K_buf": t, "V_buf": t, "Kv_indptr": "i64", "Kv_indices": "i64",
+                "Partial_o": "fp32", "Partial_lse": "fp32"}
+    shared, spills = _compile(decode._decode_stage1, pointers, decode.launch_meta(dtype, 8 * group, 8, head_dim))
+    assert shared <= MAX_SHARED_BYTES
+    assert spills == 0
+    merge_meta = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, BLOCK_S=8, BLOCK_D=head_dim, num_warps=4)
+    _, spills = _compile(decode._decode_stage2, {"Partial_o": "fp32", "Partial_lse": "fp32", "O": t}, merge_meta)
+    assert spills == 0
+
+
+def test_store_kv_compiles_for_sm90():
+    pointers = {"K": "bf16", "V": "bf16", "K_buf": "bf16", "V_buf": "bf16", "Slots": "i64"}
+    _, spills = _compile(store._store_kv_kernel, pointers, store.launch_meta(8, 128))
+    assert spills == 0
