@@ -46,8 +46,10 @@ class KVPool:
 
     def store_kv(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write k, v ``[n, kv_heads, head_dim]`` into ``slots`` ``[n]`` of one layer."""
-        self.k_buffers[layer][slots] = k.to(self.dtype)
-        self.v_buffers[layer][slots] = v.to(self.dtype)
+        n = slots.numel()
+        # index_copy_ on a 2-D view: advanced-index assignment is orders of magnitude slower on CPU.
+        self.k_buffers[layer].view(self.num_slots, -1).index_copy_(0, slots, k.reshape(n, -1).to(self.dtype))
+        self.v_buffers[layer].view(self.num_slots, -1).index_copy_(0, slots, v.reshape(n, -1).to(self.dtype))
 
     def kv_bytes(self) -> int:
         per = self.k_buffers[0].element_size() * self.kv_heads * self.head_dim
