@@ -14,6 +14,10 @@ _EXPORTS = {
     "EngineConfig": "radixrt.config",
     "GenerateOutput": "radixrt.protocol",
     "SamplingParams": "radixrt.sampling",
+    "Client": "radixrt.client",
+    "AsyncClient": "radixrt.client",
+    "ServerError": "radixrt.client",
+    "PROTOCOL_VERSION": "radixrt.protocol",
 }
 __all__ = list(_EXPORTS)
 

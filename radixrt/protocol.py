@@ -1,11 +1,43 @@
 """Messages exchanged between radixrt components.
 
-Every message is a ``msgspec.Struct``; the server issue adds the wire union.
+Contract:
+- Every message is a ``msgspec.Struct`` tagged with a ``type`` field; the union
+  of all of them is ``Message``. On every socket (clients ↔ TokenizerManager,
+  between the server processes, children → launcher) a message is one frame of
+  msgpack produced by ``encode`` and read back by ``decode`` (one encoder/decoder
+  pair). Nothing is pickled.
+- A client opens with ``Hello(version=PROTOCOL_VERSION)``; the server answers
+  ``HelloReply`` with its info, or ``ErrorReply(code=VERSION_MISMATCH)``.
+- Every client request carries a client-chosen ``req_id``; every reply to it
+  carries the same ``req_id`` (the replies one scheduler step produces for one
+  client may arrive together in a ``ReplyBatch``; a ``Ping`` probe has
+  ``req_id == ""`` and is ignored). Errors are ``ErrorReply`` with one of the
+  ``ErrorCode`` constants; an error about a frame that could not be decoded
+  has ``req_id == ""``.
 """
 
 from __future__ import annotations
 
+from typing import Any, Union
+
 import msgspec
+
+from radixrt.sampling import SamplingParams
+
+PROTOCOL_VERSION = 1
+
+
+class ErrorCode:
+    MALFORMED = "malformed"                # bytes that are not a message
+    UNKNOWN_MESSAGE = "unknown_message"    # a message type the receiver does not handle
+    VERSION_MISMATCH = "version_mismatch"
+    INVALID_REQUEST = "invalid_request"    # bad sampling params, prompt fields, ids
+    PROMPT_TOO_LONG = "prompt_too_long"
+    UNKNOWN_RID = "unknown_rid"
+    DUPLICATE_RID = "duplicate_rid"
+    OVERLOADED = "overloaded"              # the waiting queue is full
+    BUSY = "busy"                          # e.g. flush_cache with running requests
+    INTERNAL = "internal"
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -18,3 +50,205 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[float] | None = None
+
+
+class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
+    pass
+
+
+# ------------------------------------------------------- client → server
+
+class Hello(_Msg, tag="hello"):
+    version: int
+    req_id: str = ""
+
+
+class GenerateRequest(_Msg, tag="generate"):
+    """Exactly one of ``prompt``, ``input_ids``, ``messages``."""
+
+    req_id: str
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+
+
+class AbortRequest(_Msg, tag="abort"):
+    req_id: str
+    target: str  # the req_id of the generate request to abort
+
+
+class ControlRequest(_Msg, tag="control"):
+    """``kind``: "server_info" | "flush_cache" | "health"."""
+
+    req_id: str
+    kind: str
+
+
+# ------------------------------------------------------- server → client
+
+class HelloReply(_Msg, tag="hello_reply"):
+    req_id: str
+    version: int
+    info: dict[str, Any]
+
+
+class StreamChunk(_Msg, tag="chunk"):
+    """A streamed delta; the last one of a request has ``finish_reason`` set."""
+
+    req_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class GenerateReply(_Msg, tag="result"):
+    req_id: str
+    output: GenerateOutput
+
+
+class ReplyBatch(_Msg, tag="batch"):
+    """Several replies to one client from one scheduler step, in one frame."""
+
+    items: list[Union[StreamChunk, GenerateReply]]
+    req_id: str = ""
+
+
+class ControlReply(_Msg, tag="control_reply"):
+    req_id: str
+    data: dict[str, Any]
+
+
+class Ping(_Msg, tag="ping"):
+    """Server → client probe (clients ignore it): a send to a vanished client fails."""
+
+    req_id: str = ""
+
+
+class ErrorReply(_Msg, tag="error"):
+    req_id: str
+    code: str
+    message: str
+
+
+# ---------------------------------------------- between server processes
+
+class TokenizedRequest(_Msg, tag="tokenized"):
+    """TokenizerManager → Scheduler."""
+
+    rid: str
+    input_ids: list[int]
+    sampling_params: SamplingParams
+
+
+class AbortRid(_Msg, tag="abort_rid"):
+    """TokenizerManager → Scheduler."""
+
+    rid: str
+
+
+class TokenDelta(msgspec.Struct, kw_only=True):
+    rid: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    stop: list[str] | None = None  # set on a request's first delta
+
+
+class BatchTokenOut(_Msg, tag="batch_tokens"):
+    """Scheduler → Detokenizer: the new tokens of one step."""
+
+    items: list[TokenDelta]
+
+
+class TextDelta(msgspec.Struct, kw_only=True):
+    rid: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+class BatchTextOut(_Msg, tag="batch_text"):
+    """Detokenizer → TokenizerManager."""
+
+    items: list[TextDelta]
+
+
+class RidError(_Msg, tag="rid_error"):
+    """Scheduler → (Detokenizer) → TokenizerManager: request ``rid`` was refused."""
+
+    rid: str
+    code: str
+    message: str
+
+
+class SchedulerReady(_Msg, tag="scheduler_ready"):
+    """Scheduler → (Detokenizer) → TokenizerManager, first message: model limits."""
+
+    info: dict[str, Any]
+
+
+class ProcessReady(_Msg, tag="ready"):
+    """Child → launcher."""
+
+    role: str
+    pid: int
+    info: dict[str, Any] = {}
+
+
+class ProcessFailed(_Msg, tag="failed"):
+    """Child → launcher, when start-up fails."""
+
+    role: str
+    pid: int
+    error: str
+
+
+Message = Union[
+    Hello, GenerateRequest, AbortRequest, ControlRequest,
+    HelloReply, StreamChunk, GenerateReply, ReplyBatch, ControlReply, Ping, ErrorReply,
+    TokenizedRequest, AbortRid, BatchTokenOut, BatchTextOut, RidError, SchedulerReady,
+    ProcessReady, ProcessFailed,
+]
+MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message:
+    """Raise ``msgspec.DecodeError`` / ``msgspec.ValidationError`` on bad input."""
+    return _decoder.decode(data)
+
+
+def classify_bad_frame(data: bytes) -> tuple[str, str, str]:
+    """(req_id, code, message) for a frame ``decode`` rejected."""
+    try:
+        raw = msgspec.msgpack.decode(data)
+    except msgspec.DecodeError as e:
+        return "", ErrorCode.MALFORMED, f"not msgpack: {e}"
+    req_id = raw.get("req_id", "") if isinstance(raw, dict) else ""
+    req_id = req_id if isinstance(req_id, str) else ""
+    tag = raw.get("type") if isinstance(raw, dict) else None
+    if not isinstance(raw, dict) or "type" not in raw:
+        return req_id, ErrorCode.MALFORMED, "a message is a map with a 'type' field"
+    if tag not in MESSAGE_TAGS:
+        return req_id, ErrorCode.UNKNOWN_MESSAGE, f"unknown message type {tag!r}"
+    try:
+        decode(data)
+    except (msgspec.ValidationError, ValueError, TypeError) as e:
+        return req_id, ErrorCode.INVALID_REQUEST, str(e)
+    return req_id, ErrorCode.MALFORMED, "undecodable message"

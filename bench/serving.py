@@ -1,0 +1,337 @@
+"""Online serving benchmark over the RPC client (``radixrt.AsyncClient``).
+
+Requests arrive as a Poisson process (``--request-rate``, default: all at
+once) and/or under a concurrency cap (``--max-concurrency``). Workloads:
+``shared-prefix`` (G groups × Q questions on a shared system prompt, token ids),
+``multi-turn`` (C conversations × T turns through the chat template, each turn
+sending the whole history) and ``random`` (independent random prompts). Every
+request streams, so TTFT and inter-token latency (ITL) are measured per chunk.
+Reports throughput, TTFT / ITL p50 / p99 and the prefix-cache hit rate;
+writes JSON (and a PNG when matplotlib is installed) under bench/results/.
+
+    python bench/serving.py --server tcp://127.0.0.1:30000 [--workload shared-prefix] ...
+    python bench/serving.py --server ADDR --compare-engine [--dtype float32]
+
+``--compare-engine`` runs the shared-prefix workload on the server (all at
+once streamed, all at once not streamed, then one request at a time) and on
+an in-process ``Engine`` loaded from the server's model, interleaved, best of
+``--repeats``; it reports the throughput ratio and the TTFT the server adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from radixrt import AsyncClient
+
+RESULTS = Path(__file__).parent / "results"
+
+
+@dataclass
+class Record:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float = 0.0
+    itl: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    error: str | None = None
+
+
+# ------------------------------------------------------------ workloads
+
+def shared_prefix(args, rng: random.Random, vocab: int) -> list[dict]:
+    reqs = []
+    for _ in range(args.groups):
+        system = [rng.randrange(10, vocab - 10) for _ in range(args.prefix_len)]
+        for _ in range(args.questions):
+            reqs.append({"input_ids": system + [rng.randrange(10, vocab - 10)
+                                                for _ in range(args.question_len)]})
+    rng.shuffle(reqs)
+    return reqs
+
+
+def random_prompts(args, rng: random.Random, vocab: int) -> list[dict]:
+    return [{"input_ids": [rng.randrange(10, vocab - 10) for _ in range(rng.randint(16, args.prefix_len))]}
+            for _ in range(args.num_requests)]
+
+
+def percentile(xs: list[float], p: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
+
+
+# ---------------------------------------------------------------- runner
+
+async def one_request(client: AsyncClient, kwargs: dict, sp: dict,
+                      stream: bool = True) -> tuple[Record, str]:
+    """One request; without ``stream`` TTFT is the whole latency and ITL is not measured."""
+    rec, text, t0 = Record(), [], time.perf_counter()
+    last = t0
+    try:
+        if not stream:
+            out = await client.generate(sampling_params=sp, **kwargs)
+            rec.ttft = time.perf_counter() - t0
+            rec.output_tokens, rec.prompt_tokens, rec.cached_tokens = \
+                len(out.token_ids), out.prompt_tokens, out.cached_tokens
+            text.append(out.text)
+        else:
+            async for chunk in await client.generate(sampling_params=sp, stream=True, **kwargs):
+                now = time.perf_counter()
+                if chunk.token_ids:
+                    if rec.output_tokens == 0:
+                        rec.ttft = now - t0
+                    else:
+                        rec.itl.append(now - last)
+                    last = now
+                    rec.output_tokens += len(chunk.token_ids)
+                text.append(chunk.text)
+                if chunk.finish_reason is not None:
+                    rec.prompt_tokens, rec.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
+    except Exception as e:  # overloaded, timeouts: counted, not fatal
+        rec.error = f"{type(e).__name__}: {e}"
+    rec.latency = time.perf_counter() - t0
+    return rec, "".join(text)
+
+
+class Progress:
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        if enabled:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="req")
+            except ImportError:
+                pass
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+async def run_requests(client: AsyncClient, reqs: list[dict], sp: dict, rate: float,
+                       concurrency: int | None, progress: Progress, seed: int,
+                       stream: bool = True) -> list[Record]:
+    sem = asyncio.Semaphore(concurrency or len(reqs) or 1)
+    rng = random.Random(seed)
+
+    async def task(kwargs: dict) -> Record:
+        async with sem:
+            rec, _ = await one_request(client, kwargs, sp, stream)
+        progress.update()
+        return rec
+
+    tasks = []
+    for kwargs in reqs:
+        tasks.append(asyncio.create_task(task(kwargs)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+    return list(await asyncio.gather(*tasks))
+
+
+async def run_multi_turn(client: AsyncClient, args, sp: dict, progress: Progress) -> list[Record]:
+    rng = random.Random(args.seed)
+    words = "radix tree cache prefix token batch decode schedule memory page request reply".split()
+    sem = asyncio.Semaphore(args.max_concurrency or args.conversations)
+
+    async def conversation(k: int) -> list[Record]:
+        messages = [{"role": "system", "content": " ".join(rng.choices(words, k=args.prefix_len // 2))}]
+        recs = []
+        for turn in range(args.turns):
+            messages.append({"role": "user", "content": f"turn {turn}: " + " ".join(rng.choices(words, k=24))})
+            async with sem:
+                rec, text = await one_request(client, {"messages": list(messages)}, sp)
+            messages.append({"role": "assistant", "content": text})
+            recs.append(rec)
+            progress.update()
+        return recs
+
+    per_conv = await asyncio.gather(*(conversation(k) for k in range(args.conversations)))
+    return [r for recs in per_conv for r in recs]
+
+
+def summarize(recs: list[Record], elapsed: float) -> dict:
+    ok = [r for r in recs if r.error is None]
+    ttft = [r.ttft for r in ok if r.output_tokens]
+    itl = [x for r in ok for x in r.itl]
+    prompt = sum(r.prompt_tokens for r in ok)
+    out = sum(r.output_tokens for r in ok)
+    return {
+        "requests": len(recs), "errors": len(recs) - len(ok), "elapsed_s": elapsed,
+        "request_throughput": len(ok) / elapsed, "output_throughput": out / elapsed,
+        "total_throughput": (prompt + out) / elapsed,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "latency_mean_s": statistics.fmean([r.latency for r in ok]) if ok else 0.0,
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "prompt_tokens": prompt, "output_tokens": out,
+    }
+
+
+async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: int | None,
+                       show: bool = True, stream: bool = True) -> tuple[dict, list[Record]]:
+    sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
+    async with AsyncClient(args.server, timeout=args.timeout) as client:
+        if args.flush:
+            await client.flush_cache()
+        total = args.conversations * args.turns if reqs is None else len(reqs)
+        progress = Progress(total, show and not args.no_progress)
+        t0 = time.perf_counter()
+        if reqs is None:
+            recs = await run_multi_turn(client, args, sp, progress)
+        else:
+            recs = await run_requests(client, reqs, sp, rate, concurrency, progress, args.seed, stream)
+        elapsed = time.perf_counter() - t0
+        progress.close()
+        summary = summarize(recs, elapsed)
+        info = await client.server_info()
+        summary["server_hit_rate"] = info.get("hit_rate", 0.0)
+    return summary, recs
+
+
+# ------------------------------------------------------- engine compare
+
+class EngineRunner:
+    """The in-process Engine on the server's model, for --compare-engine."""
+
+    def __init__(self, model: str, dtype: str, max_total_tokens: int | None) -> None:
+        from radixrt import Engine, SamplingParams
+        self.sp_cls = SamplingParams
+        self.eng = Engine(model=model, dtype=dtype, max_total_tokens=max_total_tokens)
+        self.eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
+
+    def throughput(self, reqs: list[dict], max_new_tokens: int) -> dict:
+        self.eng.flush_cache()
+        sp = self.sp_cls(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
+        ids = [r["input_ids"] for r in reqs]
+        t0 = time.perf_counter()
+        outs = self.eng.generate(input_ids=ids, sampling_params=sp)
+        elapsed = time.perf_counter() - t0
+        out_tokens = sum(len(o.token_ids) for o in outs)
+        return {"elapsed_s": elapsed, "output_throughput": out_tokens / elapsed,
+                "total_throughput": (out_tokens + sum(map(len, ids))) / elapsed}
+
+    def ttft_low_load(self, reqs: list[dict]) -> float:
+        """p50 ms of a 1-token generate, one request at a time (what TTFT is in-process)."""
+        self.eng.flush_cache()
+        first = self.sp_cls(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        ttfts = []
+        for r in reqs:
+            t = time.perf_counter()
+            self.eng.generate(input_ids=[r["input_ids"]], sampling_params=first)
+            ttfts.append(time.perf_counter() - t)
+        return 1e3 * percentile(ttfts, 50)
+
+
+async def compare(args, reqs: list[dict]) -> dict:
+    """Best of ``--repeats`` interleaved runs of each mode (robust to a busy machine)."""
+    async with AsyncClient(args.server, timeout=args.timeout) as client:
+        info = await client.server_info()
+    engine = EngineRunner(info["model"], args.dtype or info.get("dtype", "auto"), info.get("kv_slots"))
+    args.flush = True
+    runs: dict[str, list[dict]] = {"server": [], "server_no_stream": [], "server_low_load": [], "engine": []}
+    for _ in range(args.repeats):
+        runs["server"].append((await bench_server(args, reqs, float("inf"), None, show=False))[0])
+        runs["server_no_stream"].append(
+            (await bench_server(args, reqs, float("inf"), None, show=False, stream=False))[0])
+        runs["server_low_load"].append((await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
+        runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
+        runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
+    best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
+    engine_ttft = min(r["ttft_p50_ms_low_load"] for r in runs["engine"])
+    server_ttft = min(r["ttft_p50_ms"] for r in runs["server_low_load"])
+    return {**best, "repeats": args.repeats,
+            "throughput_ratio": best["server"]["output_throughput"] / best["engine"]["output_throughput"],
+            "throughput_ratio_no_stream": (best["server_no_stream"]["output_throughput"]
+                                           / best["engine"]["output_throughput"]),
+            "ttft_ms_low_load": {"server": server_ttft, "engine": engine_ttft},
+            "ttft_added_ms_low_load": server_ttft - engine_ttft}
+
+
+# ------------------------------------------------------------------ main
+
+def plot(recs: list[Record], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.hist([1e3 * r.ttft for r in recs if r.error is None], bins=30)
+    a.set_xlabel("TTFT (ms)"), a.set_ylabel("requests")
+    itl = sorted(1e3 * x for r in recs for x in r.itl)
+    b.plot(itl, [i / max(1, len(itl)) for i in range(len(itl))])
+    b.set_xlabel("ITL (ms)"), b.set_ylabel("CDF")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--server", required=True, help="tcp://HOST:PORT")
+    ap.add_argument("--workload", choices=("shared-prefix", "multi-turn", "random"), default="shared-prefix")
+    ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s)")
+    ap.add_argument("--max-concurrency", type=int, default=None)
+    ap.add_argument("--num-requests", type=int, default=64, help="random workload")
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--questions", type=int, default=16)
+    ap.add_argument("--prefix-len", type=int, default=256)
+    ap.add_argument("--question-len", type=int, default=32)
+    ap.add_argument("--conversations", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--flush", action="store_true", help="flush the server's cache first")
+    ap.add_argument("--compare-engine", action="store_true")
+    ap.add_argument("--repeats", type=int, default=3, help="--compare-engine: best of N interleaved runs")
+    ap.add_argument("--dtype", default=None, help="Engine dtype for --compare-engine (default: the server's)")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON path (default bench/results/serving_<workload>.json)")
+    return ap.parse_args(argv)
+
+
+async def amain(args) -> dict:
+    async with AsyncClient(args.server, timeout=args.timeout) as client:
+        vocab = (await client.server_info())["vocab_size"]
+    rng = random.Random(args.seed)
+    if args.compare_engine:
+        return await compare(args, shared_prefix(args, rng, vocab))
+    reqs = {"shared-prefix": shared_prefix, "random": random_prompts}.get(args.workload)
+    summary, recs = await bench_server(args, reqs(args, rng, vocab) if reqs else None,
+                                       args.request_rate, args.max_concurrency)
+    args._recs = recs
+    return summary
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    result = asyncio.run(amain(args))
+    name = "serving_compare" if args.compare_engine else f"serving_{args.workload.replace('-', '_')}"
+    out = Path(args.out) if args.out else RESULTS / f"{name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config["request_rate"] = str(config["request_rate"])
+    out.write_text(json.dumps({"config": config, "result": result}, indent=2) + "\n")
+    if getattr(args, "_recs", None):
+        plot(args._recs, out.with_suffix(".png"))
+    print(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

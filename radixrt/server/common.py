@@ -1,0 +1,73 @@
+"""What every server child process shares: start-up, orphan checks, sockets.
+
+Child entry points take one plain ``dict`` of strings and numbers (the spawn
+start method pickles only that); everything on the sockets is
+``radixrt.protocol`` msgpack.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import traceback
+from typing import Callable
+
+import zmq
+
+from radixrt.protocol import ProcessFailed, ProcessReady, encode
+
+PR_SET_PDEATHSIG = 1
+POLL_MS = 200  # how often an idle loop wakes to check that its parent lives
+
+
+def setup_child(args: dict) -> None:
+    """Ignore SIGINT (the launcher owns shutdown) and die with the launcher."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        except OSError:
+            pass
+    exit_if_orphaned(args)
+
+
+def exit_if_orphaned(args: dict) -> None:
+    if os.getppid() != args["parent_pid"]:
+        os._exit(1)
+
+
+def push(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)  # unbounded: the three processes form a cycle
+    sock.connect(addr)
+    return sock
+
+
+def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(addr)
+    return sock
+
+
+def run_child(role: str, args: dict, main: Callable[[zmq.Context, zmq.Socket], None]) -> None:
+    """Run ``main(ctx, ready_socket)``; report a start-up failure to the launcher."""
+    setup_child(args)
+    ctx = zmq.Context()
+    ready = push(ctx, args["ready_addr"])
+    try:
+        main(ctx, ready)
+    except Exception:
+        ready.send(encode(ProcessFailed(role=role, pid=os.getpid(), error=traceback.format_exc())))
+        import time
+        time.sleep(0.5)  # let the report leave before the process exits
+        os._exit(1)
+
+
+def report_ready(ready: zmq.Socket, role: str, info: dict | None = None) -> None:
+    ready.send(encode(ProcessReady(role=role, pid=os.getpid(), info=info or {})))

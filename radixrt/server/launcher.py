@@ -1,0 +1,136 @@
+"""``radixrt launch``: start the three server processes and supervise them.
+
+Children are started with the "spawn" method (torch and fork do not mix) and
+get one plain dict each. The launcher waits until every child reports ready
+on an ipc PULL socket, prints exactly one ready line, then watches: SIGINT or
+SIGTERM stops everything (exit 0); a child that dies stops the rest (exit 1).
+Children die with the launcher (PR_SET_PDEATHSIG and a parent-pid check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+
+import zmq
+
+from radixrt.config import EngineConfig
+from radixrt.protocol import ProcessFailed, ProcessReady, decode
+
+READY_TIMEOUT_S = 600
+STOP_GRACE_S = 3.0
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, host: str, port: int,
+                 max_waiting_requests: int | None = None) -> None:
+        self.config, self.host, self.port = config, host, port
+        self.max_waiting = max_waiting_requests
+        self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
+        self.addrs = {name: f"ipc://{self.tmpdir}/{name}" for name in
+                      ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")}
+        self.ctx = zmq.Context()
+        self.ready = self.ctx.socket(zmq.PULL)
+        self.ready.setsockopt(zmq.LINGER, 0)
+        self.ready.bind(self.addrs["ready_addr"])
+        self.procs: dict[str, multiprocessing.Process] = {}
+        self.stop_signal: int | None = None
+
+    def run(self) -> int:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.start()
+            info = self.wait_ready()
+            if info is None:
+                return 0 if self.stop_signal is not None else 1
+            print(f"radixrt ready on tcp://{self.host}:{self.port} (model {info['model_name']}, "
+                  f"{info['kv_slots']} KV slots)", flush=True)
+            return self.supervise()
+        finally:
+            self.shutdown()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.stop_signal = signum
+
+    def start(self) -> None:
+        from radixrt.server.detokenizer import run_detokenizer
+        from radixrt.server.scheduler_process import run_scheduler_process
+        from radixrt.server.tokenizer_manager import run_tokenizer_manager
+        mp = multiprocessing.get_context("spawn")
+        base = {**self.addrs, "parent_pid": os.getpid()}
+        self._spawn(mp, "scheduler", run_scheduler_process,
+                    {**base, "engine": dataclasses.asdict(self.config),
+                     "max_waiting_requests": self.max_waiting})
+        from radixrt.model.loader import resolve_model_path
+        base["model_path"] = resolve_model_path(self.config.model)
+        self._spawn(mp, "detokenizer", run_detokenizer, base)
+        pids = {name: p.pid for name, p in self.procs.items()}
+        self._spawn(mp, "tokenizer_manager", run_tokenizer_manager,
+                    {**base, "host": self.host, "port": self.port, "pids": pids})
+
+    def _spawn(self, mp, name: str, target, args: dict) -> None:
+        proc = mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
+        proc.start()
+        self.procs[name] = proc
+
+    def wait_ready(self) -> dict | None:
+        """The scheduler's info once every child is ready; None on failure or a signal."""
+        pending, info = set(self.procs), {}
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while pending:
+            if self.stop_signal is not None or self.dead_child() or time.monotonic() > deadline:
+                if time.monotonic() > deadline:
+                    print("radixrt: error: the server did not start in time", file=sys.stderr)
+                return None
+            if not self.ready.poll(200):
+                continue
+            msg = decode(self.ready.recv())
+            if isinstance(msg, ProcessFailed):
+                print(f"radixrt: error: {msg.role} failed to start:\n{msg.error}", file=sys.stderr)
+                return None
+            if isinstance(msg, ProcessReady):
+                pending.discard(msg.role)
+                if msg.role == "scheduler":
+                    info = msg.info
+        return info
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.procs.items():
+            if not proc.is_alive():
+                return name
+        return None
+
+    def supervise(self) -> int:
+        while self.stop_signal is None:
+            dead = self.dead_child()
+            if dead is not None:
+                print(f"radixrt: error: the {dead} process exited "
+                      f"(code {self.procs[dead].exitcode}); shutting down", file=sys.stderr)
+                return 1
+            if self.ready.poll(200):
+                msg = decode(self.ready.recv())
+                if isinstance(msg, ProcessFailed):
+                    print(f"radixrt: error: {msg.role} failed:\n{msg.error}", file=sys.stderr)
+                    return 1
+        return 0
+
+    def shutdown(self) -> None:
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self.ready.close(0)
+        self.ctx.term()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""The Scheduler process: the Engine's Scheduler loop behind sockets.
+
+Loop: read every pending message (non-blocking while there is work, blocking
+up to ``POLL_MS`` when idle), then run one ``Scheduler.step()``, then send the
+new token ids of every request that produced some (and finish info) to the
+Detokenizer as one ``BatchTokenOut``. Control replies and per-request errors
+travel the same way, so the TokenizerManager sees them in order.
+"""
+
+from __future__ import annotations
+
+import os
+
+import zmq
+
+from radixrt.protocol import (AbortRid, BatchTokenOut, ControlReply, ControlRequest, ErrorCode,
+                              ErrorReply, RidError, SchedulerReady, TokenDelta, TokenizedRequest,
+                              decode, encode)
+from radixrt.sampling import make_generator
+from radixrt.scheduler.req import Req
+from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+
+
+class SchedulerProcess:
+    def __init__(self, args: dict, ctx: zmq.Context) -> None:
+        from radixrt.engine import Engine
+        self.args = args
+        self.engine = Engine(**args["engine"])
+        self.scheduler = self.engine.scheduler
+        self.max_waiting = args.get("max_waiting_requests")
+        self.recv = pull(ctx, args["scheduler_addr"])
+        self.send = push(ctx, args["detokenizer_addr"])
+        self.tracked: dict[str, Req] = {}
+        self.sent: dict[str, int] = {}  # rid -> output tokens already sent
+
+    def info(self) -> dict:
+        eng = self.engine
+        return {"model": eng.model_path, "model_name": os.path.basename(os.path.normpath(eng.model_path)),
+                "kv_slots": self.scheduler.kv.allocator.capacity, "max_context": eng.runner.max_context,
+                "vocab_size": eng.model_config.vocab_size, "page_size": eng.config.page_size,
+                "max_waiting_requests": self.max_waiting, "dtype": eng.config.dtype}
+
+    def loop(self) -> None:
+        self.send.send(encode(SchedulerReady(info=self.info())))
+        while True:
+            exit_if_orphaned(self.args)
+            if self.recv.poll(POLL_MS if self.scheduler.idle else 0):
+                self.drain()
+            if not self.scheduler.idle:
+                self.scheduler.step()
+            self.emit()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.recv.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.handle(decode(data))
+
+    def handle(self, msg) -> None:
+        if isinstance(msg, TokenizedRequest):
+            self.add(msg)
+        elif isinstance(msg, AbortRid):
+            try:
+                self.scheduler.abort(msg.rid)
+            except KeyError:
+                pass  # finished already; its finish is on the way
+        elif isinstance(msg, ControlRequest):
+            self.control(msg)
+
+    def add(self, msg: TokenizedRequest) -> None:
+        if self.max_waiting is not None and len(self.scheduler.waiting) >= self.max_waiting:
+            self.send.send(encode(RidError(rid=msg.rid, code=ErrorCode.OVERLOADED,
+                                           message=f"server overloaded: {self.max_waiting} requests waiting")))
+            return
+        sp = msg.sampling_params
+        gen = make_generator(sp.seed) if sp.seed is not None else None
+        req = Req(msg.rid, msg.input_ids, sp, self.engine.model_config.eos_token_ids, gen)
+        self.scheduler.add_request(req)
+        self.tracked[msg.rid] = req
+        self.sent[msg.rid] = 0
+
+    def control(self, msg: ControlRequest) -> None:
+        if msg.kind == "server_info":
+            data = {**self.info(), **self.scheduler.get_stats(), "scheduler_pid": os.getpid()}
+        elif msg.kind == "flush_cache":
+            if not self.scheduler.idle or self.scheduler.kv.running:
+                self.send.send(encode(ErrorReply(req_id=msg.req_id, code=ErrorCode.BUSY,
+                                                 message="flush_cache needs an idle server")))
+                return
+            self.scheduler.kv.flush()
+            data = {"ok": True}
+        elif msg.kind == "health":
+            data = {"ok": True}
+        else:
+            self.send.send(encode(ErrorReply(req_id=msg.req_id, code=ErrorCode.UNKNOWN_MESSAGE,
+                                             message=f"unknown control request {msg.kind!r}")))
+            return
+        self.send.send(encode(ControlReply(req_id=msg.req_id, data=data)))
+
+    def emit(self) -> None:
+        """Send what every tracked request produced since the last emit."""
+        items = []
+        for rid, req in list(self.tracked.items()):
+            n0, n = self.sent[rid], len(req.output_ids)
+            if n == n0 and not req.finished:
+                continue
+            items.append(TokenDelta(
+                rid=rid, token_ids=req.output_ids[n0:n],
+                logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
+                finish_reason=req.finish_reason if req.finished else None,
+                prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+                stop=req.params.stop if n0 == 0 else None))
+            self.sent[rid] = n
+            if req.finished:
+                del self.tracked[rid], self.sent[rid]
+        if items:
+            self.send.send(encode(BatchTokenOut(items=items)))
+
+
+def run_scheduler_process(args: dict) -> None:
+    def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
+        proc = SchedulerProcess(args, ctx)
+        report_ready(ready, "scheduler", proc.info())
+        proc.loop()
+
+    run_child("scheduler", args, main)

@@ -1,0 +1,298 @@
+"""The TokenizerManager process: the server's front door.
+
+A ZeroMQ ROUTER on tcp://HOST:PORT (``ROUTER_MANDATORY``, so a reply to a
+client that went away fails with EHOSTUNREACH and that client's requests are
+aborted; when the socket monitor reports a disconnect, every client with work
+in flight is sent a ``Ping`` to find out which one left). For each request it tokenizes (applying the chat template to
+``messages``), validates, assigns a server rid and pushes a
+``TokenizedRequest`` to the Scheduler; text deltas from the Detokenizer are
+routed back by client identity, streamed or gathered into one
+``GenerateOutput``. Every bad input gets an ``ErrorReply``; nothing a client
+sends can stop the loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+
+import msgspec
+import zmq
+
+from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, AbortRid, BatchTextOut, ControlReply,
+                              ControlRequest, ErrorCode, ErrorReply, GenerateOutput, GenerateReply,
+                              GenerateRequest, Hello, HelloReply, Ping, ReplyBatch, RidError, SchedulerReady, StreamChunk,
+                              TextDelta, TokenizedRequest, classify_bad_frame, decode, encode)
+from radixrt.sampling import SamplingParams
+from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+
+CONTROL_KINDS = ("server_info", "flush_cache", "health")
+SCHEDULER_START_TIMEOUT_S = 600
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class ClientReq:
+    """One request in flight: who asked, and what it has produced so far."""
+
+    __slots__ = ("identity", "req_id", "stream", "texts", "token_ids", "logprobs")
+
+    def __init__(self, identity: bytes, req_id: str, stream: bool) -> None:
+        self.identity, self.req_id, self.stream = identity, req_id, stream
+        self.texts: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] | None = None
+
+
+class TokenizerManager:
+    def __init__(self, args: dict, ctx: zmq.Context) -> None:
+        from transformers import AutoTokenizer
+        self.args = args
+        self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"])
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.setsockopt(zmq.SNDHWM, 0)
+        self.router.setsockopt(zmq.RCVHWM, 0)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(f"tcp://{args['host']}:{args['port']}")
+        self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        self.from_detok = pull(ctx, args["tokenizer_addr"])
+        self.to_sched = push(ctx, args["scheduler_addr"])
+        self.limits: dict = {}
+        self.reqs: dict[str, ClientReq] = {}                 # server rid -> state
+        self.rids: dict[tuple[bytes, str], str] = {}         # (identity, req_id) -> rid
+        self.controls: dict[str, tuple[bytes, str, str]] = {}  # qid -> (identity, req_id, kind)
+        self.counter = itertools.count()
+
+    # ------------------------------------------------------------ loop
+
+    def wait_for_scheduler(self) -> None:
+        deadline = time.monotonic() + SCHEDULER_START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            exit_if_orphaned(self.args)
+            if self.from_detok.poll(POLL_MS):
+                msg = decode(self.from_detok.recv())
+                if isinstance(msg, SchedulerReady):
+                    self.limits = msg.info
+                    return
+        raise TimeoutError("the scheduler did not report its limits")
+
+    def loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.router, zmq.POLLIN)
+        poller.register(self.from_detok, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        while True:
+            exit_if_orphaned(self.args)
+            events = dict(poller.poll(POLL_MS))
+            if self.from_detok in events:
+                self.drain(self.from_detok, lambda frames: self.on_backend(frames[0]))
+            if self.router in events:
+                self.drain(self.router, self.on_client)
+            if self.monitor in events:
+                self.drain(self.monitor, lambda frames: None)
+                self.ping_clients()
+
+    @staticmethod
+    def drain(sock: zmq.Socket, handle) -> None:
+        for _ in range(1024):  # bounded, so neither side starves the other
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def reply(self, identity: bytes, msg: msgspec.Struct) -> None:
+        try:
+            self.router.send_multipart([identity, encode(msg)])
+        except zmq.ZMQError as e:
+            if e.errno != zmq.EHOSTUNREACH:
+                raise
+            self.drop_client(identity)
+
+    def ping_clients(self) -> None:
+        """Probe every client with work in flight; the ones that left get dropped."""
+        identities = {st.identity for st in self.reqs.values()} | {c[0] for c in self.controls.values()}
+        for identity in identities:
+            self.reply(identity, Ping())
+
+    def error(self, identity: bytes, req_id: str, code: str, message: str) -> None:
+        self.reply(identity, ErrorReply(req_id=req_id, code=code, message=message))
+
+    def drop_client(self, identity: bytes) -> None:
+        """The client is gone: abort its requests (frees their KV) and forget them."""
+        for key in [k for k in self.rids if k[0] == identity]:
+            rid = self.rids.pop(key)
+            self.reqs.pop(rid, None)
+            self.to_sched.send(encode(AbortRid(rid=rid)))
+        for qid in [q for q, c in self.controls.items() if c[0] == identity]:
+            del self.controls[qid]
+
+    # -------------------------------------------------- client messages
+
+    def on_client(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 2:
+            return self.error(identity, "", ErrorCode.MALFORMED, "a message is exactly one frame")
+        try:
+            msg = decode(frames[1])
+        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
+            return self.error(identity, *classify_bad_frame(frames[1]))
+        try:
+            self.dispatch(identity, msg)
+        except RequestError as e:
+            self.error(identity, getattr(msg, "req_id", ""), e.code, str(e))
+        except Exception as e:  # a bug must not take the front door down
+            self.error(identity, getattr(msg, "req_id", ""), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+
+    def dispatch(self, identity: bytes, msg) -> None:
+        if isinstance(msg, GenerateRequest):
+            self.generate(identity, msg)
+        elif isinstance(msg, AbortRequest):
+            self.abort(identity, msg)
+        elif isinstance(msg, ControlRequest):
+            self.control(identity, msg)
+        elif isinstance(msg, Hello):
+            if msg.version != PROTOCOL_VERSION:
+                raise RequestError(ErrorCode.VERSION_MISMATCH, f"client protocol {msg.version}, "
+                                   f"server protocol {PROTOCOL_VERSION}")
+            self.reply(identity, HelloReply(req_id=msg.req_id, version=PROTOCOL_VERSION, info=self.info()))
+        else:
+            raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not a client request")
+
+    def generate(self, identity: bytes, msg: GenerateRequest) -> None:
+        key = (identity, msg.req_id)
+        if key in self.rids:
+            raise RequestError(ErrorCode.DUPLICATE_RID, f"request {msg.req_id!r} is already in flight")
+        try:
+            sp = SamplingParams.from_dict(msg.sampling_params or {})
+        except (ValueError, TypeError) as e:
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
+        ids = self.validate(self.tokenize(msg))
+        rid = str(next(self.counter))
+        self.rids[key] = rid
+        self.reqs[rid] = ClientReq(identity, msg.req_id, msg.stream)
+        self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp)))
+
+    def tokenize(self, msg: GenerateRequest) -> list[int]:
+        given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
+        if sum(given) != 1:
+            raise RequestError(ErrorCode.INVALID_REQUEST, "pass exactly one of prompt, input_ids, messages")
+        if msg.input_ids is not None:
+            return list(msg.input_ids)
+        text = msg.prompt
+        if msg.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template(msg.messages, tokenize=False,
+                                                          add_generation_prompt=True)
+            except Exception as e:  # a template error is the request's fault
+                raise RequestError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from None
+        return self.tokenizer.encode(text)
+
+    def validate(self, ids: list[int]) -> list[int]:
+        limits = self.limits
+        if not ids:
+            raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        if len(ids) >= limits["max_context"]:
+            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the context "
+                               f"is {limits['max_context']} tokens")
+        if len(ids) >= limits["kv_slots"]:
+            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the KV pool "
+                               f"holds {limits['kv_slots']}")
+        vocab = limits["vocab_size"]
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"token ids outside [0, {vocab}): {bad[:5]}")
+        return ids
+
+    def abort(self, identity: bytes, msg: AbortRequest) -> None:
+        rid = self.rids.get((identity, msg.target))
+        if rid is None:
+            raise RequestError(ErrorCode.UNKNOWN_RID, f"no request {msg.target!r} in flight")
+        self.to_sched.send(encode(AbortRid(rid=rid)))
+        self.reply(identity, ControlReply(req_id=msg.req_id, data={"ok": True}))
+
+    def control(self, identity: bytes, msg: ControlRequest) -> None:
+        if msg.kind not in CONTROL_KINDS:
+            raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"control kind must be one of {CONTROL_KINDS}")
+        qid = f"q{next(self.counter)}"
+        self.controls[qid] = (identity, msg.req_id, msg.kind)
+        self.to_sched.send(encode(ControlRequest(req_id=qid, kind=msg.kind)))
+
+    def info(self) -> dict:
+        pids = {"launcher": os.getppid(), "tokenizer_manager": os.getpid(), **self.args.get("pids", {})}
+        return {**self.limits, "version": PROTOCOL_VERSION, "pids": pids, "in_flight": len(self.reqs)}
+
+    # ------------------------------------------------- backend messages
+
+    def on_backend(self, data: bytes) -> None:
+        msg = decode(data)
+        if isinstance(msg, BatchTextOut):
+            self.on_text_batch(msg)
+        elif isinstance(msg, RidError):
+            st = self.forget(msg.rid)
+            if st is not None:
+                self.error(st.identity, st.req_id, msg.code, msg.message)
+        elif isinstance(msg, (ControlReply, ErrorReply)):
+            self.on_control_reply(msg)
+
+    def forget(self, rid: str) -> ClientReq | None:
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self.rids.pop((st.identity, st.req_id), None)
+        return st
+
+    def on_text_batch(self, batch: BatchTextOut) -> None:
+        """Reply to each client once per step: one message, or a ReplyBatch of several."""
+        replies: dict[bytes, list] = {}
+        for item in batch.items:
+            st = self.reqs.get(item.rid)
+            reply = self.on_delta(st, item) if st is not None else None  # None: client gone
+            if reply is not None:
+                replies.setdefault(st.identity, []).append(reply)
+        for identity, items in replies.items():
+            self.reply(identity, items[0] if len(items) == 1 else ReplyBatch(items=items))
+
+    def on_delta(self, st: ClientReq, item: TextDelta) -> StreamChunk | GenerateReply | None:
+        done = item.finish_reason is not None
+        if done:
+            self.forget(item.rid)
+        if st.stream:
+            return StreamChunk(req_id=st.req_id, text=item.text, token_ids=item.token_ids,
+                               logprobs=item.logprobs, finish_reason=item.finish_reason,
+                               prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens)
+        st.texts.append(item.text)
+        st.token_ids.extend(item.token_ids)
+        if item.logprobs is not None:
+            st.logprobs = (st.logprobs or []) + item.logprobs
+        if not done:
+            return None
+        out = GenerateOutput(rid=st.req_id, text="".join(st.texts), token_ids=st.token_ids,
+                             prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
+                             finish_reason=item.finish_reason, logprobs=st.logprobs)
+        return GenerateReply(req_id=st.req_id, output=out)
+
+    def on_control_reply(self, msg: ControlReply | ErrorReply) -> None:
+        target = self.controls.pop(msg.req_id, None)
+        if target is None:
+            return
+        identity, req_id, kind = target
+        if isinstance(msg, ErrorReply):
+            return self.error(identity, req_id, msg.code, msg.message)
+        data = {**self.info(), **msg.data} if kind == "server_info" else msg.data
+        self.reply(identity, ControlReply(req_id=req_id, data=data))
+
+
+def run_tokenizer_manager(args: dict) -> None:
+    def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
+        tm = TokenizerManager(args, ctx)
+        tm.wait_for_scheduler()
+        report_ready(ready, "tokenizer_manager", tm.info())
+        tm.loop()
+
+    run_child("tokenizer_manager", args, main)

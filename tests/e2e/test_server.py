@@ -1,0 +1,409 @@
+"""The server end to end: `radixrt launch` as a real subprocess on the tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import msgspec
+import pytest
+import zmq
+
+import radixrt
+from radixrt.client import AsyncClient, Client, ServerError
+from radixrt.protocol import ErrorCode, ErrorReply, GenerateRequest, Hello, decode, encode
+from radixrt.testing import tiny_model_path
+
+READY_TIMEOUT_S = 120
+GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
+
+
+def proc_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie (Linux /proc; no psutil needed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    """The pids still alive after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (alive := {p for p in pids if proc_alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m radixrt.cli launch` subprocess and its ready line."""
+
+    def __init__(self, *extra: str) -> None:
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
+               "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready_line = self._wait_ready()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self) -> str:
+        try:
+            line = self.lines.get(timeout=READY_TIMEOUT_S)
+        except queue.Empty:
+            self.stop()
+            pytest.fail("no ready line from the server")
+        if not line.startswith("radixrt ready"):
+            self.stop()
+            pytest.fail(f"unexpected first line {line!r}: {self.proc.stderr.read()}")
+        return line
+
+    def children(self) -> set[int]:
+        return descendants(self.proc.pid)
+
+    def stop(self) -> None:
+        kids = self.children()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for pid in wait_gone(kids, 0):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = Server("--max-running-requests", "8", "--max-waiting-requests", "40")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server):
+    with Client(server.address, timeout=60) as c:
+        yield c
+
+
+def wait_idle(client: Client, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info()
+        if (info["running"] == 0 and info["waiting"] == 0 and info["protected_tokens"] == 0) \
+                or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def test_configs_parse():
+    import argparse
+    from radixrt.cli import _launch_settings
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+    names = sorted(n for n in os.listdir(root) if n.endswith(".toml"))
+    assert {"default.toml", "tiny.toml", "llama3-8b-h200.toml"} <= set(names)
+    for name in names:
+        args = argparse.Namespace(config=os.path.join(root, name), **{k: None for k in (
+            "model", "dtype", "max_total_tokens", "page_size", "schedule_policy", "disable_radix_cache",
+            "chunked_prefill_size", "max_running_requests", "attention_backend", "host", "port",
+            "max_waiting_requests", "log_level")})
+        config, server = _launch_settings(args)
+        assert server["port"] > 0
+    args.page_size, args.port = 32, 1234
+    config, server = _launch_settings(args)
+    assert config.page_size == 32 and server["port"] == 1234
+
+
+@pytest.mark.parametrize("stop", [None, ["a"], ["def", "\n\n"]])
+def test_detokenizer_deltas_concatenate_to_engine_text(stop):
+    import random
+    from transformers import AutoTokenizer
+    from radixrt.protocol import BatchTokenOut, TokenDelta
+    from radixrt.server.detokenizer import Detokenizer, cut_at_stop
+    tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
+    detok = Detokenizer(tok)
+    rng = random.Random(0)
+    for trial in range(20):
+        ids = [rng.randrange(0, tok.vocab_size) for _ in range(rng.randint(1, 60))]
+        got, pos = [], 0
+        while pos < len(ids):
+            n = rng.randint(1, 3)
+            last = pos + n >= len(ids)
+            item = TokenDelta(rid=str(trial), token_ids=ids[pos:pos + n], stop=stop if pos == 0 else None,
+                              finish_reason="length" if last else None)
+            got.append(detok.process(BatchTokenOut(items=[item])).items[0].text)
+            pos += n
+        assert "".join(got) == cut_at_stop(tok.decode(ids, skip_special_tokens=True), stop)
+    assert not detok.states
+
+
+def test_ready_line(server):
+    assert server.ready_line == (f"radixrt ready on {server.address} "
+                                 f"(model {os.path.basename(tiny_model_path('llama'))}, 8192 KV slots)\n")
+
+
+def test_greedy_matches_engine(client):
+    prompts = ["def main():", "import os\nimport sys", "class Foo(object):", "The quick brown fox"]
+    eng = radixrt.Engine(model=tiny_model_path("llama"), dtype="float32", max_total_tokens=8192)
+    want = eng.generate(prompts, radixrt.SamplingParams(**GREEDY))
+    got = client.generate_batch(prompts, GREEDY)
+    for w, g in zip(want, got):
+        assert (g.text, g.token_ids, g.finish_reason, g.prompt_tokens) == \
+               (w.text, w.token_ids, w.finish_reason, w.prompt_tokens)
+    one = client.generate(prompts[0], radixrt.SamplingParams(**GREEDY))
+    assert one.token_ids == want[0].token_ids
+
+
+def test_stream_concatenates_to_full_text(client):
+    sp = {"temperature": 0.0, "max_new_tokens": 40, "ignore_eos": True}
+    full = client.generate("def parse(text):", sp)
+    stream = client.generate("def parse(text):", sp, stream=True)
+    chunks = list(stream)
+    assert all(c.finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].finish_reason == full.finish_reason == "length"
+    assert "".join(c.text for c in chunks) == full.text
+    assert [t for c in chunks for t in c.token_ids] == full.token_ids
+    assert chunks[-1].prompt_tokens == full.prompt_tokens
+    assert chunks[-1].cached_tokens > 0  # the same prompt again
+
+
+def test_stop_string_stream(client):
+    base = client.generate("import os", {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True})
+    stop = base.text[5:8]
+    sp = {"temperature": 0.0, "max_new_tokens": 24, "stop": [stop]}
+    full = client.generate("import os", sp)
+    chunks = list(client.generate("import os", sp, stream=True))
+    assert "".join(c.text for c in chunks) == full.text
+    assert stop not in full.text
+
+
+def test_chat_messages(client, server):
+    msgs = [{"role": "user", "content": "hello"}]
+    out = client.generate(messages=msgs, sampling_params=GREEDY)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
+    ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+    assert out.prompt_tokens == len(ids)
+    assert client.generate(input_ids=ids, sampling_params=GREEDY).token_ids == out.token_ids
+
+
+def test_32_concurrent_requests_from_4_clients(server):
+    results: dict[int, list] = {}
+
+    def worker(k: int) -> None:
+        with Client(server.address, timeout=60) as c:
+            prompts = [f"def f{k}_{i}(x):\n    return" for i in range(8)]
+            results[k] = c.generate_batch(prompts, {"temperature": 0.0, "max_new_tokens": 12,
+                                                    "ignore_eos": True})
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [0, 1, 2, 3]
+    assert all(len(r) == 8 and all(len(o.token_ids) == 12 for o in r) for r in results.values())
+
+
+def test_shared_prefix_second_round_hits_cache(client):
+    prefix = "You are a helpful assistant. Answer briefly and precisely. " * 4
+    client.generate_batch([prefix + f"Question {i}?" for i in range(4)], GREEDY)
+    second = client.generate_batch([prefix + f"Other question {i}?" for i in range(4)], GREEDY)
+    assert all(o.cached_tokens > 0 for o in second)
+    assert client.server_info()["hit_rate"] > 0
+
+
+def test_abort_mid_stream_frees_kv(client):
+    stream = client.generate("while True:", {"max_new_tokens": 1500, "ignore_eos": True}, stream=True)
+    chunks = []
+    for chunk in stream:
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            client.abort(stream.rid)
+    assert chunks[-1].finish_reason == "abort"
+    info = wait_idle(client)
+    assert info["protected_tokens"] == 0 and info["running"] == 0
+
+
+def test_client_disconnect_aborts_its_requests(server, client):
+    gone = Client(server.address, timeout=60)
+    stream = iter(gone.generate("for i in range(10):", {"max_new_tokens": 1500, "ignore_eos": True},
+                                stream=True))
+    next(stream), next(stream)
+    gone._pending.clear()  # drop the stream without sending an abort, then vanish
+    gone.close()
+    info = wait_idle(client)
+    assert info["protected_tokens"] == 0 and info["running"] == 0
+
+
+def test_client_disconnect_aborts_non_streaming_requests(server, client):
+    gone = Client(server.address, timeout=60)
+    gone._send(GenerateRequest(req_id="long", prompt="x = [",  # sent, never waited for
+                               sampling_params={"max_new_tokens": 1900, "ignore_eos": True}))
+    deadline = time.monotonic() + 10
+    while client.server_info()["running"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    start = time.monotonic()
+    gone.close()
+    info = wait_idle(client)
+    assert info["protected_tokens"] == 0 and info["running"] == 0
+    assert time.monotonic() - start < 3  # far sooner than 1900 decode steps
+
+
+def test_errors_are_replies(client):
+    with pytest.raises(ServerError) as e:
+        client.generate("hi", {"temperature": -1})
+    assert e.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(ServerError) as e:
+        client.generate("hi", {"no_such_field": 1})
+    assert e.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(ServerError) as e:
+        client.generate(input_ids=[5] * 3000)
+    assert e.value.code == ErrorCode.PROMPT_TOO_LONG
+    with pytest.raises(ServerError) as e:
+        client.generate(input_ids=[10 ** 6])
+    assert e.value.code == ErrorCode.INVALID_REQUEST
+    with pytest.raises(ServerError) as e:
+        client.abort("no-such-request")
+    assert e.value.code == ErrorCode.UNKNOWN_RID
+    assert client.health()
+
+
+def test_timeout_raises_and_aborts(server, client):
+    with Client(server.address, timeout=30) as c:
+        with pytest.raises(TimeoutError):
+            c.generate("x = 1", {"max_new_tokens": 1500, "ignore_eos": True}, timeout=0.3)
+    info = wait_idle(client)
+    assert info["protected_tokens"] == 0 and info["running"] == 0
+
+
+def test_malformed_messages_get_error_replies(server, client):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.address)
+    bad = [b"\xc1garbage", b"", msgspec.msgpack.encode({"type": "nope", "req_id": "x"}),
+           msgspec.msgpack.encode([1, 2, 3]), msgspec.msgpack.encode({"type": "generate"}),
+           msgspec.msgpack.encode({"type": "batch_tokens", "items": []})]
+    try:
+        for i in range(100):
+            sock.send(bad[i % len(bad)])
+        replies = []
+        while len(replies) < 100 and sock.poll(10_000):
+            replies.append(decode(sock.recv()))
+        assert len(replies) == 100 and all(isinstance(r, ErrorReply) for r in replies)
+        assert {r.code for r in replies} >= {ErrorCode.MALFORMED, ErrorCode.UNKNOWN_MESSAGE}
+        sock.send(encode(Hello(version=999, req_id="h")))
+        assert sock.poll(10_000)
+        reply = decode(sock.recv())
+        assert isinstance(reply, ErrorReply) and reply.code == ErrorCode.VERSION_MISMATCH
+    finally:
+        sock.close(0)
+    assert client.health()
+    assert client.generate("ok", GREEDY).finish_reason in ("stop", "length")
+
+
+def test_async_client_and_backpressure(server):
+    async def main():
+        async with AsyncClient(server.address, timeout=60) as c:
+            out = await c.generate("async def f():", GREEDY)
+            chunks = [ch async for ch in await c.generate("async def f():", GREEDY, stream=True)]
+            assert "".join(ch.text for ch in chunks) == out.text
+            sp = {"max_new_tokens": 24, "ignore_eos": True}
+            results = await asyncio.gather(*(c.generate(f"item {i}", sp) for i in range(120)),
+                                           return_exceptions=True)
+            assert await c.health()
+            return results
+
+    results = asyncio.run(main())
+    errors = [r for r in results if isinstance(r, Exception)]
+    assert errors and all(isinstance(e, ServerError) and e.code == ErrorCode.OVERLOADED for e in errors)
+    assert len(errors) < len(results)
+
+
+def test_cli_generate_with_server(server, client):
+    cmd = [sys.executable, "-m", "radixrt.cli", "generate", "--server", server.address,
+           "--max-new-tokens", "8", "def main():"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    want = client.generate("def main():", {"temperature": 0.0, "max_new_tokens": 8}).text
+    assert res.stdout == want + "\n"
+
+
+def test_sigterm_stops_every_process(server, client):
+    wait_idle(client)
+    pids = set(client.server_info()["pids"].values()) - {server.proc.pid}
+    kids = server.children()
+    assert len(pids) == 3 and pids <= kids
+    start = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(10) == 0
+    assert not wait_gone(kids, 10 - (time.monotonic() - start))
+
+
+def test_killing_the_scheduler_stops_the_launcher():
+    srv = Server()
+    try:
+        with Client(srv.address, timeout=30) as c:
+            pids = c.server_info()["pids"]
+        kids = srv.children()
+        os.kill(pids["scheduler"], signal.SIGKILL)
+        assert srv.proc.wait(10) != 0
+        assert not wait_gone(kids, 10)
+    finally:
+        srv.stop()
+
+
+def test_children_die_with_a_killed_launcher():
+    srv = Server()
+    try:
+        kids = srv.children()
+        assert len(kids) >= 3
+        srv.proc.kill()  # no chance to clean up: PR_SET_PDEATHSIG / the parent-pid check
+        srv.proc.wait(5)
+        assert not wait_gone(kids, 10)
+    finally:
+        srv.stop()
+        import glob
+        import shutil
+        import tempfile
+        for path in glob.glob(os.path.join(tempfile.gettempdir(), f"radixrt-{srv.proc.pid}-*")):
+            shutil.rmtree(path, ignore_errors=True)  # the killed launcher's ipc folder
