@@ -138,6 +138,25 @@ class Client:
         deadline = self._deadline(timeout)
         return [self._result(req_id, q, deadline) for req_id, q in sent]
 
+    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]],
+              timeout: float | None = None) -> list[tuple[float, int]]:
+        """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
+
+        The prefix is prefilled (and cached) first; the continuations then go out
+        together as prefill-only requests scoring from ``len(prefix_ids)``.
+        """
+        prefix = list(map(int, prefix_ids))
+        conts = [list(map(int, c)) for c in continuations]
+        self.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0}, timeout=timeout)
+        sent = []
+        for c in conts:
+            req = _generate_request(self._ids(), None, {"max_new_tokens": 0}, prefix + c, None, False)
+            req.logprob_start_len = len(prefix)
+            sent.append((req.req_id, self._send(req)))
+        deadline = self._deadline(timeout)
+        outs = [self._result(req_id, q, deadline) for req_id, q in sent]
+        return [(sum(o.prompt_logprobs or ()), len(c)) for o, c in zip(outs, conts)]
+
     def abort(self, rid: str) -> None:
         self._call(AbortRequest(req_id=self._ids(), target=rid))
 

@@ -57,6 +57,43 @@ class Engine:
             self.scheduler.step()
         return [self._output(r) for r in reqs]
 
+    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]]
+              ) -> list[tuple[float, int]]:
+        """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
+
+        The prefix is prefilled once (and cached); each continuation then runs
+        as a prefill-only request that hits it and computes only its own tokens.
+        """
+        prefix = list(map(int, prefix_ids))
+        conts = [list(map(int, c)) for c in continuations]
+        if not prefix or any(not c for c in conts):
+            raise ValueError("score needs a non-empty prefix and non-empty continuations")
+        self.generate(input_ids=[prefix], sampling_params=SamplingParams(max_new_tokens=0))
+        sp = SamplingParams(max_new_tokens=0)
+        reqs = [self.add_request(prefix + c, sp, logprob_start_len=len(prefix)) for c in conts]
+        while not all(r.finished for r in reqs):
+            self.step()
+        return [(sum(r.prompt_logprobs), len(c)) for r, c in zip(reqs, conts)]
+
+    def add_request(self, input_ids: Sequence[int], sampling_params: SamplingParams,
+                    logprob_start_len: int | None = None) -> Req:
+        """Queue one request (validated); drive it with ``step()``, read it with ``make_output``."""
+        ids = list(map(int, input_ids))
+        self._validate_ids(0, ids)
+        if logprob_start_len is not None and not 1 <= logprob_start_len < len(ids):
+            raise ValueError(f"logprob_start_len {logprob_start_len} outside [1, {len(ids)})")
+        req = self._make_req(ids, sampling_params)
+        req.logprob_start_len = logprob_start_len
+        self.scheduler.add_request(req)
+        return req
+
+    def step(self) -> list[Req]:
+        """One scheduler step; the requests that finished in it."""
+        return self.scheduler.step()
+
+    def make_output(self, req: Req) -> GenerateOutput:
+        return self._output(req)
+
     def stats(self) -> dict[str, float]:
         return self.scheduler.get_stats()
 
@@ -132,4 +169,6 @@ class Engine:
         return GenerateOutput(rid=req.rid, text=text, token_ids=list(req.output_ids),
                               prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
                               finish_reason=req.finish_reason or "abort",
-                              logprobs=list(req.output_logprobs) if req.params.logprobs else None)
+                              logprobs=list(req.output_logprobs) if req.params.logprobs else None,
+                              prompt_logprobs=(list(req.prompt_logprobs)
+                                               if req.logprob_start_len is not None else None))

@@ -50,6 +50,8 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int
     finish_reason: str  # "stop" | "length" | "abort"
     logprobs: list[float] | None = None
+    # With logprob_start_len = k: log p(prompt[j] | prompt[:j]) for j in [k, prompt_tokens).
+    prompt_logprobs: list[float] | None = None
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
@@ -72,6 +74,7 @@ class GenerateRequest(_Msg, tag="generate"):
     messages: list[dict[str, Any]] | None = None
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
+    logprob_start_len: int | None = None  # score the prompt from this token on
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -143,6 +146,7 @@ class TokenizedRequest(_Msg, tag="tokenized"):
     rid: str
     input_ids: list[int]
     sampling_params: SamplingParams
+    logprob_start_len: int | None = None
 
 
 class AbortRid(_Msg, tag="abort_rid"):
@@ -159,6 +163,7 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     stop: list[str] | None = None  # set on a request's first delta
+    prompt_logprobs: list[float] | None = None  # on the final delta of a scoring request
 
 
 class BatchTokenOut(_Msg, tag="batch_tokens"):
@@ -175,6 +180,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[float] | None = None
 
 
 class BatchTextOut(_Msg, tag="batch_text"):

@@ -37,7 +37,7 @@ class KVManager:
         """Cached prefix length for ``req`` (for ordering; locks nothing)."""
         if self.disabled:
             return 0
-        return self.tree.match_prefix(req.fill_ids[:req.fill_len - 1]).hit_len
+        return self.tree.match_prefix(req.fill_ids[:req.match_limit]).hit_len
 
     def admit(self, req: Req) -> bool:
         """Give ``req`` a row and lock its cached prefix. False if no row is free."""
@@ -45,7 +45,7 @@ class KVManager:
         if row is None:
             return False
         req.row = row
-        match = None if self.disabled else self.tree.match_prefix(req.fill_ids[:req.fill_len - 1])
+        match = None if self.disabled else self.tree.match_prefix(req.fill_ids[:req.match_limit])
         req.last_node = self.tree.root if match is None else match.last_node
         req.prefix_len = req.kv_len = 0 if match is None else match.hit_len
         self.tree.lock(req.last_node)

@@ -27,8 +27,13 @@ class ReqState(enum.Enum):
 
 class Req:
     def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None) -> None:
+                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
+                 logprob_start_len: int | None = None) -> None:
         self.rid = rid
+        # Prompt scoring: log p(prompt_ids[j] | prompt_ids[:j]) for j >= logprob_start_len
+        # is collected into prompt_logprobs (positions j-1 are always recomputed).
+        self.logprob_start_len = logprob_start_len
+        self.prompt_logprobs: list[float] = []
         self.prompt_ids = prompt_ids
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
@@ -54,6 +59,19 @@ class Req:
     @property
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def match_limit(self) -> int:
+        """Longest prefix that may come from the tree (the rest is computed)."""
+        limit = self.fill_len - 1
+        if self.logprob_start_len is not None:
+            limit = min(limit, self.logprob_start_len - 1)
+        return limit
+
+    @property
+    def prefill_only(self) -> bool:
+        """Compute (and cache) the prompt, sample nothing (max_new_tokens == 0)."""
+        return self.params.max_new_tokens == 0
 
     @property
     def fill_len(self) -> int:

@@ -56,10 +56,7 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt_ids)
-        if req.params.max_new_tokens == 0:
-            req.state, req.finish_reason = ReqState.FINISHED, "length"
-            return
-        self.waiting.append(req)
+        self.waiting.append(req)  # max_new_tokens == 0: prefill (and cache) only
 
     def abort(self, rid: str) -> Req:
         """Finish request ``rid`` with reason "abort"; raises KeyError if unknown."""
@@ -87,6 +84,8 @@ class Scheduler:
             return []
         forward_batch = batch.to_forward_batch(self.runner.pool)
         logits = self.runner.forward(forward_batch)
+        if forward_batch.logits_indices is not None:
+            logits = self._collect_prompt_logprobs(batch, logits)
         return self.process_output(batch, logits)
 
     def schedule_prefill(self) -> ScheduledBatch | None:
@@ -193,21 +192,34 @@ class Scheduler:
 
     # -------------------------------------------------------------- output
 
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
+        """Append scored prompt tokens' logprobs to their requests; return the last-token rows."""
+        last_rows, spans = batch.logits_layout()
+        for req, (start, targets) in zip(batch.reqs, spans):
+            if targets:
+                rows = logits[start:start + len(targets)]
+                tgt = torch.tensor(targets, dtype=torch.int64, device=rows.device)
+                lp = torch.log_softmax(rows.float(), dim=-1).gather(1, tgt[:, None])[:, 0]
+                req.prompt_logprobs.extend(lp.tolist())
+        return logits[torch.tensor(last_rows, dtype=torch.int64, device=logits.device)]
+
     def process_output(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
-        rows, to_sample = [], []
+        rows, to_sample, finished = [], [], []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.kv_len += n
             if batch.mode is ForwardMode.EXTEND:
                 self.stats["prefill_tokens"] += n
                 self.kv.cache_computed(req)
             if req.kv_len == req.fill_len and not req.finished:
+                if req.prefill_only:
+                    finished.append(self._finish(req, "length"))
+                    continue
                 rows.append(i), to_sample.append(req)
         self.stats["decode_steps" if batch.mode is ForwardMode.DECODE else "prefill_steps"] += 1
         if not to_sample:
-            return []
+            return finished
         out = self.sampler.sample(logits[rows], [r.params for r in to_sample],
                                   [r.generator for r in to_sample])
-        finished = []
         for j, req in enumerate(to_sample):
             req.output_ids.append(int(out.token_ids[j]))
             if out.logprobs is not None:

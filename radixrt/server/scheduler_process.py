@@ -76,7 +76,8 @@ class SchedulerProcess:
             return
         sp = msg.sampling_params
         gen = make_generator(sp.seed) if sp.seed is not None else None
-        req = Req(msg.rid, msg.input_ids, sp, self.engine.model_config.eos_token_ids, gen)
+        req = Req(msg.rid, msg.input_ids, sp, self.engine.model_config.eos_token_ids, gen,
+                  msg.logprob_start_len)
         self.scheduler.add_request(req)
         self.tracked[msg.rid] = req
         self.sent[msg.rid] = 0
@@ -111,7 +112,9 @@ class SchedulerProcess:
                 logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
                 finish_reason=req.finish_reason if req.finished else None,
                 prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-                stop=req.params.stop if n0 == 0 else None))
+                stop=req.params.stop if n0 == 0 else None,
+                prompt_logprobs=(list(req.prompt_logprobs) if req.finished and req.logprob_start_len
+                                 is not None else None)))
             self.sent[rid] = n
             if req.finished:
                 del self.tracked[rid], self.sent[rid]

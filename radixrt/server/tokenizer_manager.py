@@ -174,10 +174,15 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
         ids = self.validate(self.tokenize(msg))
+        start = msg.logprob_start_len
+        if start is not None and not 1 <= start < len(ids):
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"logprob_start_len {start} is outside "
+                               f"[1, {len(ids)}) for a {len(ids)}-token prompt")
         rid = str(next(self.counter))
         self.rids[key] = rid
         self.reqs[rid] = ClientReq(identity, msg.req_id, msg.stream)
-        self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp)))
+        self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp,
+                                                      logprob_start_len=start)))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
@@ -274,7 +279,8 @@ class TokenizerManager:
             return None
         out = GenerateOutput(rid=st.req_id, text="".join(st.texts), token_ids=st.token_ids,
                              prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
-                             finish_reason=item.finish_reason, logprobs=st.logprobs)
+                             finish_reason=item.finish_reason, logprobs=st.logprobs,
+                             prompt_logprobs=item.prompt_logprobs)
         return GenerateReply(req_id=st.req_id, output=out)
 
     def on_control_reply(self, msg: ControlReply | ErrorReply) -> None:

@@ -1,0 +1,197 @@
+"""Backends a prompt program runs against: an in-process ``Engine`` or a server.
+
+Both speak token ids (so a fork's children extend exactly the ids of their
+parent and hit its cached prefix) and offer the same four calls:
+``generate``, ``generate_stream`` (text deltas, then the output), ``cache_prefix``
+(prefill-only request: the ids enter the radix tree) and ``score``.
+``EngineBackend`` drives the engine from one thread, so programs running on many
+threads are batched together by the scheduler.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future
+from typing import Iterator, Sequence
+
+from radixrt.protocol import GenerateOutput, TokenDelta
+from radixrt.sampling import SamplingParams
+
+
+class Backend:
+    tokenizer = None
+
+    def ensure_ready(self) -> None:
+        """Raise if the backend cannot serve (e.g. the server is down)."""
+
+    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+        raise NotImplementedError
+
+    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
+        out = self.generate(ids, sp)
+        yield out.text
+        yield out
+
+    def cache_prefix(self, ids: list[int]) -> GenerateOutput:
+        return self.generate(ids, SamplingParams(max_new_tokens=0))
+
+    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
+        raise NotImplementedError
+
+
+class EngineBackend(Backend):
+    """Runs programs on an in-process ``Engine`` (one driver thread owns it)."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self._inbox: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self.request_log: list[list[int]] = []  # every prompt sent (for benchmarks)
+
+    def _submit(self, ids: list[int], sp: SamplingParams, logprob_start_len: int | None = None,
+                deltas: queue.Queue | None = None) -> Future:
+        fut: Future = Future()
+        self.request_log.append(list(ids))
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._drive, name="radixrt-lang-engine",
+                                                daemon=True)
+                self._thread.start()
+            self._inbox.put((list(ids), sp, logprob_start_len, fut, deltas))
+        return fut
+
+    def _drive(self) -> None:
+        """Owns the engine: add queued requests, step, resolve finished ones; exit when idle."""
+        from radixrt.server.detokenizer import Detokenizer
+        detok = Detokenizer(self.tokenizer)
+        live: dict[str, tuple] = {}  # rid -> (req, future, deltas, tokens sent)
+        while True:
+            block = not live
+            try:
+                while True:
+                    item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+                    block = False
+                    self._add(item, live)
+            except queue.Empty:
+                if not live:
+                    with self._lock:
+                        if self._inbox.empty():
+                            self._thread = None
+                            return
+                    continue
+            try:
+                self.engine.step()
+            except Exception as e:  # fail every request rather than hang
+                for req, fut, _, _ in live.values():
+                    fut.set_exception(e)
+                live.clear()
+                continue
+            self._emit(live, detok)
+
+    def _add(self, item, live: dict) -> None:
+        ids, sp, start, fut, deltas = item
+        try:
+            req = self.engine.add_request(ids, sp, logprob_start_len=start)
+        except Exception as e:
+            fut.set_exception(e)
+            return
+        live[req.rid] = (req, fut, deltas, 0)
+
+    def _emit(self, live: dict, detok) -> None:
+        for rid, (req, fut, deltas, sent) in list(live.items()):
+            n = len(req.output_ids)
+            if deltas is not None and (n > sent or req.finished):
+                delta = detok.delta(TokenDelta(rid=rid, token_ids=req.output_ids[sent:n],
+                                               finish_reason=req.finish_reason if req.finished else None,
+                                               stop=req.params.stop if sent == 0 else None))
+                if delta.text:
+                    deltas.put(delta.text)
+                live[rid] = (req, fut, deltas, n)
+            if req.finished:
+                del live[rid]
+                fut.set_result(self.engine.make_output(req))
+
+    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+        return self._submit(ids, sp).result()
+
+    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
+        deltas: queue.Queue = queue.Queue()
+        fut = self._submit(ids, sp, deltas=deltas)
+        while not (fut.done() and deltas.empty()):
+            try:
+                yield deltas.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        yield fut.result()
+
+    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
+        self.cache_prefix(prefix)
+        sp = SamplingParams(max_new_tokens=0)
+        futs = [self._submit(prefix + c, sp, logprob_start_len=len(prefix)) for c in continuations]
+        outs = [f.result() for f in futs]
+        return [(sum(o.prompt_logprobs or ()), len(c)) for o, c in zip(outs, continuations)]
+
+
+class RuntimeEndpoint(Backend):
+    """Runs programs on a ``radixrt launch`` server (``tcp://host:port``).
+
+    Connects lazily; ``ensure_ready`` raises ``TimeoutError`` if the server does
+    not answer the handshake within ``connect_timeout`` seconds.
+    """
+
+    def __init__(self, address: str, timeout: float | None = 120.0, connect_timeout: float = 5.0) -> None:
+        self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
+        self._client = None
+        self._tokenizer = None
+        self._lock = threading.Lock()
+        self.request_log: list[list[int]] = []
+
+    @property
+    def client(self):
+        with self._lock:
+            if self._client is None:
+                from radixrt.client import Client
+                c = Client(self.address, timeout=self.connect_timeout)
+                c.timeout = self.timeout
+                self._client = c
+            return self._client
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+            self._tokenizer = AutoTokenizer.from_pretrained(self.client.info["model"])
+        return self._tokenizer
+
+    def ensure_ready(self) -> None:
+        self.client  # noqa: B018 -- connects (handshake) or raises
+
+    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+        self.request_log.append(list(ids))
+        return self.client.generate(input_ids=ids, sampling_params=sp)
+
+    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
+        self.request_log.append(list(ids))
+        text, token_ids, last = [], [], None
+        for chunk in self.client.generate(input_ids=ids, sampling_params=sp, stream=True):
+            if chunk.text:
+                text.append(chunk.text)
+                yield chunk.text
+            token_ids.extend(chunk.token_ids)
+            last = chunk
+        yield GenerateOutput(rid="", text="".join(text), token_ids=token_ids,
+                             prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
+                             finish_reason=last.finish_reason)
+
+    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
+        self.request_log.append(list(prefix))
+        self.request_log.extend(prefix + c for c in continuations)
+        return self.client.score(prefix, continuations)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
