@@ -1,0 +1,136 @@
+"""TorchAttentionBackend vs a naive float64 per-request reference: decode (plain and cascade)
+and extend, with GQA ratios 1 and 3."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import radixrt.attention.torch_backend as torch_backend
+from radixrt.attention.base import ForwardBatch, ForwardMode
+from radixrt.attention.torch_backend import TorchAttentionBackend
+from radixrt.cache.kv_pool import KVPool
+
+D = 16
+SCALE = D ** -0.5
+PREFIX = 40  # length of every shared prefix
+
+
+@pytest.fixture
+def always_cascade(monkeypatch):
+    """Take the cascade for every qualifying group, whatever the cost model says."""
+    monkeypatch.setattr(torch_backend, "TAIL_COST", 0.0)
+    monkeypatch.setattr(torch_backend, "PREFIX_COST", 0.0)
+
+
+def _reference(q: torch.Tensor, pool: KVPool, row: int, seq_len: int) -> torch.Tensor:
+    """q [n, H, D]: the request's last n tokens → [n, H, D] float64, causal."""
+    slots = pool.req_to_token[row, :seq_len]
+    g = q.shape[1] // pool.kv_heads
+    k = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
+    v = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
+    s = q.double().transpose(0, 1) @ k.transpose(1, 2) * SCALE  # [H, n, L]
+    n = q.shape[0]
+    causal = torch.arange(seq_len)[None, :] <= torch.arange(n)[:, None] + seq_len - n
+    return (s.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+
+
+def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = torch.float32):
+    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None) → pool, rows."""
+    torch.manual_seed(0)
+    pool = KVPool(4096, 1, kh, D, dtype, 16, 256)  # slots >= 2048: free for the tests' own use
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    free = iter(torch.randperm(2047).add(1).tolist())  # scattered slots, never slot 0
+    prefixes: dict[int, list[int]] = {}
+    for row, (seq_len, pid) in enumerate(spec):
+        new = [next(free) for _ in range(PREFIX)] if pid not in prefixes else None
+        shared = [] if pid is None else prefixes.setdefault(pid, new)
+        slots = shared[:seq_len] + [next(free) for _ in range(seq_len - len(shared))]
+        pool.req_to_token[row, :seq_len] = torch.tensor(slots)
+    return pool, torch.arange(len(spec))
+
+
+def _run_decode(pool: KVPool, rows: torch.Tensor, seq_lens: list[int], h: int, tol: float = 1e-5):
+    b, dtype = len(seq_lens), pool.dtype
+    out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
+    q = torch.randn(b, h, D, dtype=dtype)
+    k, v = (torch.randn(b, pool.kv_heads, D, dtype=dtype) for _ in range(2))
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
+                         torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
+    backend = TorchAttentionBackend(pool)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, 0, batch, SCALE)
+    ref = torch.cat([_reference(q[i:i + 1], pool, int(rows[i]), s) for i, s in enumerate(seq_lens)])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    return batch.attn_metadata
+
+
+@pytest.mark.parametrize("kh,h", [(4, 4), (2, 6)])
+def test_cascade_decode_matches_reference(kh: int, h: int, always_cascade) -> None:
+    # Interleaved in the batch: group 0 (rows 0, 3, 6: different lengths, row 3 is the prefix
+    # + 1 token), group 1 (rows 1, 4), a request without prefix, one with a prefix of its own.
+    spec = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (50, 2), (73, 0)]
+    pool, rows = _setup(kh, spec)
+    pool.req_to_token[4, 25:90] = torch.arange(3000, 3065)  # group 1 shares only 25 tokens
+    meta = _run_decode(pool, rows, [s for s, _ in spec], h)
+    groups = sorted((m.tolist(), c) for m, c in meta.groups)
+    assert groups == [([0, 3, 6], PREFIX), ([1, 4], 25)]  # cascade used, singletons not
+
+
+def test_cascade_decode_bfloat16(always_cascade) -> None:
+    spec = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1)]
+    pool, rows = _setup(2, spec, torch.bfloat16)
+    meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol=2e-2)
+    assert len(meta.groups) == 2
+
+
+def test_cascade_group_prefix_is_common_part(always_cascade) -> None:
+    # Same first slot, but request 2 diverges after 20 tokens: the group's prefix shrinks to 20.
+    pool, rows = _setup(2, [(60, 0), (50, 0), (55, 0)])
+    pool.req_to_token[2, 20:55] = torch.arange(3000, 3035)
+    meta = _run_decode(pool, rows, [60, 50, 55], 6)
+    assert [(m.tolist(), c) for m, c in meta.groups] == [([0, 1, 2], 20)]
+
+
+@pytest.mark.parametrize("spec", [[(40, 0), (40, 0)], [(40, 0), (40, 0), (47, 0)]])
+def test_cascade_decode_fully_shared_rows(spec: list, always_cascade) -> None:
+    # Rows equal up to seq_len: the prefix is capped at seq_len - 1, so no tail is empty.
+    pool, rows = _setup(2, spec)
+    meta = _run_decode(pool, rows, [s for s, _ in spec], 6)
+    assert [c for _, c in meta.groups] == [PREFIX - 1]
+    assert meta.tail.slots.shape[-1] == max(s for s, _ in spec) - (PREFIX - 1)
+
+
+def test_short_shared_prefix_uses_padded_decode(always_cascade) -> None:
+    pool, rows = _setup(2, [(12, 0), (10, 0), (30, None)])  # shares 9 < MIN_SHARED_PREFIX tokens
+    meta = _run_decode(pool, rows, [12, 10, 30], 6)
+    assert not hasattr(meta, "groups")  # the plain padded path
+
+
+def test_cost_model_picks_the_path() -> None:
+    pool, rows = _setup(2, [(PREFIX + 1, 0)] * 8)  # 8 × (40 shared + 1 private): cascade
+    assert hasattr(_run_decode(pool, rows, [PREFIX + 1] * 8, 6), "groups")
+    pool, rows = _setup(2, [(250, 0), (240, 0)])  # long private tails: padded SDPA is cheaper
+    assert not hasattr(_run_decode(pool, rows, [250, 240], 6), "groups")
+
+
+@pytest.mark.parametrize("kh,h", [(4, 4), (2, 6)])
+def test_extend_matches_reference(kh: int, h: int) -> None:
+    spec = [(30, 0), (45, 0), (17, None)]
+    seq_lens, extend_lens, starts = [30, 45, 17], [30, 5, 17], [0, 30, 35]  # row 1: cached prefix
+    pool, rows = _setup(kh, spec)
+    out_loc = torch.cat([pool.req_to_token[r, s - e:s]
+                         for r, s, e in zip(range(3), seq_lens, extend_lens)])
+    t = len(out_loc)
+    q = torch.randn(t, h, D)
+    k, v = torch.randn(t, kh, D), torch.randn(t, kh, D)
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
+                         torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, extend_lens)
+    backend = TorchAttentionBackend(pool)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, 0, batch, SCALE)
+    ref = torch.cat([_reference(q[s:s + e], pool, r, n)
+                     for s, e, r, n in zip(starts, extend_lens, range(3), seq_lens)])
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
