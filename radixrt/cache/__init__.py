@@ -27,7 +27,7 @@ def check_slot_partition(allocator: KVSlotAllocator, cache: RadixCache | None,
         parts.append(cache.all_slots())
     for slots in private:
         if slots.numel():
-            pages = torch.unique(slots.to(torch.int64) // p)
+            pages = torch.unique(slots.to("cpu", torch.int64) // p)  # the pool may be on a GPU
             parts.append((pages[:, None] * p + torch.arange(p)).reshape(-1))
     owned = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
     counts = torch.bincount(owned, minlength=allocator.num_slots)
