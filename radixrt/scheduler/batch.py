@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -11,32 +12,38 @@ from radixrt.cache.kv_pool import KVPool
 from radixrt.scheduler.req import Req
 
 
+class LogitsLayout(NamedTuple):
+    """Logit rows of a step in which some request scores its prompt.
+
+    ``last_rows[b]``: row of request b's last-token logits; ``spans[b]``:
+    (first row, target token ids) of its scored positions; ``indices``: the
+    token index (into the step's T tokens) each row is taken at.
+    """
+
+    last_rows: list[int]
+    spans: list[tuple[int, list[int]]]
+    indices: list[int]
+
+
 @dataclass
 class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # tokens each request computes this step (1 in decode)
+    layout: LogitsLayout | None = field(default=None, init=False)  # set by to_forward_batch
 
     def to_forward_batch(self, pool: KVPool) -> ForwardBatch:
         """Index tensors for the step; slots must already be in the requests' rows."""
         ids, positions, locs = [], [], []
         for req, n in zip(self.reqs, self.extend_lens):
             start = req.kv_len
-            ids.extend(req.fill_ids[start:start + n])
+            ids.extend(req.ids_slice(start, start + n))
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
             locs.append(pool.req_to_token[req.row, start:start + n])
-        layout = self.logits_layout()
+        self.layout = self._logits_layout()
         logits_indices = None
-        if any(targets for _, targets in layout[1]):
-            idx = [0] * (len(layout[0]) + sum(len(t) for _, t in layout[1]))
-            offset = 0
-            for req, n, last, (start, targets) in zip(self.reqs, self.extend_lens, layout[0], layout[1]):
-                first = max(req.kv_len, (req.logprob_start_len or 0) - 1)
-                for k in range(len(targets)):
-                    idx[start + k] = offset + first - req.kv_len + k
-                idx[last] = offset + n - 1
-                offset += n
-            logits_indices = torch.tensor(idx, dtype=torch.int64, device=pool.device)
+        if self.layout is not None:
+            logits_indices = torch.tensor(self.layout.indices, dtype=torch.int64, device=pool.device)
         return ForwardBatch(
             logits_indices=logits_indices,
             mode=self.mode,
@@ -48,22 +55,26 @@ class ScheduledBatch:
             extend_lens=list(self.extend_lens),
         )
 
-    def logits_layout(self) -> tuple[list[int], list[tuple[int, list[int]]]]:
-        """Where each request's logits sit when some request scores its prompt.
+    def _logits_layout(self) -> LogitsLayout | None:
+        """None unless a request scores prompt tokens in this extend.
 
-        Per request: the row of its last-token logits, and (start row, target
-        token ids) of its scored positions: position p in this extend (with
-        p >= logprob_start_len - 1 and p + 1 < len(prompt)) predicts prompt[p + 1].
+        Position p of the extend (p >= logprob_start_len - 1, p + 1 < len(prompt))
+        predicts prompt[p + 1].
         """
-        last_rows, spans, row = [], [], 0
+        if self.mode is not ForwardMode.EXTEND or all(r.logprob_start_len is None for r in self.reqs):
+            return None
+        last_rows, spans, indices, offset = [], [], [], 0
         for req, n in zip(self.reqs, self.extend_lens):
             targets: list[int] = []
-            if req.logprob_start_len is not None and self.mode is ForwardMode.EXTEND:
+            if req.logprob_start_len is not None:
                 first = max(req.kv_len, req.logprob_start_len - 1)
                 end = min(req.kv_len + n, len(req.prompt_ids) - 1)
                 targets = req.prompt_ids[first + 1:end + 1] if end > first else []
-            spans.append((row, targets))
-            row += len(targets)
-            last_rows.append(row)
-            row += 1
-        return last_rows, spans
+                indices.extend(range(offset + first - req.kv_len, offset + first - req.kv_len + len(targets)))
+            spans.append((len(indices) - len(targets), targets))
+            last_rows.append(len(indices))
+            indices.append(offset + n - 1)
+            offset += n
+        if not any(t for _, t in spans):
+            return None
+        return LogitsLayout(last_rows, spans, indices)

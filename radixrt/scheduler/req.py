@@ -60,6 +60,13 @@ class Req:
     def fill_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_slice(self, start: int, end: int) -> list[int]:
+        """``fill_ids[start:end]`` without building fill_ids (cheap in decode)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.fill_ids[start:end]
+
     @property
     def match_limit(self) -> int:
         """Longest prefix that may come from the tree (the rest is computed)."""

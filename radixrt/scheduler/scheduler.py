@@ -84,7 +84,7 @@ class Scheduler:
             return []
         forward_batch = batch.to_forward_batch(self.runner.pool)
         logits = self.runner.forward(forward_batch)
-        if forward_batch.logits_indices is not None:
+        if batch.layout is not None:
             logits = self._collect_prompt_logprobs(batch, logits)
         return self.process_output(batch, logits)
 
@@ -194,7 +194,7 @@ class Scheduler:
 
     def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
         """Append scored prompt tokens' logprobs to their requests; return the last-token rows."""
-        last_rows, spans = batch.logits_layout()
+        last_rows, spans, _ = batch.layout
         for req, (start, targets) in zip(batch.reqs, spans):
             if targets:
                 rows = logits[start:start + len(targets)]
