@@ -9,13 +9,19 @@ streams the completion from a running server instead.
     radixrt launch [--model PATH] [--host H] [--port P] [--config configs/NAME.toml] ...
 
 starts the server (see ``radixrt.server``); flags mirror the Engine's
-arguments (SGLang names); a TOML file may set any of them (and host, port,
-max_waiting_requests, log_level); flags override it.
+arguments (SGLang names); a TOML file may set any of them (and the server
+settings of ``SERVER_SETTINGS``: host, port, limits, api_key, ...); flags
+override it.
+
+    radixrt curve-keygen FOLDER
+
+writes a CurveZMQ key pair for ``radixrt launch --curve-keys FOLDER``.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -42,7 +48,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
     kwargs = ({"messages": [{"role": "user", "content": args.prompt}]} if args.chat
               else {"prompt": args.prompt})
     n, last = 0, None
-    with Client(args.server, timeout=args.timeout) as client:
+    with Client(args.server, timeout=args.timeout, api_key=args.api_key,
+                curve_server_key=args.curve_server_key) as client:
         for chunk in client.generate(sampling_params=sp, stream=True, **kwargs):
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -54,7 +61,20 @@ def _generate_remote(args: argparse.Namespace) -> int:
     return 0
 
 
-SERVER_SETTINGS = {"host": "127.0.0.1", "port": 30000, "max_waiting_requests": None, "log_level": "warning"}
+SERVER_SETTINGS = {
+    "host": "127.0.0.1", "port": 30000, "max_waiting_requests": None, "log_level": "warning",
+    # reliability and security (see radixrt.server)
+    "grace_period": 30.0,               # seconds a SIGTERM drain waits for running requests
+    "max_message_bytes": 16 << 20,      # the largest client frame accepted
+    "max_prompt_tokens": None,          # None: the model's context
+    "max_new_tokens_limit": 32768,      # the largest max_new_tokens a request may ask for
+    "max_requests_per_client": 256,     # requests in flight per client connection
+    "api_key": None,                    # also RADIXRT_API_KEY
+    "isolate_by_api_key": False,        # salt each request's cache namespace with its key
+    "curve_keys": None,                 # a folder from `radixrt curve-keygen` (CurveZMQ)
+    "max_forward_failures": 3,          # consecutive forward failures before the server exits
+    "debug_faults": None,               # test-only fault injection (radixrt.server.faults)
+}
 ENGINE_FLAGS = ("model", "dtype", "max_total_tokens", "page_size", "schedule_policy", "disable_radix_cache",
                 "chunked_prefill_size", "max_running_requests", "attention_backend")
 
@@ -74,7 +94,20 @@ def _launch_settings(args: argparse.Namespace):
         raise ValueError(f"{args.config}: unknown settings {sorted(unknown)}")
     data.update({k: getattr(args, k) for k in ENGINE_FLAGS if getattr(args, k) is not None})
     server.update({k: getattr(args, k) for k in SERVER_SETTINGS if getattr(args, k) is not None})
+    _check_server_settings(server)
     return EngineConfig(**data), server
+
+
+def _check_server_settings(server: dict) -> None:
+    positive = ("max_message_bytes", "max_prompt_tokens", "max_new_tokens_limit", "max_requests_per_client",
+                "max_forward_failures", "max_waiting_requests", "port")
+    for name in positive:
+        value = server[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    grace = server["grace_period"]
+    if not isinstance(grace, (int, float)) or isinstance(grace, bool) or grace < 0:
+        raise ValueError(f"grace_period must be a number of seconds >= 0, got {grace!r}")
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -82,7 +115,25 @@ def _launch(args: argparse.Namespace) -> int:
     from radixrt.server.launcher import Launcher
     config, server = _launch_settings(args)
     logging.basicConfig(level=str(server["log_level"]).upper())
-    return Launcher(config, server["host"], server["port"], server["max_waiting_requests"]).run()
+    if server["api_key"] is None:
+        server["api_key"] = os.environ.get("RADIXRT_API_KEY") or None
+    if server["host"] not in ("127.0.0.1", "localhost", "::1") and not server["api_key"]:
+        print(f"radixrt: warning: listening on {server['host']} without --api-key: anyone who can "
+              "reach this port may use the server", file=sys.stderr)
+    return Launcher(config, server).run()
+
+
+def _curve_keygen(args: argparse.Namespace) -> int:
+    """Write server.key / server.key_secret into the folder (zmq.auth's certificate files)."""
+    import zmq.auth
+    os.makedirs(args.folder, exist_ok=True)
+    public_file, _ = zmq.auth.create_certificates(args.folder, "server")
+    os.chmod(os.path.join(args.folder, "server.key_secret"), 0o600)
+    public = zmq.auth.load_certificate(public_file)[0].decode()
+    print(f"wrote {args.folder}/server.key (public) and server.key_secret (secret)\n"
+          f"server: radixrt launch --curve-keys {args.folder} ...\n"
+          f"client: Client(addr, curve_server_key={public!r})")
+    return 0
 
 
 def _add_launch_parser(sub) -> None:
@@ -102,6 +153,25 @@ def _add_launch_parser(sub) -> None:
                    help="refuse new requests with 'overloaded' past this many waiting")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--log-level", default=None, help="default warning")
+    p.add_argument("--grace-period", type=float, default=None,
+                   help="on SIGTERM, seconds to let running requests finish (default 30)")
+    p.add_argument("--max-message-bytes", type=int, default=None,
+                   help="refuse client messages larger than this (default 16 MiB)")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="refuse longer prompts (default: the model's context)")
+    p.add_argument("--max-new-tokens-limit", type=int, default=None,
+                   help="refuse requests asking for more max_new_tokens (default 32768)")
+    p.add_argument("--max-requests-per-client", type=int, default=None,
+                   help="requests one client may have in flight (default 256)")
+    p.add_argument("--api-key", default=None,
+                   help="require this key on every request (default: $RADIXRT_API_KEY)")
+    p.add_argument("--isolate-by-api-key", action="store_true", default=None,
+                   help="salt each request's prefix cache with its API key")
+    p.add_argument("--curve-keys", default=None,
+                   help="CurveZMQ: a folder made by `radixrt curve-keygen` (server.key_secret)")
+    p.add_argument("--max-forward-failures", type=int, default=None,
+                   help="consecutive forward-pass failures before the server exits (default 3)")
+    p.add_argument("--debug-faults", default=None, help=argparse.SUPPRESS)  # tests only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,10 +186,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--server", default=None, help="tcp://HOST:PORT of a running server")
     gen.add_argument("--timeout", type=float, default=300.0)
+    gen.add_argument("--api-key", default=None, help="with --server (default: $RADIXRT_API_KEY)")
+    gen.add_argument("--curve-server-key", default=None,
+                     help="with --server: the server's CurveZMQ public key (Z85) or server.key file")
     _add_launch_parser(sub)
+    keygen = sub.add_parser("curve-keygen", help="create CurveZMQ key pairs for --curve-keys")
+    keygen.add_argument("folder")
     args = ap.parse_args(argv)
+    commands = {"launch": _launch, "generate": _generate, "curve-keygen": _curve_keygen}
     try:
-        return _launch(args) if args.command == "launch" else _generate(args)
+        return commands[args.command](args)
     except (ValueError, FileNotFoundError, RuntimeError, TimeoutError) as e:
         print(f"radixrt: error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,11 @@ of ``StreamChunk`` (``text`` and ``token_ids`` deltas; the last chunk has
 to ``abort`` is ``output.rid`` / ``stream.rid`` (or choose it with ``rid=``).
 Server errors raise ``ServerError`` (``.code`` is an ``ErrorCode``); a timeout
 raises ``TimeoutError`` and aborts the request on the server.
+
+Security: ``api_key=`` (default ``$RADIXRT_API_KEY``) is sent with every
+message; ``curve_server_key=`` (the server's public key: Z85 text, or the path
+of its ``server.key`` from ``radixrt curve-keygen``) encrypts the connection
+with CurveZMQ under a fresh client key pair.
 """
 
 from __future__ import annotations
@@ -77,6 +82,27 @@ def _check(msg) -> Any:
     return msg
 
 
+def _connect(ctx: zmq.Context, address: str, curve_server_key: str | bytes | None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if curve_server_key is not None:
+        sock.curve_serverkey = _load_public_key(curve_server_key)
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(address)
+    return sock
+
+
+def _load_public_key(key: str | bytes) -> bytes:
+    """A Z85 public key as given, or read from a key file."""
+    if isinstance(key, str) and os.path.isfile(key):
+        import zmq.auth
+        return zmq.auth.load_certificate(key)[0]
+    key = key.encode() if isinstance(key, str) else key
+    if len(key) != 40:
+        raise ValueError("curve_server_key must be a 40-character Z85 public key or a key file path")
+    return key
+
+
 class _Ids:
     def __init__(self) -> None:
         self.prefix = uuid.uuid4().hex[:12]
@@ -89,13 +115,13 @@ class _Ids:
 class Client:
     """Synchronous client; thread-safe. ``Client("tcp://127.0.0.1:30000", timeout=60)``."""
 
-    def __init__(self, address: str, timeout: float | None = 60.0) -> None:
+    def __init__(self, address: str, timeout: float | None = 60.0, *, api_key: str | None = None,
+                 curve_server_key: str | bytes | None = None) -> None:
         self.address, self.timeout = address, timeout
+        self.api_key = api_key if api_key is not None else os.environ.get("RADIXRT_API_KEY") or None
         self._ids = _Ids()
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = _connect(self._ctx, address, curve_server_key)
         wake = f"inproc://radixrt-client-{id(self)}-{os.getpid()}"
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.bind(wake)
@@ -200,6 +226,8 @@ class Client:
         q = None
         if expect_reply:
             q = self._pending[msg.req_id] = queue.Queue()
+        if self.api_key is not None:
+            msg.api_key = self.api_key
         with self._out_lock:
             self._outbox.send(encode(msg))
         return q
@@ -284,13 +312,13 @@ class Stream:
 class AsyncClient:
     """asyncio client (zmq.asyncio). Use ``async with AsyncClient(addr) as c`` or ``await c.connect()``."""
 
-    def __init__(self, address: str, timeout: float | None = 60.0) -> None:
+    def __init__(self, address: str, timeout: float | None = 60.0, *, api_key: str | None = None,
+                 curve_server_key: str | bytes | None = None) -> None:
         self.address, self.timeout = address, timeout
+        self.api_key = api_key if api_key is not None else os.environ.get("RADIXRT_API_KEY") or None
         self._ids = _Ids()
         self._ctx = zmq.asyncio.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.connect(address)
+        self._sock = _connect(self._ctx, address, curve_server_key)
         self._pending: dict[str, asyncio.Queue] = {}
         self._reader: asyncio.Task | None = None
         self.info: dict[str, Any] = {}
@@ -362,6 +390,8 @@ class AsyncClient:
         q = None
         if expect_reply:
             q = self._pending[msg.req_id] = asyncio.Queue()
+        if self.api_key is not None:
+            msg.api_key = self.api_key
         await self._sock.send(encode(msg))
         return q
 

@@ -8,6 +8,9 @@ Contract:
   pair). Nothing is pickled.
 - A client opens with ``Hello(version=PROTOCOL_VERSION)``; the server answers
   ``HelloReply`` with its info, or ``ErrorReply(code=VERSION_MISMATCH)``.
+- When the server runs with an API key, every client message carries it in
+  ``api_key``; one without it (or with a wrong one) gets
+  ``ErrorReply(code=UNAUTHORIZED)`` and is otherwise ignored.
 - Every client request carries a client-chosen ``req_id``; every reply to it
   carries the same ``req_id`` (the replies one scheduler step produces for one
   client may arrive together in a ``ReplyBatch``; a ``Ping`` probe has
@@ -37,7 +40,11 @@ class ErrorCode:
     DUPLICATE_RID = "duplicate_rid"
     OVERLOADED = "overloaded"              # the waiting queue is full
     BUSY = "busy"                          # e.g. flush_cache with running requests
-    INTERNAL = "internal"
+    INTERNAL = "internal"                  # a server fault while handling the request
+    UNAUTHORIZED = "unauthorized"          # missing or wrong API key
+    TOO_LARGE = "too_large"                # a message over the server's byte limit
+    LIMIT_EXCEEDED = "limit_exceeded"      # max_new_tokens or in-flight requests over a limit
+    SHUTTING_DOWN = "shutting_down"        # the server is draining; no new requests
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -63,6 +70,7 @@ class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
 class Hello(_Msg, tag="hello"):
     version: int
     req_id: str = ""
+    api_key: str | None = None  # required when the server has --api-key
 
 
 class GenerateRequest(_Msg, tag="generate"):
@@ -75,11 +83,13 @@ class GenerateRequest(_Msg, tag="generate"):
     sampling_params: dict[str, Any] | None = None
     stream: bool = False
     logprob_start_len: int | None = None  # score the prompt from this token on
+    api_key: str | None = None  # required when the server has --api-key
 
 
 class AbortRequest(_Msg, tag="abort"):
     req_id: str
     target: str  # the req_id of the generate request to abort
+    api_key: str | None = None  # required when the server has --api-key
 
 
 class ControlRequest(_Msg, tag="control"):
@@ -87,6 +97,7 @@ class ControlRequest(_Msg, tag="control"):
 
     req_id: str
     kind: str
+    api_key: str | None = None  # required when the server has --api-key
 
 
 # ------------------------------------------------------- server → client
@@ -211,6 +222,12 @@ class ProcessReady(_Msg, tag="ready"):
     info: dict[str, Any] = {}
 
 
+class Drained(_Msg, tag="drained"):
+    """TokenizerManager → launcher: the SIGTERM drain is over (``aborted``: requests cut off)."""
+
+    aborted: int = 0
+
+
 class ProcessFailed(_Msg, tag="failed"):
     """Child → launcher, when start-up fails."""
 
@@ -223,7 +240,7 @@ Message = Union[
     Hello, GenerateRequest, AbortRequest, ControlRequest,
     HelloReply, StreamChunk, GenerateReply, ReplyBatch, ControlReply, Ping, ErrorReply,
     TokenizedRequest, AbortRid, BatchTokenOut, BatchTextOut, RidError, SchedulerReady,
-    ProcessReady, ProcessFailed,
+    ProcessReady, Drained, ProcessFailed,
 ]
 MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
 

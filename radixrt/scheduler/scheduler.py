@@ -253,6 +253,7 @@ class Scheduler:
         if req in self.decoding:
             self.decoding.remove(req)
         req.state, req.finish_reason = ReqState.FINISHED, reason
+        self.stats[f"finished_{reason}"] += 1
         return req
 
     # ---------------------------------------------------------------- misc

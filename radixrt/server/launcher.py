@@ -2,8 +2,15 @@
 
 Children are started with the "spawn" method (torch and fork do not mix) and
 get one plain dict each. The launcher waits until every child reports ready
-on an ipc PULL socket, prints exactly one ready line, then watches: SIGINT or
-SIGTERM stops everything (exit 0); a child that dies stops the rest (exit 1).
+on an ipc PULL socket, prints exactly one ready line, then watches:
+
+- SIGTERM drains: the TokenizerManager (told by SIGUSR1) refuses new requests
+  with "shutting_down", lets running ones finish for up to ``grace_period``
+  seconds, aborts what is left, and reports ``Drained``; the launcher then
+  stops everything and exits 0 after a clean drain, 1 when requests had to
+  be aborted. A second SIGTERM, or SIGINT, stops everything at once (exit 0).
+- A child that dies stops the rest (exit 1).
+
 Children die with the launcher (PR_SET_PDEATHSIG and a parent-pid check).
 """
 
@@ -21,17 +28,18 @@ import time
 import zmq
 
 from radixrt.config import EngineConfig
-from radixrt.protocol import ProcessFailed, ProcessReady, decode
+from radixrt.protocol import Drained, ProcessFailed, ProcessReady, decode
 
 READY_TIMEOUT_S = 600
 STOP_GRACE_S = 3.0
+DRAIN_SLACK_S = 10.0  # past the grace period, how long to wait for the abort replies
 
 
 class Launcher:
-    def __init__(self, config: EngineConfig, host: str, port: int,
-                 max_waiting_requests: int | None = None) -> None:
-        self.config, self.host, self.port = config, host, port
-        self.max_waiting = max_waiting_requests
+    def __init__(self, config: EngineConfig, server: dict) -> None:
+        """``server``: the settings of ``radixrt.cli.SERVER_SETTINGS`` (host, port, limits...)."""
+        self.config, self.server = config, dict(server)
+        self.host, self.port = server["host"], server["port"]
         self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
         self.addrs = {name: f"ipc://{self.tmpdir}/{name}" for name in
                       ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")}
@@ -40,7 +48,10 @@ class Launcher:
         self.ready.setsockopt(zmq.LINGER, 0)
         self.ready.bind(self.addrs["ready_addr"])
         self.procs: dict[str, multiprocessing.Process] = {}
-        self.stop_signal: int | None = None
+        self.ready_printed = False
+        self.stop_signal: int | None = None  # stop at once
+        self.drain_signal = False            # a first SIGTERM once ready: drain
+        self.draining_since: float | None = None
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -50,6 +61,7 @@ class Launcher:
             info = self.wait_ready()
             if info is None:
                 return 0 if self.stop_signal is not None else 1
+            self.ready_printed = True
             print(f"radixrt ready on tcp://{self.host}:{self.port} (model {info['model_name']}, "
                   f"{info['kv_slots']} KV slots)", flush=True)
             return self.supervise()
@@ -57,23 +69,27 @@ class Launcher:
             self.shutdown()
 
     def _on_signal(self, signum, frame) -> None:
-        self.stop_signal = signum
+        if signum == signal.SIGTERM and self.ready_printed and not self.drain_signal:
+            self.drain_signal = True
+        else:
+            self.stop_signal = signum
 
     def start(self) -> None:
         from radixrt.server.detokenizer import run_detokenizer
         from radixrt.server.scheduler_process import run_scheduler_process
         from radixrt.server.tokenizer_manager import run_tokenizer_manager
         mp = multiprocessing.get_context("spawn")
-        base = {**self.addrs, "parent_pid": os.getpid()}
+        base = {**self.addrs, "parent_pid": os.getpid(), "debug_faults": self.server.get("debug_faults")}
         self._spawn(mp, "scheduler", run_scheduler_process,
                     {**base, "engine": dataclasses.asdict(self.config),
-                     "max_waiting_requests": self.max_waiting})
+                     "max_waiting_requests": self.server.get("max_waiting_requests"),
+                     "max_forward_failures": self.server.get("max_forward_failures", 3)})
         from radixrt.model.loader import resolve_model_path
         base["model_path"] = resolve_model_path(self.config.model)
         self._spawn(mp, "detokenizer", run_detokenizer, base)
         pids = {name: p.pid for name, p in self.procs.items()}
         self._spawn(mp, "tokenizer_manager", run_tokenizer_manager,
-                    {**base, "host": self.host, "port": self.port, "pids": pids})
+                    {**base, **self.server, "pids": pids})
 
     def _spawn(self, mp, name: str, target, args: dict) -> None:
         proc = mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
@@ -109,17 +125,36 @@ class Launcher:
 
     def supervise(self) -> int:
         while self.stop_signal is None:
+            if self.drain_signal and self.draining_since is None:
+                self.start_drain()
+            if self.draining_since is not None and time.monotonic() > self.draining_since + \
+                    float(self.server.get("grace_period", 0)) + DRAIN_SLACK_S:
+                print("radixrt: error: the drain did not finish; stopping", file=sys.stderr)
+                return 1
             dead = self.dead_child()
             if dead is not None:
                 print(f"radixrt: error: the {dead} process exited "
                       f"(code {self.procs[dead].exitcode}); shutting down", file=sys.stderr)
                 return 1
-            if self.ready.poll(200):
+            if self.ready.poll(100):
                 msg = decode(self.ready.recv())
                 if isinstance(msg, ProcessFailed):
                     print(f"radixrt: error: {msg.role} failed:\n{msg.error}", file=sys.stderr)
                     return 1
+                if isinstance(msg, Drained):
+                    if msg.aborted:
+                        print(f"radixrt: grace period over; aborted {msg.aborted} running requests",
+                              file=sys.stderr)
+                        return 1
+                    print("radixrt: drained; stopping", file=sys.stderr, flush=True)
+                    return 0
         return 0
+
+    def start_drain(self) -> None:
+        self.draining_since = time.monotonic()
+        print(f"radixrt: SIGTERM: draining (grace period {self.server.get('grace_period')} s; "
+              "a second SIGTERM stops at once)", file=sys.stderr, flush=True)
+        os.kill(self.procs["tokenizer_manager"].pid, signal.SIGUSR1)
 
     def shutdown(self) -> None:
         for proc in self.procs.values():

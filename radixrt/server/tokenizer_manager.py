@@ -1,34 +1,81 @@
 """The TokenizerManager process: the server's front door.
 
-A ZeroMQ ROUTER on tcp://HOST:PORT (``ROUTER_MANDATORY``, so a reply to a
-client that went away fails with EHOSTUNREACH and that client's requests are
-aborted; when the socket monitor reports a disconnect, every client with work
-in flight is sent a ``Ping`` to find out which one left). For each request it tokenizes (applying the chat template to
-``messages``), validates, assigns a server rid and pushes a
-``TokenizedRequest`` to the Scheduler; text deltas from the Detokenizer are
-routed back by client identity, streamed or gathered into one
-``GenerateOutput``. Every bad input gets an ``ErrorReply``; nothing a client
-sends can stop the loop.
+A ZeroMQ ROUTER on tcp://HOST:PORT. For each request it checks the API key,
+tokenizes (applying the chat template to ``messages``), validates against the
+limits, assigns a server rid and pushes a ``TokenizedRequest`` to the
+Scheduler; text deltas from the Detokenizer are routed back by client
+identity, streamed or gathered into one ``GenerateOutput``. Every bad input
+gets an ``ErrorReply``; nothing a client sends can stop the loop.
+
+- Vanished clients: the ROUTER is ``ROUTER_MANDATORY``, so a reply to a client
+  that went away fails with EHOSTUNREACH and that client's requests are
+  aborted (their KV is freed). Clients with work in flight are sent a ``Ping``
+  when the socket monitor reports a disconnect and every ``PROBE_S`` seconds
+  (the disconnect event may arrive before the peer's pipe is gone).
+- Limits (``radixrt launch --help``): frames over ``max_message_bytes`` get
+  ``too_large`` (ZeroMQ drops a connection that sends a frame over four times
+  that, unread, so memory stays bounded); prompts over ``max_prompt_tokens``
+  get ``prompt_too_long``; ``max_new_tokens`` over ``max_new_tokens_limit`` and
+  more than ``max_requests_per_client`` requests in flight on one connection
+  get ``limit_exceeded``.
+- Who may connect: with ``api_key`` (one key, or several separated by commas)
+  every message must carry one of them, else ``unauthorized``;
+  ``isolate_by_api_key`` prefixes each request's ``cache_salt`` with a hash of
+  its key, so tenants never share cached prefixes. With ``curve_keys`` the
+  socket is a CurveZMQ server (``server.key_secret`` in that folder).
+- Drain: SIGUSR1 (sent by the launcher on SIGTERM) makes new requests fail
+  with ``shutting_down``; running ones finish, or are aborted once
+  ``grace_period`` seconds have passed; then ``Drained`` goes to the launcher.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import hashlib
+import hmac
 import itertools
 import os
+import signal
 import time
 
 import msgspec
 import zmq
 
 from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, AbortRid, BatchTextOut, ControlReply,
-                              ControlRequest, ErrorCode, ErrorReply, GenerateOutput, GenerateReply,
-                              GenerateRequest, Hello, HelloReply, Ping, ReplyBatch, RidError, SchedulerReady, StreamChunk,
-                              TextDelta, TokenizedRequest, classify_bad_frame, decode, encode)
+                              ControlRequest, Drained, ErrorCode, ErrorReply, GenerateOutput, GenerateReply,
+                              GenerateRequest, Hello, HelloReply, Ping, ReplyBatch, RidError, SchedulerReady,
+                              StreamChunk, TextDelta, TokenizedRequest, classify_bad_frame, decode, encode)
 from radixrt.sampling import SamplingParams
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
 
 CONTROL_KINDS = ("server_info", "flush_cache", "health")
 SCHEDULER_START_TIMEOUT_S = 600
+PROBE_S = 1.0
+HARD_SIZE_FACTOR = 4  # ZMQ_MAXMSGSIZE = this × max_message_bytes
+
+
+class _ReqIdOnly(msgspec.Struct):
+    """Reads just the req_id of a frame too large to decode in full."""
+
+    req_id: str = ""
+
+
+def api_keys(setting: str | None) -> list[bytes]:
+    """The accepted keys of an ``api_key`` setting ("KEY" or "KEY1,KEY2")."""
+    return [k.strip().encode() for k in (setting or "").split(",") if k.strip()]
+
+
+def curve_server_keys(folder: str) -> tuple[bytes, bytes]:
+    """(public, secret) from ``folder/server.key_secret`` (made by ``radixrt curve-keygen``)."""
+    import zmq.auth
+    path = os.path.join(folder, "server.key_secret")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--curve-keys: no {path} (create it with `radixrt curve-keygen {folder}`)")
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"--curve-keys: {path} holds no secret key")
+    return public, secret
 
 
 class RequestError(Exception):
@@ -59,6 +106,15 @@ class TokenizerManager:
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
+        self.max_message_bytes = int(args.get("max_message_bytes") or 16 << 20)
+        self.router.setsockopt(zmq.MAXMSGSIZE, HARD_SIZE_FACTOR * self.max_message_bytes)
+        self.api_keys = api_keys(args.get("api_key"))
+        self.isolate = bool(args.get("isolate_by_api_key"))
+        if self.isolate and not self.api_keys:
+            raise ValueError("--isolate-by-api-key needs --api-key")
+        if args.get("curve_keys"):
+            self.router.curve_publickey, self.router.curve_secretkey = curve_server_keys(args["curve_keys"])
+            self.router.curve_server = True
         self.router.bind(f"tcp://{args['host']}:{args['port']}")
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.from_detok = pull(ctx, args["tokenizer_addr"])
@@ -68,6 +124,13 @@ class TokenizerManager:
         self.rids: dict[tuple[bytes, str], str] = {}         # (identity, req_id) -> rid
         self.controls: dict[str, tuple[bytes, str, str]] = {}  # qid -> (identity, req_id, kind)
         self.counter = itertools.count()
+        self.in_flight: collections.Counter[bytes] = collections.Counter()  # identity -> requests
+        self.next_probe = 0.0
+        self.ready_sock: zmq.Socket | None = None  # to the launcher (Drained)
+        self.drain_requested = False
+        self.drain_deadline: float | None = None
+        self.drain_aborted = 0
+        self.drained = False
 
     # ------------------------------------------------------------ loop
 
@@ -97,6 +160,32 @@ class TokenizerManager:
             if self.monitor in events:
                 self.drain(self.monitor, lambda frames: None)
                 self.ping_clients()
+            if time.monotonic() >= self.next_probe:
+                self.next_probe = time.monotonic() + PROBE_S
+                self.ping_clients()
+            if self.drain_requested:
+                self.step_drain()
+
+    # ----------------------------------------------------------- drain
+
+    def on_drain_signal(self, signum, frame) -> None:
+        self.drain_requested = True
+
+    def step_drain(self) -> None:
+        """Advance the SIGTERM drain: wait, abort what outlives the grace period, report."""
+        now = time.monotonic()
+        if self.drain_deadline is None:
+            self.drain_deadline = now + float(self.args.get("grace_period") or 0.0)
+        if self.drained:
+            return
+        if not self.reqs:
+            self.drained = True
+            if self.ready_sock is not None:
+                self.ready_sock.send(encode(Drained(aborted=self.drain_aborted)))
+        elif now >= self.drain_deadline and not self.drain_aborted:
+            self.drain_aborted = len(self.reqs)
+            for rid in self.reqs:
+                self.to_sched.send(encode(AbortRid(rid=rid)))
 
     @staticmethod
     def drain(sock: zmq.Socket, handle) -> None:
@@ -127,8 +216,8 @@ class TokenizerManager:
     def drop_client(self, identity: bytes) -> None:
         """The client is gone: abort its requests (frees their KV) and forget them."""
         for key in [k for k in self.rids if k[0] == identity]:
-            rid = self.rids.pop(key)
-            self.reqs.pop(rid, None)
+            rid = self.rids[key]
+            self.forget(rid)
             self.to_sched.send(encode(AbortRid(rid=rid)))
         for qid in [q for q, c in self.controls.items() if c[0] == identity]:
             del self.controls[qid]
@@ -139,6 +228,13 @@ class TokenizerManager:
         identity = frames[0]
         if len(frames) != 2:
             return self.error(identity, "", ErrorCode.MALFORMED, "a message is exactly one frame")
+        if len(frames[1]) > self.max_message_bytes:
+            try:
+                req_id = msgspec.msgpack.decode(frames[1], type=_ReqIdOnly).req_id
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                req_id = ""
+            return self.error(identity, req_id, ErrorCode.TOO_LARGE, f"a {len(frames[1])}-byte message; "
+                              f"the server accepts at most {self.max_message_bytes} bytes")
         try:
             msg = decode(frames[1])
         except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
@@ -151,6 +247,8 @@ class TokenizerManager:
             self.error(identity, getattr(msg, "req_id", ""), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
     def dispatch(self, identity: bytes, msg) -> None:
+        if self.api_keys and not self.authorized(getattr(msg, "api_key", None)):
+            raise RequestError(ErrorCode.UNAUTHORIZED, "a valid API key is required (api_key=...)")
         if isinstance(msg, GenerateRequest):
             self.generate(identity, msg)
         elif isinstance(msg, AbortRequest):
@@ -165,14 +263,31 @@ class TokenizerManager:
         else:
             raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not a client request")
 
+    def authorized(self, key: str | None) -> bool:
+        given = (key or "").encode()
+        return any(hmac.compare_digest(given, k) for k in self.api_keys)
+
     def generate(self, identity: bytes, msg: GenerateRequest) -> None:
+        if self.drain_requested:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests")
         key = (identity, msg.req_id)
         if key in self.rids:
             raise RequestError(ErrorCode.DUPLICATE_RID, f"request {msg.req_id!r} is already in flight")
+        per_client = self.args.get("max_requests_per_client")
+        if per_client is not None and self.in_flight[identity] >= per_client:
+            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"this client has {self.in_flight[identity]} "
+                               f"requests in flight; the limit is {per_client}")
         try:
             sp = SamplingParams.from_dict(msg.sampling_params or {})
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
+        limit = self.args.get("max_new_tokens_limit")
+        if limit is not None and sp.max_new_tokens > limit:
+            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"max_new_tokens {sp.max_new_tokens} is over "
+                               f"the server's limit of {limit}")
+        if self.isolate:
+            tenant = hashlib.sha256(msg.api_key.encode()).hexdigest()[:16]
+            sp = dataclasses.replace(sp, cache_salt=f"{tenant}/{sp.cache_salt or ''}")
         ids = self.validate(self.tokenize(msg))
         start = msg.logprob_start_len
         if start is not None and not 1 <= start < len(ids):
@@ -181,6 +296,7 @@ class TokenizerManager:
         rid = str(next(self.counter))
         self.rids[key] = rid
         self.reqs[rid] = ClientReq(identity, msg.req_id, msg.stream)
+        self.in_flight[identity] += 1
         self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp,
                                                       logprob_start_len=start)))
 
@@ -203,6 +319,10 @@ class TokenizerManager:
         limits = self.limits
         if not ids:
             raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
+        cap = self.args.get("max_prompt_tokens")
+        if cap is not None and len(ids) > cap:
+            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the server "
+                               f"accepts at most {cap}")
         if len(ids) >= limits["max_context"]:
             raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the context "
                                f"is {limits['max_context']} tokens")
@@ -231,7 +351,11 @@ class TokenizerManager:
 
     def info(self) -> dict:
         pids = {"launcher": os.getppid(), "tokenizer_manager": os.getpid(), **self.args.get("pids", {})}
-        return {**self.limits, "version": PROTOCOL_VERSION, "pids": pids, "in_flight": len(self.reqs)}
+        limits = {k: self.args.get(k) for k in ("max_prompt_tokens", "max_new_tokens_limit",
+                                                 "max_requests_per_client")}
+        return {**self.limits, **limits, "max_message_bytes": self.max_message_bytes,
+                "version": PROTOCOL_VERSION, "pids": pids, "in_flight": len(self.reqs),
+                "draining": self.drain_requested}
 
     # ------------------------------------------------- backend messages
 
@@ -240,6 +364,7 @@ class TokenizerManager:
         if isinstance(msg, BatchTextOut):
             self.on_text_batch(msg)
         elif isinstance(msg, RidError):
+            self.to_sched.send(encode(AbortRid(rid=msg.rid)))  # frees its KV if it still runs
             st = self.forget(msg.rid)
             if st is not None:
                 self.error(st.identity, st.req_id, msg.code, msg.message)
@@ -250,6 +375,9 @@ class TokenizerManager:
         st = self.reqs.pop(rid, None)
         if st is not None:
             self.rids.pop((st.identity, st.req_id), None)
+            self.in_flight[st.identity] -= 1
+            if not self.in_flight[st.identity]:
+                del self.in_flight[st.identity]
         return st
 
     def on_text_batch(self, batch: BatchTextOut) -> None:
@@ -297,6 +425,8 @@ class TokenizerManager:
 def run_tokenizer_manager(args: dict) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         tm = TokenizerManager(args, ctx)
+        tm.ready_sock = ready
+        signal.signal(signal.SIGUSR1, tm.on_drain_signal)
         tm.wait_for_scheduler()
         report_ready(ready, "tokenizer_manager", tm.info())
         tm.loop()

@@ -1,0 +1,126 @@
+"""A real `radixrt launch` subprocess for end-to-end tests, and the checks every server test shares."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from radixrt.client import Client
+from radixrt.testing import tiny_model_path
+
+READY_TIMEOUT_S = 120
+
+
+def proc_alive(pid: int) -> bool:
+    """True while pid exists and is not a zombie (Linux /proc; no psutil needed)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def descendants(pid: int) -> set[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parents.items() if pp in frontier} - found
+        found |= frontier
+    return found
+
+
+def wait_gone(pids: set[int], timeout: float) -> set[int]:
+    """The pids still alive after up to ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (alive := {p for p in pids if proc_alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A `python -m radixrt.cli launch` subprocess (tiny llama, fp32) and its ready line."""
+
+    def __init__(self, *extra: str, env: dict | None = None) -> None:
+        self.port = free_port()
+        self.address = f"tcp://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
+               "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=env)
+        self.lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self.ready_line = self._wait_ready()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+
+    def _wait_ready(self) -> str:
+        try:
+            line = self.lines.get(timeout=READY_TIMEOUT_S)
+        except queue.Empty:
+            self.stop()
+            pytest.fail("no ready line from the server")
+        if not line.startswith("radixrt ready"):
+            self.stop()
+            pytest.fail(f"unexpected first line {line!r}: {self.proc.stderr.read()}")
+        return line
+
+    def children(self) -> set[int]:
+        return descendants(self.proc.pid)
+
+    def stop(self) -> None:
+        kids = self.children()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for pid in wait_gone(kids, 0):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def wait_idle(client: Client, timeout: float = 10.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        info = client.server_info()
+        if (info["running"] == 0 and info["waiting"] == 0 and info["protected_tokens"] == 0) \
+                or time.monotonic() > deadline:
+            return info
+        time.sleep(0.05)
+
+
+def assert_idle_kv(client: Client, timeout: float = 30.0) -> dict:
+    """The idle KV invariant through ``server_info``: once idle, nothing is protected and
+    every slot is free or held by an evictable cached prefix."""
+    info = wait_idle(client, timeout)
+    assert info["running"] == 0 and info["waiting"] == 0, info
+    assert info["protected_tokens"] == 0, info
+    assert info["free_slots"] + info["evictable_tokens"] == info["kv_slots"], info
+    return info
