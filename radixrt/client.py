@@ -165,18 +165,20 @@ class Client:
         return [self._result(req_id, q, deadline) for req_id, q in sent]
 
     def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]],
-              timeout: float | None = None) -> list[tuple[float, int]]:
+              timeout: float | None = None, *, cache_salt: str | None = None) -> list[tuple[float, int]]:
         """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
 
-        The prefix is prefilled (and cached) first; the continuations then go out
-        together as prefill-only requests scoring from ``len(prefix_ids)``.
+        The prefix is prefilled (and cached, under ``cache_salt``) first; the
+        continuations then go out together as prefill-only requests scoring from
+        ``len(prefix_ids)``.
         """
         prefix = list(map(int, prefix_ids))
         conts = [list(map(int, c)) for c in continuations]
-        self.generate(input_ids=prefix, sampling_params={"max_new_tokens": 0}, timeout=timeout)
+        sp = {"max_new_tokens": 0, "cache_salt": cache_salt}
+        self.generate(input_ids=prefix, sampling_params=sp, timeout=timeout)
         sent = []
         for c in conts:
-            req = _generate_request(self._ids(), None, {"max_new_tokens": 0}, prefix + c, None, False)
+            req = _generate_request(self._ids(), None, sp, prefix + c, None, False)
             req.logprob_start_len = len(prefix)
             sent.append((req.req_id, self._send(req)))
         deadline = self._deadline(timeout)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-import torch
 
 from radixrt.config import EngineConfig
 from radixrt.model.loader import ModelConfig, resolve_model_path
@@ -21,6 +20,13 @@ class Engine:
 
     ``Engine(model=None, ...)`` loads the default model (SmolLM2-135M-Instruct);
     every keyword is an ``EngineConfig`` field.
+
+    A request the scheduler failed (a forward pass of its batch raised, or its
+    own step did; see ``radixrt.scheduler.scheduler``) finishes with
+    finish_reason "error" and the message in ``Req.error``. ``generate`` and
+    ``score`` then raise ``RuntimeError`` naming the first failed request,
+    after every request of the call has finished (its KV released, the engine
+    still usable); ``make_output`` returns finish_reason "error" for it.
     """
 
     def __init__(self, model: str | None = None, dtype: str = "auto",
@@ -55,24 +61,27 @@ class Engine:
             self.scheduler.add_request(req)
         while not all(r.finished for r in reqs):
             self.scheduler.step()
+        self._raise_if_failed(reqs)
         return [self._output(r) for r in reqs]
 
-    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]]
-              ) -> list[tuple[float, int]]:
+    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]], *,
+              cache_salt: str | None = None) -> list[tuple[float, int]]:
         """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
 
-        The prefix is prefilled once (and cached); each continuation then runs
-        as a prefill-only request that hits it and computes only its own tokens.
+        The prefix is prefilled once (and cached, under ``cache_salt``); each
+        continuation then runs as a prefill-only request that hits it and
+        computes only its own tokens.
         """
         prefix = list(map(int, prefix_ids))
         conts = [list(map(int, c)) for c in continuations]
         if not prefix or any(not c for c in conts):
             raise ValueError("score needs a non-empty prefix and non-empty continuations")
-        self.generate(input_ids=[prefix], sampling_params=SamplingParams(max_new_tokens=0))
-        sp = SamplingParams(max_new_tokens=0)
+        sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
+        self.generate(input_ids=[prefix], sampling_params=sp)
         reqs = [self.add_request(prefix + c, sp, logprob_start_len=len(prefix)) for c in conts]
         while not all(r.finished for r in reqs):
             self.step()
+        self._raise_if_failed(reqs)
         return [(sum(r.prompt_logprobs), len(c)) for r, c in zip(reqs, conts)]
 
     def add_request(self, input_ids: Sequence[int], sampling_params: SamplingParams,
@@ -156,6 +165,13 @@ class Engine:
     def _make_req(self, ids: list[int], sp: SamplingParams) -> Req:
         gen = make_generator(sp.seed) if sp.seed is not None else None
         return Req(str(next(self._rids)), ids, sp, self.model_config.eos_token_ids, gen)
+
+    @staticmethod
+    def _raise_if_failed(reqs: list[Req]) -> None:
+        failed = [r for r in reqs if r.finish_reason == "error"]
+        if failed:
+            raise RuntimeError(f"request {failed[0].rid} failed ({len(failed)} of {len(reqs)} "
+                               f"in this call): {failed[0].error}")
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

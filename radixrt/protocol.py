@@ -263,6 +263,8 @@ def classify_bad_frame(data: bytes) -> tuple[str, str, str]:
         raw = msgspec.msgpack.decode(data)
     except msgspec.DecodeError as e:
         return "", ErrorCode.MALFORMED, f"not msgpack: {e}"
+    except RecursionError:
+        return "", ErrorCode.MALFORMED, "msgpack nested too deeply"
     req_id = raw.get("req_id", "") if isinstance(raw, dict) else ""
     req_id = req_id if isinstance(req_id, str) else ""
     tag = raw.get("type") if isinstance(raw, dict) else None
@@ -274,4 +276,6 @@ def classify_bad_frame(data: bytes) -> tuple[str, str, str]:
         decode(data)
     except (msgspec.ValidationError, ValueError, TypeError) as e:
         return req_id, ErrorCode.INVALID_REQUEST, str(e)
+    except RecursionError:
+        return req_id, ErrorCode.MALFORMED, "msgpack nested too deeply"
     return req_id, ErrorCode.MALFORMED, "undecodable message"

@@ -7,6 +7,10 @@ Contract:
   types. It normalizes: ``stop`` → ``list[str]`` of non-empty strings,
   ``stop_token_ids`` → ``list[int]``, ``top_k`` 0 → -1 (disabled),
   ``temperature``/``top_p``/``min_p`` → ``float``.
+- ``cache_salt`` (None or a non-empty str of at most ``MAX_CACHE_SALT_LEN``
+  chars) namespaces the prefix cache: a request reuses only KV computed for
+  requests with the same salt (None shares with None), so tenants with
+  different salts cannot observe each other's cached prefixes by timing.
 - ``Sampler.sample(logits [B, V], params, generators)`` returns one token per
   row. A row is greedy when ``temperature == 0`` or ``top_k == 1``: it takes the
   argmax of the raw logits (first index on ties) and draws no random numbers.
@@ -39,6 +43,7 @@ import torch
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
+MAX_CACHE_SALT_LEN = 256
 
 
 def _bad(name: str, value: Any, want: str) -> ValueError:
@@ -67,6 +72,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: bool = False
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -101,6 +107,9 @@ class SamplingParams:
         s = self.seed
         if s is not None and (not _is_int(s) or not _SEED_MIN <= s <= _SEED_MAX):
             raise _bad("seed", s, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_LEN):
+            raise _bad("cache_salt", salt, f"None or a non-empty str of at most {MAX_CACHE_SALT_LEN} chars")
 
     @property
     def greedy(self) -> bool:

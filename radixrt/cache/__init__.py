@@ -6,9 +6,9 @@ import torch
 
 from radixrt.cache.allocator import KVSlotAllocator
 from radixrt.cache.kv_pool import KVPool
-from radixrt.cache.radix_cache import MatchResult, RadixCache, TreeNode
+from radixrt.cache.radix_cache import MatchResult, NamespaceNode, RadixCache, TreeNode
 
-__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "RadixCache", "TreeNode",
+__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "RadixCache", "TreeNode",
            "check_slot_partition"]
 
 

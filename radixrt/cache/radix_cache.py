@@ -1,7 +1,7 @@
 """The radix tree mapping token prefixes to KV slot indices.
 
 Contract (see shared DESIGN.md, "The KV cache"):
-- Every node but the root holds a non-empty ``key`` (token ids) and a
+- Every node but the roots holds a non-empty ``key`` (token ids) and a
   ``value`` (int64 slot tensor of the same length). With page_size > 1 every
   key is a whole number of pages. Values live on the CPU as int64 numpy
   arrays; ``node.value`` and ``MatchResult.kv_indices`` are CPU int64 tensors
@@ -17,6 +17,18 @@ Contract (see shared DESIGN.md, "The KV cache"):
 - A slot is held by at most one node, and never by a node and the free list.
 - ``last_access`` is a logical clock (one tick per touch), so LRU order is
   exact and reproducible.
+- Namespaces (tenant isolation): ``match_prefix``/``insert`` take an optional
+  ``cache_salt``. Keys without a salt live under ``root``; keys with salt ``s``
+  live under a ``NamespaceNode`` stored as ``root.children[s]`` (a str key,
+  which never collides with the int/tuple token keys). A namespace node is a
+  root of its own: empty key and value, lock_ref fixed at 1, never evictable;
+  lock/unlock/touch walks stop at it (every walk stops at the first empty
+  key). It exists only while it has children: ``insert`` creates it, ``evict``
+  drops it with its last child, and a match under an unknown salt returns
+  ``root`` as ``last_node`` (a 0-token hit; locking it is a no-op). So
+  requests with different salts never share a slot, and the same salt (or
+  none) shares exactly as without salts. The eviction order is global
+  (LRU/LFU across all namespaces).
 
 Keys are compared as runs (list slices compare in C), never token by token
 in Python. Slots stay in numpy from insert to evict (torch is touched once
@@ -64,6 +76,20 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+class NamespaceNode(TreeNode):
+    """The root of one ``cache_salt``'s subtree (see the module docstring)."""
+
+    __slots__ = ("salt",)
+
+    def __init__(self, node_id: int, salt: str, parent: TreeNode) -> None:
+        super().__init__(node_id, [], np.empty(0, dtype=np.int64), parent)
+        self.salt = salt
+        self.lock_ref = 1  # like the root: never evictable
+
+    def __repr__(self) -> str:
+        return f"NamespaceNode(id={self.id}, salt={self.salt!r}, children={len(self.children)})"
 
 
 class MatchResult(NamedTuple):
@@ -116,15 +142,19 @@ class RadixCache:
 
     # ------------------------------------------------------------------ API
 
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        """Longest cached prefix of ``token_ids`` (page-aligned).
+    def match_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> MatchResult:
+        """Longest cached prefix of ``token_ids`` (page-aligned) in ``cache_salt``'s namespace.
 
         If the hit ends inside an edge, that edge is split so ``last_node``
         covers exactly the hit. Refreshes last access (and, for LFU, the hit
-        count) of every node on the path.
+        count) of every node on the path. A miss returns the namespace node
+        (or ``root`` when the salt has nothing cached) as ``last_node``.
         """
         key = self._page_align(_as_list(token_ids))
-        node, pos, values = self.root, 0, []
+        node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
+        if node is None:
+            return MatchResult(0, _EMPTY, self.root)  # nothing cached under this salt
+        pos, values = 0, []
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -144,19 +174,22 @@ class RadixCache:
         kv = np.concatenate(values) if len(values) > 1 else values[0]
         return MatchResult(pos, torch.from_numpy(kv), node)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor) -> int:
-        """Add ``token_ids`` → ``kv_indices``; return how many leading tokens were cached.
+    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
+               cache_salt: str | None = None) -> int:
+        """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many were cached.
 
         The tree keeps its own slots for the already-cached prefix; the
         caller's slots for those tokens stay the caller's to free. Only the
         page-aligned part of the key is inserted. Splits edges where the new
-        path forks from an existing one.
+        path forks from an existing one. Only the salt's own namespace counts
+        as cached (created here on its first non-empty insert).
         """
         key = self._page_align(_as_list(token_ids))
         num_kv = kv_indices.size if isinstance(kv_indices, np.ndarray) else kv_indices.numel()
         if num_kv < len(key):
             raise ValueError(f"insert: {len(key)} tokens but only {num_kv} kv_indices")
-        node, pos = self.root, 0
+        node = self.root if cache_salt is None or not key else self._namespace(cache_salt)
+        pos = 0
         while pos < len(key):
             child = node.children.get(self._child_key(key, pos))
             if child is None:
@@ -179,9 +212,8 @@ class RadixCache:
         return pos
 
     def lock(self, node: TreeNode) -> None:
-        """lock_ref += 1 on node and every ancestor (the root excepted)."""
-        root = self.root
-        while node is not root:
+        """lock_ref += 1 on node and every ancestor below its root (root or namespace)."""
+        while node.key:
             if node.lock_ref == 0:
                 self.evictable_size -= len(node.key)
                 self.protected_size += len(node.key)
@@ -192,11 +224,10 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        """lock_ref -= 1 on node and every ancestor; raises if a ref would go below 0."""
-        if node is not self.root and node.lock_ref <= 0:
+        """lock_ref -= 1 on node and every ancestor below its root; raises if a ref would go below 0."""
+        if node.key and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} which is not locked")
-        root = self.root
-        while node is not root:
+        while node.key:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self.evictable_size += len(node.key)
@@ -209,7 +240,8 @@ class RadixCache:
         """Free unlocked leaves, least recently used first, until num_tokens are freed.
 
         Returns the number of tokens freed (less than asked if nothing more is
-        evictable). A parent left childless and unlocked becomes a candidate.
+        evictable). A parent left childless and unlocked becomes a candidate;
+        a namespace left childless is dropped.
         """
         freed, slots = 0, []
         while freed < num_tokens and self._evictable:
@@ -221,8 +253,12 @@ class RadixCache:
             parent = node.parent
             del parent.children[self._child_key(node.key, 0)]
             node.parent = None
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
-                self._add_evictable(parent)
+            if not parent.children:
+                if parent.key:
+                    if parent.lock_ref == 0:
+                        self._add_evictable(parent)
+                elif parent is not self.root:
+                    self._drop_namespace(parent)
         if slots:
             self.allocator.free(np.concatenate(slots) if len(slots) > 1 else slots[0])
         return freed
@@ -256,6 +292,9 @@ class RadixCache:
         for node in self._nodes():
             if node is self.root:
                 assert node.parent is None and not node.key
+                continue
+            if not node.key:
+                self._check_namespace(node)
                 continue
             self._check_node(node)
             if node.lock_ref == 0:
@@ -293,6 +332,29 @@ class RadixCache:
         child_refs = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_refs, f"{node!r}: lock_ref below its children's sum {child_refs}"
         assert node.lock_ref >= 0
+
+    def _check_namespace(self, ns: TreeNode) -> None:
+        assert isinstance(ns, NamespaceNode), f"{ns!r} has an empty key"
+        assert ns.parent is self.root and self.root.children.get(ns.salt) is ns, f"{ns!r}: bad parent link"
+        assert ns._np.size == 0 and ns.lock_ref == 1 and ns.entry is None, f"{ns!r}: not root-like"
+        assert ns.children, f"{ns!r} is empty but still in the tree"
+
+    def _namespace(self, salt: str, create: bool = True) -> NamespaceNode | None:
+        """The namespace node of ``salt``; if missing, a new one (or None when not ``create``)."""
+        if type(salt) is not str:  # an int would find a token child of the root
+            raise TypeError(f"cache_salt must be a str or None, got {salt!r}")
+        ns = self.root.children.get(salt)
+        if ns is None:
+            if not create:
+                return None
+            ns = NamespaceNode(self._next_id, salt, self.root)
+            self._next_id += 1
+            self.root.children[salt] = ns
+        return ns
+
+    def _drop_namespace(self, ns: NamespaceNode) -> None:
+        del self.root.children[ns.salt]
+        ns.parent = None
 
     def _nodes(self):
         stack = [self.root]
@@ -334,7 +396,7 @@ class RadixCache:
 
     def _touch_path(self, node: TreeNode, hit: bool,
                     new_leaf: tuple[list[int], np.ndarray] | None = None) -> None:
-        """Refresh last_access (and hit_count) from node up to the root.
+        """Refresh last_access (and hit_count) from node up to its root (root or namespace).
 
         With ``new_leaf`` = (key, value), first hang a new leaf under node and
         start the walk from it (so it enters the evictable set once, current).
@@ -358,8 +420,7 @@ class RadixCache:
                 leaf.hit_count += hit
                 self._add_evictable(leaf)
                 node = leaf.parent
-        root = self.root
-        while node is not root:
+        while node.key:
             node.last_access = clock
             node.hit_count += hit
             node = node.parent

@@ -4,6 +4,9 @@ Both speak token ids (so a fork's children extend exactly the ids of their
 parent and hit its cached prefix) and offer the same four calls:
 ``generate``, ``generate_stream`` (text deltas, then the output), ``cache_prefix``
 (prefill-only request: the ids enter the radix tree) and ``score``.
+A program run's ``cache_salt`` travels in ``sp.cache_salt`` for ``generate``
+and as the ``cache_salt`` argument of ``cache_prefix`` and ``score``; every
+request a call sends carries it, so the run only shares KV within its salt.
 ``EngineBackend`` drives the engine from one thread, so programs running on many
 threads are batched together by the scheduler.
 """
@@ -13,7 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Iterator, Sequence
+from typing import Iterator
 
 from radixrt.protocol import GenerateOutput, TokenDelta
 from radixrt.sampling import SamplingParams
@@ -33,10 +36,11 @@ class Backend:
         yield out.text
         yield out
 
-    def cache_prefix(self, ids: list[int]) -> GenerateOutput:
-        return self.generate(ids, SamplingParams(max_new_tokens=0))
+    def cache_prefix(self, ids: list[int], cache_salt: str | None = None) -> GenerateOutput:
+        return self.generate(ids, SamplingParams(max_new_tokens=0, cache_salt=cache_salt))
 
-    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
+    def score(self, prefix: list[int], continuations: list[list[int]],
+              cache_salt: str | None = None) -> list[tuple[float, int]]:
         raise NotImplementedError
 
 
@@ -127,9 +131,10 @@ class EngineBackend(Backend):
                 pass
         yield fut.result()
 
-    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
-        self.cache_prefix(prefix)
-        sp = SamplingParams(max_new_tokens=0)
+    def score(self, prefix: list[int], continuations: list[list[int]],
+              cache_salt: str | None = None) -> list[tuple[float, int]]:
+        self.cache_prefix(prefix, cache_salt)
+        sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         futs = [self._submit(prefix + c, sp, logprob_start_len=len(prefix)) for c in continuations]
         outs = [f.result() for f in futs]
         return [(sum(o.prompt_logprobs or ()), len(c)) for o, c in zip(outs, continuations)]
@@ -142,8 +147,10 @@ class RuntimeEndpoint(Backend):
     not answer the handshake within ``connect_timeout`` seconds.
     """
 
-    def __init__(self, address: str, timeout: float | None = 120.0, connect_timeout: float = 5.0) -> None:
+    def __init__(self, address: str, timeout: float | None = 120.0, connect_timeout: float = 5.0, *,
+                 api_key: str | None = None, curve_server_key: str | bytes | None = None) -> None:
         self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
+        self.api_key, self.curve_server_key = api_key, curve_server_key
         self._client = None
         self._tokenizer = None
         self._lock = threading.Lock()
@@ -154,7 +161,8 @@ class RuntimeEndpoint(Backend):
         with self._lock:
             if self._client is None:
                 from radixrt.client import Client
-                c = Client(self.address, timeout=self.connect_timeout)
+                c = Client(self.address, timeout=self.connect_timeout, api_key=self.api_key,
+                           curve_server_key=self.curve_server_key)
                 c.timeout = self.timeout
                 self._client = c
             return self._client
@@ -186,10 +194,11 @@ class RuntimeEndpoint(Backend):
                              prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
                              finish_reason=last.finish_reason)
 
-    def score(self, prefix: list[int], continuations: list[list[int]]) -> list[tuple[float, int]]:
+    def score(self, prefix: list[int], continuations: list[list[int]],
+              cache_salt: str | None = None) -> list[tuple[float, int]]:
         self.request_log.append(list(prefix))
         self.request_log.extend(prefix + c for c in continuations)
-        return self.client.score(prefix, continuations)
+        return self.client.score(prefix, continuations, cache_salt=cache_salt)
 
     def close(self) -> None:
         if self._client is not None:

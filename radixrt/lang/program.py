@@ -11,12 +11,19 @@ messages and the named variables. ``s += expr`` runs at once:
   placeholder).
 ``s.fork(n)`` caches the current prefix on the backend, then returns n states
 that extend the same ids. A program that raises leaves ``state.error`` set.
+
+``run(..., cache_salt=s)`` / ``run_batch(..., cache_salt=s)`` namespace the
+run's prefix cache: every request the run sends (each ``gen``, ``select``
+and fork, in every fork) carries salt ``s``, so it shares KV only with
+requests of the same salt (see ``SamplingParams.cache_salt``). A ``gen``
+may still pass its own ``cache_salt=``.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
@@ -116,8 +123,10 @@ class ChatFormat:
 # ----------------------------------------------------------------- state
 
 class ProgramState:
-    def __init__(self, backend, ids: list[int] | None = None, stream_q: queue.Queue | None = None) -> None:
+    def __init__(self, backend, ids: list[int] | None = None, stream_q: queue.Queue | None = None,
+                 cache_salt: str | None = None) -> None:
         self.backend = backend
+        self.cache_salt = cache_salt  # sent with every request of this state and its forks
         self.tokenizer = backend.tokenizer
         self.chat = ChatFormat(self.tokenizer)
         self.ids: list[int] = list(ids) if ids is not None else self._bos()
@@ -159,10 +168,10 @@ class ProgramState:
     def fork(self, n: int) -> ForkGroup:
         """n states continuing from this one; the shared prefix is cached once first."""
         if len(self.ids) > 1:
-            self.backend.cache_prefix(self.ids)
+            self.backend.cache_prefix(self.ids, cache_salt=self.cache_salt)
         children = []
         for _ in range(n):
-            child = ProgramState(self.backend, self.ids)
+            child = ProgramState(self.backend, self.ids, cache_salt=self.cache_salt)
             child._text, child._messages = list(self._text), [dict(m) for m in self._messages]
             child.variables, child._role = dict(self.variables), self._role
             children.append(child)
@@ -228,7 +237,7 @@ class ProgramState:
         self._append_text(post)
 
     def _gen(self, expr: Gen) -> None:
-        sp = SamplingParams(**expr.params)
+        sp = SamplingParams(**{"cache_salt": self.cache_salt, **expr.params})
         if self._stream_q is None:
             out = self.backend.generate(self.ids, sp)
         else:
@@ -254,7 +263,7 @@ class ProgramState:
 
     def _select(self, expr: Select) -> None:
         conts = [self.tokenizer.encode(c, add_special_tokens=False) for c in expr.choices]
-        scores = self.backend.score(self.ids, conts)
+        scores = self.backend.score(self.ids, conts, cache_salt=self.cache_salt)
         normalized = [lp / max(n, 1) for lp, n in scores]
         best = max(range(len(conts)), key=lambda i: normalized[i])
         self._append_text(expr.choices[best], conts[best], expr.name)
@@ -291,13 +300,18 @@ class Program:
     def __call__(self, *args, **kwargs):
         return self.run(*args, **kwargs)
 
-    def run(self, *args, backend=None, stream: bool = False, **kwargs) -> ProgramState:
-        """Run once; errors inside the program end up in ``state.error``."""
+    def run(self, *args, backend=None, stream: bool = False, cache_salt: str | None = None,
+            **kwargs) -> ProgramState:
+        """Run once; errors inside the program end up in ``state.error``.
+
+        ``cache_salt``: the prefix-cache namespace of every request of the run.
+        """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
             raise RuntimeError("no backend: call radixrt.lang.set_default_backend(...) or pass backend=")
+        SamplingParams(cache_salt=cache_salt)  # a bad salt raises here, not inside the program
         backend.ensure_ready()
-        state = ProgramState(backend, stream_q=queue.Queue() if stream else None)
+        state = ProgramState(backend, stream_q=queue.Queue() if stream else None, cache_salt=cache_salt)
         if stream:
             threading.Thread(target=self._execute, args=(state, args, kwargs), daemon=True).start()
         else:
@@ -314,15 +328,24 @@ class Program:
                 state._stream_q.put(None)
 
     def run_batch(self, batch_kwargs: list[dict], *, backend=None, num_threads: int = 16,
-                  progress_bar: bool = False) -> list[ProgramState]:
-        """Run once per kwargs dict (in order); the batch's common prompt prefix is cached first."""
+                  progress_bar: bool = False, cache_salt: str | None = None) -> list[ProgramState]:
+        """Run once per kwargs dict (in order); the batch's common prompt prefix is cached first.
+
+        ``cache_salt`` applies to every run; a kwargs dict's own ``cache_salt``
+        key overrides it for that run. The common prefix is cached once per
+        salt that two or more runs use.
+        """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
             raise RuntimeError("no backend: call radixrt.lang.set_default_backend(...) or pass backend=")
         backend.ensure_ready()
-        prefix = self._common_prefix(backend, batch_kwargs)
-        if len(prefix) > 1 and len(batch_kwargs) > 1:
-            backend.cache_prefix(prefix)
+        batch_kwargs = [{"cache_salt": cache_salt, **kw} for kw in batch_kwargs]
+        salts = Counter(kw["cache_salt"] for kw in batch_kwargs)
+        prefix = self._common_prefix(backend, [_program_kwargs(kw) for kw in batch_kwargs])
+        if len(prefix) > 1:
+            for salt, n in salts.items():
+                if n > 1:
+                    backend.cache_prefix(prefix, cache_salt=salt)
         bar = None
         if progress_bar:
             from tqdm import tqdm
@@ -361,6 +384,11 @@ class Program:
                 n += 1
             common = common[:n]
         return common
+
+
+def _program_kwargs(kw: dict) -> dict:
+    """A run's kwargs without the ones ``run`` itself takes."""
+    return {k: v for k, v in kw.items() if k != "cache_salt"}
 
 
 class _TraceDone(Exception):

@@ -4,7 +4,9 @@ The only place where a request's slots change owner. Every transition keeps
 the invariant of ``radixrt.cache.check_slot_partition``: a slot is free, in
 one tree node, or private to one request (see ``Req`` for the row layout).
 With the radix cache disabled, nothing is matched and everything a request
-held is freed when it leaves.
+held is freed when it leaves. Every match and insert is made in the
+namespace of the request's ``params.cache_salt``, so requests with different
+salts never share KV.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class KVManager:
         """Cached prefix length for ``req`` (for ordering; locks nothing)."""
         if self.disabled:
             return 0
-        return self.tree.match_prefix(req.fill_ids[:req.match_limit]).hit_len
+        return self.tree.match_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt).hit_len
 
     def admit(self, req: Req) -> bool:
         """Give ``req`` a row and lock its cached prefix. False if no row is free."""
@@ -45,7 +47,8 @@ class KVManager:
         if row is None:
             return False
         req.row = row
-        match = None if self.disabled else self.tree.match_prefix(req.fill_ids[:req.match_limit])
+        match = None if self.disabled else \
+            self.tree.match_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt)
         req.last_node = self.tree.root if match is None else match.last_node
         req.prefix_len = req.kv_len = 0 if match is None else match.hit_len
         self.tree.lock(req.last_node)
@@ -65,6 +68,18 @@ class KVManager:
             self.pool.req_to_token[req.row, req.kv_len:req.kv_len + n] = slots
         return slots
 
+    def free_uncomputed(self, req: Req, n: int) -> None:
+        """Free the n slots ``alloc`` gave req past its computed KV (a failed forward: garbage).
+
+        With page_size > 1 the first of them may fill req's partly used tail
+        page, which stays req's (``release`` frees it with the tail).
+        """
+        slots = self.pool.req_to_token[req.row, req.kv_len:req.kv_len + n]
+        p = self.page_size
+        if p > 1 and req.kv_len % p:
+            slots = slots[p - req.kv_len % p:]
+        self.allocator.free(slots.clone())
+
     def evict(self, num_tokens: int) -> int:
         freed = self.tree.evict(max(0, num_tokens - self.allocator.available))
         self.evicted_tokens += freed
@@ -79,10 +94,10 @@ class KVManager:
         if self.disabled or req.kv_len == 0:
             return
         table = self.pool.req_to_token[req.row]
-        ids, slots = req.fill_ids[:req.kv_len], table[:req.kv_len]
-        cached = self.tree.insert(ids, slots)
+        ids, slots, salt = req.fill_ids[:req.kv_len], table[:req.kv_len], req.params.cache_salt
+        cached = self.tree.insert(ids, slots, salt)
         self.allocator.free(slots[req.prefix_len:cached].clone())
-        match = self.tree.match_prefix(ids)
+        match = self.tree.match_prefix(ids, salt)
         table[:match.hit_len] = match.kv_indices
         self.tree.lock(match.last_node)
         self.tree.unlock(req.last_node)

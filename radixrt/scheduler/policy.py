@@ -5,6 +5,11 @@
   ``LPM_MAX_QUEUE`` waiting requests, where matching each one costs too much).
 - ``dfs-weight``: walk the radix tree depth-first, children with more waiting
   requests below them first, so requests under one prefix run together.
+
+Prefix matches are made under each request's ``params.cache_salt`` (through
+``KVManager`` and the tree), so a salt's requests only count hits in their
+own namespace; namespaces are subtrees of the root, so dfs-weight also keeps
+one salt's requests together.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def _dfs_weight(waiting: list[Req], kv: KVManager) -> list[Req]:
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     # Match all first: a later match may split nodes above an earlier one.
-    nodes = [tree.match_prefix(r.fill_ids[:r.fill_len - 1]).last_node for r in waiting]
+    nodes = [tree.match_prefix(r.fill_ids[:r.fill_len - 1], r.params.cache_salt).last_node
+             for r in waiting]
     for req, node in zip(waiting, nodes):
         at_node[node.id].append(req)
         while node is not None:

@@ -43,7 +43,7 @@ class Req:
         self.output_logprobs: list[float] = []
         self.state = ReqState.WAITING
         self.finish_reason: str | None = None
-        self.error: str | None = None
+        self.error: str | None = None  # why, when finish_reason == "error"
         self.cached_tokens = 0  # tokens hit in the tree at first admission
         self.admitted = False
         self.num_retractions = 0

@@ -10,6 +10,15 @@ that running requests are still expected to need. When decode runs out of KV
 it evicts, then retracts the requests with the fewest generated tokens; they
 re-queue and resume from the tree.
 
+Fault isolation: an exception from the forward pass (runner, backend, prompt
+logprobs) finishes every request of that batch with reason "error" (message
+in ``Req.error``); the slots allocated for the failed batch are freed, never
+cached, and ``forward_failures`` counts consecutive failures (reset by the
+next good forward) so the caller can give up. An exception while finishing
+one request's step (e.g. its stop-string check) fails only that request;
+one from the batched sampler fails the requests it was sampling for.
+Either way the failed requests' earlier, good KV goes to the tree as on abort.
+
 The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
 it in-process; the server runs the same loop behind sockets.
 """
@@ -50,6 +59,8 @@ class Scheduler:
         self.decoding: list[Req] = []
         self.chunked: Req | None = None
         self.stats: Counter[str] = Counter()
+        self.forward_failures = 0  # consecutive failed forward passes
+        self.last_forward_error: str | None = None
 
     # ------------------------------------------------------------ requests
 
@@ -82,11 +93,19 @@ class Scheduler:
         batch = self.schedule_prefill() or self.schedule_decode()
         if batch is None:
             return []
-        forward_batch = batch.to_forward_batch(self.runner.pool)
-        logits = self.runner.forward(forward_batch)
+        try:
+            logits = self._forward(batch)
+        except Exception as e:  # fail the batch, keep serving the rest
+            return self._fail_batch(batch, e)
+        self.forward_failures = 0
+        return self.process_output(batch, logits)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token."""
+        logits = self.runner.forward(batch.to_forward_batch(self.runner.pool))
         if batch.layout is not None:
             logits = self._collect_prompt_logprobs(batch, logits)
-        return self.process_output(batch, logits)
+        return logits
 
     def schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.config.prefill_budget
@@ -153,8 +172,10 @@ class Scheduler:
         """True if req would hit much more of the tree once an admitted request's prompt is in it."""
         if self.kv.disabled:
             return False
-        ids = req.fill_ids
-        shared = max(common_prefix_len(ids, r.prompt_ids) for r in admitted)
+        ids, salt = req.fill_ids, req.params.cache_salt
+        # Only a same-salt request's prompt lands in req's namespace of the tree.
+        shared = max((common_prefix_len(ids, r.prompt_ids) for r in admitted
+                      if r.params.cache_salt == salt), default=0)
         return shared - self.kv.prefix_len_hint(req) >= DEDUP_MIN_TOKENS
 
     def _decode_reservation(self) -> int:
@@ -218,14 +239,21 @@ class Scheduler:
         self.stats["decode_steps" if batch.mode is ForwardMode.DECODE else "prefill_steps"] += 1
         if not to_sample:
             return finished
-        out = self.sampler.sample(logits[rows], [r.params for r in to_sample],
-                                  [r.generator for r in to_sample])
+        try:
+            out = self.sampler.sample(logits[rows], [r.params for r in to_sample],
+                                      [r.generator for r in to_sample])
+        except Exception as e:  # their KV is computed and good; only this step's tokens are lost
+            return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
         for j, req in enumerate(to_sample):
             req.output_ids.append(int(out.token_ids[j]))
             if out.logprobs is not None:
                 req.output_logprobs.append(float(out.logprobs[j]))
             self.stats["output_tokens"] += 1
-            reason = self._finish_reason(req)
+            try:
+                reason = self._finish_reason(req)
+            except Exception as e:  # this request's fault only
+                finished.append(self._fail(req, f"finishing a step failed: {e!r}"))
+                continue
             if reason is not None:
                 finished.append(self._finish(req, reason))
             elif batch.mode is ForwardMode.EXTEND:
@@ -255,6 +283,25 @@ class Scheduler:
         req.state, req.finish_reason = ReqState.FINISHED, reason
         self.stats[f"finished_{reason}"] += 1
         return req
+
+    # -------------------------------------------------------------- faults
+
+    def _fail(self, req: Req, message: str) -> Req:
+        """Finish req with reason "error"; its computed KV is released like an abort's."""
+        if req is self.chunked:
+            self.chunked = None
+        req.error = message
+        return self._finish(req, "error")
+
+    def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[Req]:
+        """The forward of batch raised: free the slots it allocated and fail its requests."""
+        self.forward_failures += 1
+        self.last_forward_error = f"{type(error).__name__}: {error}"
+        self.stats["forward_failures"] += 1
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            self.kv.free_uncomputed(req, n)
+            self._fail(req, f"forward pass failed: {self.last_forward_error}")
+        return list(batch.reqs)
 
     # ---------------------------------------------------------------- misc
 

@@ -7,14 +7,23 @@ is new text unless it ends in an incomplete UTF-8 sequence (U+FFFD). A tail
 that could be the start of a stop string is held back. The final delta comes
 from one full decode, so the concatenation equals what the in-process Engine
 returns (full decode, cut at the first stop string).
-Messages that are not token batches pass through unchanged.
+Messages that are not token batches pass through unchanged; a ``RidError``
+also drops the request's state.
+
+A request whose delta raises (e.g. the tokenizer fails on odd ids) is
+dropped: the process sends ``RidError(code=INTERNAL)`` for it (the
+TokenizerManager answers the client and aborts it in the scheduler), and
+ignores its later deltas up to its final one. The other requests of the
+batch go on.
 """
 
 from __future__ import annotations
 
 import zmq
 
-from radixrt.protocol import BatchTextOut, BatchTokenOut, TextDelta, TokenDelta, decode, encode
+from radixrt.protocol import (BatchTextOut, BatchTokenOut, ErrorCode, RidError, TextDelta, TokenDelta,
+                              decode, encode)
+from radixrt.server import faults
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
 
 
@@ -43,9 +52,31 @@ class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.states: dict[str, DecodeState] = {}
+        self.dropped: set[str] = set()  # failed rids whose final delta has not come yet
+        self.errors: list[RidError] = []  # failures of the last process(), to send after it
 
     def process(self, batch: BatchTokenOut) -> BatchTextOut:
-        return BatchTextOut(items=[self.delta(item) for item in batch.items])
+        """Text deltas of batch; a request whose delta raises goes to ``errors`` instead."""
+        items, self.errors = [], []
+        for item in batch.items:
+            if item.rid in self.dropped:
+                if item.finish_reason is not None:
+                    self.dropped.discard(item.rid)
+                continue
+            try:
+                items.append(self.delta(item))
+            except Exception as e:  # this request's fault only
+                self.forget(item.rid)
+                if item.finish_reason is None:
+                    self.dropped.add(item.rid)
+                self.errors.append(RidError(rid=item.rid, code=ErrorCode.INTERNAL,
+                                            message=f"detokenizer failed: {e!r}"))
+        return BatchTextOut(items=items)
+
+    def forget(self, rid: str) -> None:
+        """Drop everything kept for rid (it failed here or upstream)."""
+        self.states.pop(rid, None)
+        self.dropped.discard(rid)
 
     def delta(self, item: TokenDelta) -> TextDelta:
         st = self.states.get(item.rid)
@@ -90,6 +121,9 @@ def run_detokenizer(args: dict) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         from transformers import AutoTokenizer
         detok = Detokenizer(AutoTokenizer.from_pretrained(args["model_path"]))
+        armed = faults.parse(args.get("debug_faults"))
+        if armed is not None:
+            faults.install_in_detokenizer(detok, armed)
         recv = pull(ctx, args["detokenizer_addr"])
         send = push(ctx, args["tokenizer_addr"])
         report_ready(ready, "detokenizer")
@@ -100,8 +134,14 @@ def run_detokenizer(args: dict) -> None:
             data = recv.recv()
             msg = decode(data)
             if isinstance(msg, BatchTokenOut):
-                send.send(encode(detok.process(msg)))
+                out = detok.process(msg)
+                if out.items:
+                    send.send(encode(out))
+                for err in detok.errors:
+                    send.send(encode(err))
             else:
+                if isinstance(msg, RidError):
+                    detok.forget(msg.rid)
                 send.send(data)  # control replies and errors pass through
 
     run_child("detokenizer", args, main)

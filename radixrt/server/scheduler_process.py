@@ -5,11 +5,20 @@ up to ``POLL_MS`` when idle), then run one ``Scheduler.step()``, then send the
 new token ids of every request that produced some (and finish info) to the
 Detokenizer as one ``BatchTokenOut``. Control replies and per-request errors
 travel the same way, so the TokenizerManager sees them in order.
+
+A request the Scheduler failed (finish_reason "error": a fault in its own
+step, or in the forward pass of its batch) is answered with
+``RidError(code=INTERNAL)`` instead of a final ``TokenDelta``. After
+``max_forward_failures`` consecutive failed forward passes the process
+errors out every request it still holds, says why on stderr and exits
+non-zero (the launcher then stops the server) instead of spinning.
+``debug_faults`` arms test-only faults (``radixrt.server.faults``).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import zmq
 
@@ -18,7 +27,12 @@ from radixrt.protocol import (AbortRid, BatchTokenOut, ControlReply, ControlRequ
                               decode, encode)
 from radixrt.sampling import make_generator
 from radixrt.scheduler.req import Req
+from radixrt.server import faults
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+
+
+class RepeatedForwardFailure(RuntimeError):
+    """The forward pass failed ``max_forward_failures`` times in a row."""
 
 
 class SchedulerProcess:
@@ -28,6 +42,13 @@ class SchedulerProcess:
         self.engine = Engine(**args["engine"])
         self.scheduler = self.engine.scheduler
         self.max_waiting = args.get("max_waiting_requests")
+        limit = args.get("max_forward_failures")
+        self.max_forward_failures = 3 if limit is None else int(limit)
+        if self.max_forward_failures < 1:
+            raise ValueError(f"max_forward_failures must be >= 1, got {limit}")
+        armed = faults.parse(args.get("debug_faults"))
+        if armed is not None:
+            faults.install_in_scheduler(self.scheduler, armed)
         self.recv = pull(ctx, args["scheduler_addr"])
         self.send = push(ctx, args["detokenizer_addr"])
         self.tracked: dict[str, Req] = {}
@@ -49,6 +70,20 @@ class SchedulerProcess:
             if not self.scheduler.idle:
                 self.scheduler.step()
             self.emit()
+            if self.scheduler.forward_failures >= self.max_forward_failures:
+                self.give_up()
+
+    def give_up(self) -> None:
+        """Error out every request still held, say why on stderr, and raise (exit 1)."""
+        sched = self.scheduler
+        why = (f"the forward pass failed {sched.forward_failures} times in a row "
+               f"(max_forward_failures {self.max_forward_failures}); last error: "
+               f"{sched.last_forward_error}")
+        for rid in list(self.tracked):
+            self.send.send(encode(RidError(rid=rid, code=ErrorCode.INTERNAL,
+                                           message=f"scheduler stopping: {why}")))
+        print(f"radixrt: error: scheduler: {why}; exiting", file=sys.stderr, flush=True)
+        raise RepeatedForwardFailure(why)  # run_child reports it and exits 1
 
     def drain(self) -> None:
         while True:
@@ -102,10 +137,15 @@ class SchedulerProcess:
 
     def emit(self) -> None:
         """Send what every tracked request produced since the last emit."""
-        items = []
+        items, errors = [], []
         for rid, req in list(self.tracked.items()):
             n0, n = self.sent[rid], len(req.output_ids)
             if n == n0 and not req.finished:
+                continue
+            if req.finish_reason == "error":
+                errors.append(RidError(rid=rid, code=ErrorCode.INTERNAL,
+                                       message=req.error or "internal error"))
+                del self.tracked[rid], self.sent[rid]
                 continue
             items.append(TokenDelta(
                 rid=rid, token_ids=req.output_ids[n0:n],
@@ -120,6 +160,8 @@ class SchedulerProcess:
                 del self.tracked[rid], self.sent[rid]
         if items:
             self.send.send(encode(BatchTokenOut(items=items)))
+        for err in errors:
+            self.send.send(encode(err))
 
 
 def run_scheduler_process(args: dict) -> None:

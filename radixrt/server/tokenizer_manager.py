@@ -237,8 +237,11 @@ class TokenizerManager:
                               f"the server accepts at most {self.max_message_bytes} bytes")
         try:
             msg = decode(frames[1])
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError):
-            return self.error(identity, *classify_bad_frame(frames[1]))
+        except Exception:  # any undecodable frame is the sender's problem, never the loop's
+            try:
+                return self.error(identity, *classify_bad_frame(frames[1]))
+            except Exception as e:
+                return self.error(identity, "", ErrorCode.MALFORMED, f"undecodable message ({type(e).__name__})")
         try:
             self.dispatch(identity, msg)
         except RequestError as e:
@@ -282,12 +285,14 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
         limit = self.args.get("max_new_tokens_limit")
+        if limit is not None and "max_new_tokens" not in (msg.sampling_params or {}):
+            sp.max_new_tokens = min(sp.max_new_tokens, limit)  # the default yields to the limit
         if limit is not None and sp.max_new_tokens > limit:
             raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"max_new_tokens {sp.max_new_tokens} is over "
                                f"the server's limit of {limit}")
         if self.isolate:
-            tenant = hashlib.sha256(msg.api_key.encode()).hexdigest()[:16]
-            sp = dataclasses.replace(sp, cache_salt=f"{tenant}/{sp.cache_salt or ''}")
+            tenant = hashlib.sha256(f"{msg.api_key}\0{sp.cache_salt or ''}".encode()).hexdigest()
+            sp = dataclasses.replace(sp, cache_salt=f"tenant:{tenant[:32]}")
         ids = self.validate(self.tokenize(msg))
         start = msg.logprob_start_len
         if start is not None and not 1 <= start < len(ids):

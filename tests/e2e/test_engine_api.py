@@ -119,3 +119,43 @@ def test_stats_and_flush(eng):
     eng.flush_cache()
     assert eng.stats()["cache_tokens"] == 0
     eng.check_memory()
+
+
+def test_cache_salt_isolates_the_prefix_cache(eng):
+    sp = {salt: SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, cache_salt=salt)
+          for salt in ("tenant-a", "tenant-b")}
+    n = len(eng.tokenizer.encode(PROMPT))
+    first = eng.generate(PROMPT, sp["tenant-a"])[0]
+    other = eng.generate(PROMPT, sp["tenant-b"])[0]
+    unsalted = eng.generate(PROMPT, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0]
+    again = eng.generate(PROMPT, sp["tenant-a"])[0]
+    assert first.cached_tokens == 0 and other.cached_tokens == 0 and unsalted.cached_tokens == 0
+    assert again.cached_tokens == n - 1
+    assert first.token_ids == other.token_ids == unsalted.token_ids == again.token_ids
+    eng.check_memory()
+
+
+def test_cache_salt_in_one_batch_shares_nothing(eng):
+    prompt = PROMPT * 8  # long enough for the in-batch prefix dedup to apply
+    outs = eng.generate([prompt, prompt, prompt], [
+        SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, cache_salt=salt)
+        for salt in ("x", "y", "x")])
+    assert outs[0].cached_tokens == outs[1].cached_tokens == 0
+    assert outs[2].cached_tokens == outs[2].prompt_tokens - 1  # same salt as outs[0]
+    assert outs[0].token_ids == outs[1].token_ids == outs[2].token_ids
+    assert eng.stats()["prefill_tokens"] == 2 * outs[0].prompt_tokens + 1
+
+
+@pytest.mark.parametrize("salt", [5, "", "s" * 257])
+def test_invalid_cache_salt(salt):
+    with pytest.raises(ValueError, match="cache_salt"):
+        SamplingParams(cache_salt=salt)
+    assert SamplingParams(cache_salt="s" * 256).cache_salt == "s" * 256
+
+
+def test_cache_salt_survives_the_wire():
+    from radixrt.protocol import TokenizedRequest, decode, encode
+    sp = SamplingParams(max_new_tokens=2, cache_salt="tenant-a")
+    msg = decode(encode(TokenizedRequest(rid="r", input_ids=[1, 2], sampling_params=sp)))
+    assert msg.sampling_params.cache_salt == "tenant-a"
+    assert SamplingParams.from_dict(sp.to_dict()) == sp

@@ -175,3 +175,51 @@ def test_engine_score_and_prefill_only_cache(engine):
     (lp, n), = engine.score(prefix, [tok.encode(" x", add_special_tokens=False)])
     assert n == 1 and lp < 0
     engine.check_memory()
+
+
+@rl.function
+def cont(s, prefix):
+    s += prefix
+    s += rl.gen("x", max_tokens=4)
+
+
+def test_cache_salt_namespaces_a_run(engine):
+    be = rl.EngineBackend(engine)
+    prefix = "# a salted run\n" + PREFIX  # starts unlike any prompt the other tests cache
+    shared = len(be.tokenizer.encode(prefix))
+    tok = be.tokenizer
+    num_special = len(tok.encode("a")) - len(tok.encode("a", add_special_tokens=False))
+    a = forked.run(prefix=prefix, backend=be, cache_salt="lang-a")
+    assert a.error is None
+    for f in a.meta["forks"]:  # the fork's prefix was cached under the run's salt
+        assert f.get_meta_info("x")["cached_tokens"] >= shared
+    b = cont.run(prefix=prefix, backend=be, cache_salt="lang-b")
+    plain = cont.run(prefix=prefix, backend=be)
+    again = cont.run(prefix=prefix, backend=be, cache_salt="lang-a")
+    assert b.get_meta_info("x")["cached_tokens"] == 0
+    assert plain.get_meta_info("x")["cached_tokens"] <= num_special  # at most a shared BOS
+    assert again.get_meta_info("x")["cached_tokens"] >= shared - 1  # all but the last prompt token
+    assert b["x"] == plain["x"] == again["x"]
+    with pytest.raises(ValueError, match="cache_salt"):
+        cont.run(prefix=prefix, backend=be, cache_salt="")
+    engine.check_memory()
+
+
+def test_cache_salt_reaches_select_and_run_batch(engine):
+    be = rl.EngineBackend(engine)
+    choices = [" None", " 42"]
+    salted = pick.run(prefix=PREFIX + " pick(", choices=choices, backend=be, cache_salt="lang-c")
+    plain = pick.run(prefix=PREFIX + " pick(", choices=choices, backend=be)
+    assert salted["choice"] == plain["choice"]
+    logprobs = [st.get_meta_info("choice")["logprobs"] for st in (salted, plain)]
+    assert logprobs[0] == pytest.approx(logprobs[1])
+    hit = cont.run(prefix=PREFIX + " pick(", backend=be, cache_salt="lang-c")
+    assert hit.get_meta_info("x")["cached_tokens"] > 0  # select cached its prefix under lang-c
+    qs = [{"question": f"Salted question {i}?"} for i in range(3)]
+    states = qa.run_batch(qs + [{"question": "Salted question 0?", "cache_salt": "lang-e"}],
+                          backend=be, cache_salt="lang-d")
+    assert all(st.error is None for st in states)
+    assert all(st.get_meta_info("answer")["cached_tokens"] > 0 for st in states[:3])
+    assert states[3].get_meta_info("answer")["cached_tokens"] == 0  # its own salt: nothing cached
+    assert states[3]["answer"] == states[0]["answer"]
+    engine.check_memory()

@@ -465,26 +465,181 @@ def test_partition_catches_leak():
         check_slot_partition(alloc, cache, [])
 
 
+# ------------------------------------------------- cache_salt namespaces
+
+
+def put_salted(alloc, cache, tokens, salt):
+    slots = alloc.alloc(len(tokens))
+    cached = cache.insert(tokens, slots, cache_salt=salt)
+    aligned = len(tokens) // cache.page_size * cache.page_size
+    alloc.free(torch.cat([slots[:cached], slots[aligned:]]))
+    return cached, slots
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_salts_store_the_same_tokens_separately(page_size):
+    p = page_size
+    alloc, cache = make(256 * p, p)
+    tokens = list(range(1, 1 + 4 * p))
+    assert put(alloc, cache, tokens)[0] == 0
+    assert put_salted(alloc, cache, tokens, "a")[0] == 0  # no sharing with the unsalted copy
+    assert put_salted(alloc, cache, tokens, "b")[0] == 0
+    assert put_salted(alloc, cache, tokens, "a")[0] == len(tokens)  # the same salt shares
+    assert cache.total_size() == 3 * len(tokens)
+    hits = {salt: cache.match_prefix(tokens, cache_salt=salt) for salt in (None, "a", "b")}
+    assert all(h.hit_len == len(tokens) for h in hits.values())
+    slot_sets = [set(h.kv_indices.tolist()) for h in hits.values()]
+    assert not (slot_sets[0] & slot_sets[1] or slot_sets[0] & slot_sets[2] or slot_sets[1] & slot_sets[2])
+    assert cache.match_prefix(tokens, cache_salt="c").hit_len == 0
+    check(alloc, cache)
+
+
+def test_salted_match_never_returns_another_salts_slots():
+    alloc, cache = make()
+    _, a_slots = put_salted(alloc, cache, [1, 2, 3, 4], "a")
+    _, b_slots = put_salted(alloc, cache, [1, 2, 5], "b")
+    r = cache.match_prefix([1, 2, 5, 6], cache_salt="a")
+    assert r.hit_len == 2 and r.kv_indices.tolist() == a_slots[:2].tolist()  # split inside a
+    r = cache.match_prefix([1, 2, 3, 4], cache_salt="b")
+    assert r.hit_len == 2 and r.kv_indices.tolist() == b_slots[:2].tolist()
+    r = cache.match_prefix([1, 2, 3, 4])  # unsalted sees neither
+    assert r.hit_len == 0 and r.last_node is cache.root
+    r = cache.match_prefix([7], cache_salt="a")  # a miss in a namespace that exists
+    assert r.hit_len == 0 and r.last_node.key == [] and r.last_node is not cache.root
+    assert cache.match_prefix([1, 2], cache_salt="nobody").last_node is cache.root
+    check(alloc, cache)
+
+
+def test_salt_must_be_a_str():
+    alloc, cache = make()
+    put(alloc, cache, [5, 6])
+    with pytest.raises(TypeError, match="cache_salt"):
+        cache.match_prefix([5, 6], cache_salt=5)  # would otherwise find the token child 5
+    with pytest.raises(TypeError, match="cache_salt"):
+        cache.insert([5, 6], alloc.alloc(2), cache_salt=5)
+
+
+def test_locks_stop_at_the_namespace_and_protect_only_their_path():
+    alloc, cache = make()
+    put_salted(alloc, cache, [1, 2, 3], "a")
+    put_salted(alloc, cache, [1, 2, 3], "b")
+    put(alloc, cache, [1, 2, 3])
+    r = cache.match_prefix([1, 2, 3], cache_salt="a")
+    ns = r.last_node.parent
+    cache.lock(r.last_node)
+    assert ns.lock_ref == 1 and cache.root.lock_ref == 1  # the walk stopped at the namespace
+    assert (cache.protected_size, cache.evictable_size) == (3, 6)
+    check(alloc, cache)
+    assert cache.evict(100) == 6  # b's and the unsalted copy go, a's is locked
+    assert cache.match_prefix([1, 2, 3], cache_salt="a").hit_len == 3
+    assert cache.match_prefix([1, 2, 3], cache_salt="b").hit_len == 0
+    assert set(cache.root.children) == {"a"}  # b's empty namespace was dropped
+    check(alloc, cache)
+    cache.lock(ns)  # locking a namespace node is a no-op, like the root
+    cache.unlock(ns)
+    cache.unlock(r.last_node)
+    assert (cache.protected_size, cache.evictable_size) == (0, 3)
+    assert cache.evict(100) == 3
+    assert not cache.root.children and alloc.available == alloc.capacity
+    check(alloc, cache)
+
+
+def test_eviction_is_lru_across_namespaces():
+    alloc, cache = make()
+    put_salted(alloc, cache, [1, 1], "a")
+    put_salted(alloc, cache, [1, 1], "b")
+    put(alloc, cache, [1, 1])
+    cache.match_prefix([1, 1], cache_salt="a")  # a's copy is now the most recent
+    assert cache.evict(1) == 2
+    assert cache.match_prefix([1, 1], cache_salt="b").hit_len == 0
+    assert cache.evict(1) == 2
+    assert cache.match_prefix([1, 1]).hit_len == 0
+    assert cache.match_prefix([1, 1], cache_salt="a").hit_len == 2
+    check(alloc, cache)
+
+
+def test_request_locked_at_a_dropped_namespace_carries_on():
+    """A 0-hit request locked at a namespace node that eviction then drops."""
+    alloc, cache = make()
+    put_salted(alloc, cache, [1, 2], "a")
+    miss = cache.match_prefix([9], cache_salt="a")
+    cache.lock(miss.last_node)
+    assert cache.evict(100) == 2 and not cache.root.children
+    cached, _ = put_salted(alloc, cache, [9, 8], "a")  # a new namespace for "a"
+    assert cached == 0
+    r = cache.match_prefix([9, 8], cache_salt="a")
+    cache.lock(r.last_node)
+    cache.unlock(miss.last_node)
+    cache.unlock(r.last_node)
+    assert (cache.evictable_size, cache.protected_size) == (2, 0)
+    check(alloc, cache)
+
+
+def test_empty_insert_makes_no_namespace():
+    alloc, cache = make(page_size=4)
+    assert cache.insert([1, 2, 3], alloc.alloc(3), cache_salt="a") == 0  # less than a page
+    assert not cache.root.children
+    check(alloc, cache, [torch.arange(4, 8)])
+
+
+def test_reset_and_all_slots_cover_namespaces():
+    alloc, cache = make()
+    put_salted(alloc, cache, [1, 2, 3], "a")
+    put(alloc, cache, [1, 2, 3])
+    assert cache.all_slots().numel() == 6 and cache.total_size() == 6
+    r = cache.match_prefix([1, 2], cache_salt="a")
+    cache.lock(r.last_node)
+    with pytest.raises(RuntimeError, match="locked"):
+        cache.reset()
+    cache.unlock(r.last_node)
+    cache.reset()
+    assert not cache.root.children and cache.total_size() == 0
+    assert alloc.available == alloc.capacity
+    assert cache.match_prefix([1, 2, 3], cache_salt="a").hit_len == 0
+    check(alloc, cache)
+
+
+def test_integrity_catches_broken_namespaces():
+    alloc, cache = make()
+    put_salted(alloc, cache, [1, 2], "a")
+    ns = cache.root.children["a"]
+    ns.lock_ref = 0
+    with pytest.raises(AssertionError, match="root-like"):
+        cache.check_integrity()
+    ns.lock_ref = 1
+    cache.root.children["b"] = cache.root.children.pop("a")
+    with pytest.raises(AssertionError, match="bad parent link"):
+        cache.check_integrity()
+    cache.root.children["a"] = cache.root.children.pop("b")
+    cache.check_integrity()
+    ns.children.clear()
+    with pytest.raises(AssertionError, match="empty"):
+        cache.check_integrity()
+
+
 # ---------------------------------------------- stateful serving-trace test
 
 ALPHABET = st.integers(0, 3)
+SALTS = st.sampled_from([None, None, "a", "b"])
 
 
 class Request:
-    __slots__ = ("tokens", "prefix", "own", "node")
+    __slots__ = ("tokens", "prefix", "own", "node", "salt")
 
-    def __init__(self, tokens, prefix, own, node):
+    def __init__(self, tokens, prefix, own, node, salt):
         self.tokens = tokens    # list[int], prompt plus generated tokens
         self.prefix = prefix    # slots of tokens[:len(prefix)], owned by the tree
         self.own = own          # slots of the rest, owned by the request
         self.node = node        # locked node whose path covers ``prefix``
+        self.salt = salt        # cache_salt of every match and insert
 
 
 class ServingTrace(RuleBasedStateMachine):
     """Simulated scheduler life cycle against one small pool.
 
-    ``meaning[slot]`` records which token prefix the KV in ``slot`` was
-    computed for; every hit must hand back slots that mean the matched prefix.
+    ``meaning[slot]`` records which (cache_salt, token prefix) the KV in
+    ``slot`` was computed for; every hit must hand back slots that mean the
+    matched prefix under the same salt.
     """
 
     @initialize(page_size=st.sampled_from([1, 2, 4]), num_slots=st.sampled_from([64, 96, 128]),
@@ -508,15 +663,15 @@ class ServingTrace(RuleBasedStateMachine):
             slots = self.alloc.alloc_extend(n, last_slot)
         return slots
 
-    def _check_hit(self, tokens, hit_len, kv):
+    def _check_hit(self, tokens, salt, hit_len, kv):
         assert hit_len % self.p == 0 and hit_len <= len(tokens)
         assert kv.numel() == hit_len
         for i, s in enumerate(kv.tolist()):
-            assert self.meaning[s] == tuple(tokens[:i + 1]), "hit returned KV of another prefix"
+            assert self.meaning[s] == (salt, tuple(tokens[:i + 1])), "hit returned KV of another prefix"
 
-    def _record(self, tokens, start, slots):
+    def _record(self, tokens, salt, start, slots):
         for i, s in enumerate(slots.tolist()):
-            self.meaning[s] = tuple(tokens[:start + i + 1])
+            self.meaning[s] = (salt, tuple(tokens[:start + i + 1]))
 
     def _last_slot(self, req: Request) -> int:
         if req.own.numel():
@@ -527,7 +682,7 @@ class ServingTrace(RuleBasedStateMachine):
         """Insert the request's tokens; free its duplicate slots. Returns aligned length."""
         slots = torch.cat([req.prefix, req.own])
         h = req.prefix.numel()
-        cached = self.cache.insert(req.tokens, slots)
+        cached = self.cache.insert(req.tokens, slots, cache_salt=req.salt)
         aligned = len(req.tokens) // self.p * self.p
         assert h <= cached <= aligned, (h, cached, aligned)
         # [h, cached): already in the tree (another request inserted it): a
@@ -549,16 +704,17 @@ class ServingTrace(RuleBasedStateMachine):
         tokens = stem + suffix
         if not tokens:
             return
+        salt = data.draw(SALTS, label="salt")
         self.seen.append(tokens)
-        r = self.cache.match_prefix(tokens)
-        self._check_hit(tokens, r.hit_len, r.kv_indices)
+        r = self.cache.match_prefix(tokens, cache_salt=salt)
+        self._check_hit(tokens, salt, r.hit_len, r.kv_indices)
         self.cache.lock(r.last_node)
         own = self._alloc(len(tokens) - r.hit_len, -1)
         if own is None:
             self.cache.unlock(r.last_node)  # drop the request
             return
-        self._record(tokens, r.hit_len, own)
-        self.live.append(Request(list(tokens), r.kv_indices, own, r.last_node))
+        self._record(tokens, salt, r.hit_len, own)
+        self.live.append(Request(list(tokens), r.kv_indices, own, r.last_node, salt))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 6))
@@ -575,7 +731,7 @@ class ServingTrace(RuleBasedStateMachine):
         start = len(req.tokens)
         req.tokens.extend(new)
         req.own = torch.cat([req.own, slots])
-        self._record(req.tokens, start, slots)
+        self._record(req.tokens, req.salt, start, slots)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -585,9 +741,9 @@ class ServingTrace(RuleBasedStateMachine):
         h = req.prefix.numel()
         slots = torch.cat([req.prefix, req.own])
         aligned = self._cache_into_tree(req)
-        r = self.cache.match_prefix(req.tokens)
+        r = self.cache.match_prefix(req.tokens, cache_salt=req.salt)
         assert r.hit_len == aligned
-        self._check_hit(req.tokens, r.hit_len, r.kv_indices)
+        self._check_hit(req.tokens, req.salt, r.hit_len, r.kv_indices)
         assert r.kv_indices[:h].tolist() == req.prefix.tolist()
         self.cache.lock(r.last_node)
         self.cache.unlock(req.node)
@@ -606,9 +762,9 @@ class ServingTrace(RuleBasedStateMachine):
         if aligned < len(req.tokens):
             self.alloc.free(slots[aligned:])  # unaligned tail page
         self.cache.unlock(req.node)
-        r = self.cache.match_prefix(req.tokens)  # what it left behind is findable
+        r = self.cache.match_prefix(req.tokens, cache_salt=req.salt)  # what it left is findable
         assert r.hit_len == aligned
-        self._check_hit(req.tokens, r.hit_len, r.kv_indices)
+        self._check_hit(req.tokens, req.salt, r.hit_len, r.kv_indices)
 
     @rule(n=st.integers(0, 40))
     def evict(self, n):
@@ -623,8 +779,9 @@ class ServingTrace(RuleBasedStateMachine):
         if not self.seen:
             return
         tokens = data.draw(st.sampled_from(self.seen), label="peek")
-        r = self.cache.match_prefix(tokens)
-        self._check_hit(tokens, r.hit_len, r.kv_indices)
+        salt = data.draw(SALTS, label="salt")
+        r = self.cache.match_prefix(tokens, cache_salt=salt)
+        self._check_hit(tokens, salt, r.hit_len, r.kv_indices)
 
     # -- invariants
 

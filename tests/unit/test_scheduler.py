@@ -105,6 +105,51 @@ def test_in_batch_dedup_computes_each_shared_prefix_once():
     assert sched.get_stats()["prefill_tokens"] == 3 * 64 + len(prompts) * 6
 
 
+def run_salted(sched: Scheduler, prompts: list[list[int]], salts: list[str | None], n: int) -> list[Req]:
+    reqs = [Req(str(i), list(p), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True,
+                                                 cache_salt=salt))
+            for i, (p, salt) in enumerate(zip(prompts, salts))]
+    for r in reqs:
+        sched.add_request(r)
+    while not all(r.finished for r in reqs):
+        sched.step()
+        sched.check_memory()
+    sched.check_memory()
+    return reqs
+
+
+@pytest.mark.parametrize("policy", ["lpm", "fcfs", "dfs-weight"])
+def test_salts_split_the_cache_and_the_in_batch_dedup(policy):
+    prompts = shared_prompts(groups=3, per=4, system=64, q=6)
+    salts = [None, "a", "b", "a"] * 3
+    sched = make(schedule_policy=policy)
+    reqs = run_salted(sched, prompts, salts, 2)
+    assert [r.output_ids for r in reqs] == [reference(p, 2) for p in prompts]
+    # Each (system prompt, salt) pair present is computed once; nothing crosses salts.
+    pairs = {(tuple(p[:64]), salt) for p, salt in zip(prompts, salts)}
+    assert sched.get_stats()["prefill_tokens"] == 64 * len(pairs) + len(prompts) * 6
+
+
+def test_same_prompt_under_two_salts_shares_nothing():
+    prompt = [random.Random(5).randrange(VOCAB) for _ in range(80)]
+    sched = make()
+    sp = [SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, cache_salt=s) for s in "ab"]
+    a, b = Req("a", list(prompt), sp[0]), Req("b", list(prompt), sp[1])
+    sched.add_request(a), sched.add_request(b)
+    sched.step()
+    assert a.output_ids and b.output_ids  # one prefill batch: no dedup wait across salts
+    while not (a.finished and b.finished):
+        sched.step()
+    sched.check_memory()
+    assert a.cached_tokens == b.cached_tokens == 0
+    assert sched.get_stats()["prefill_tokens"] == 2 * len(prompt)
+    c, d = run_salted(sched, [prompt, prompt], ["b", None], 3)  # later, one after the other
+    assert c.cached_tokens == len(prompt) - 1 and d.cached_tokens == 0
+    assert a.output_ids == b.output_ids == c.output_ids == d.output_ids == reference(prompt, 3)
+    e, f = run_salted(sched, [prompt + [1] * 40, prompt + [2] * 40], ["c", "c"], 1)  # same salt: dedup
+    assert e.cached_tokens == 0 and f.cached_tokens == len(prompt)
+
+
 def test_retraction_under_a_tiny_pool_gives_the_same_tokens():
     prompts = shared_prompts(groups=4, per=4, system=24, q=8, seed=1)
     demand = sum(len(p) + 40 for p in prompts)
@@ -143,3 +188,153 @@ def test_check_memory_catches_a_leak():
     sched.kv.allocator.alloc(3)  # taken by nobody
     with pytest.raises(AssertionError, match="leaked"):
         sched.check_memory()
+
+
+# ------------------------------------------------------------ fault isolation
+
+class FlakyRunner(FakeRunner):
+    """A FakeRunner whose forwards number ``fail_on`` (1-based) raise before writing any KV."""
+
+    def __init__(self, num_slots: int, fail_on: set[int]) -> None:
+        super().__init__(num_slots)
+        self.fail_on = fail_on
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        if self.forwards + 1 in self.fail_on:
+            self.forwards += 1
+            raise RuntimeError("boom")
+        return super().forward(batch)
+
+
+def make_flaky(fail_on: set[int], num_slots: int = 4096, **cfg) -> Scheduler:
+    return Scheduler(EngineConfig(**cfg), FlakyRunner(num_slots, fail_on),
+                     decode_fn=lambda ids: " ".join(map(str, ids)), max_context=512)
+
+
+def drive(sched: Scheduler, reqs: list[Req]) -> None:
+    while not all(r.finished for r in reqs):
+        sched.step()
+        sched.check_memory()
+    sched.check_memory()
+
+
+FAULT_CFGS = [{}, {"page_size": 4}, {"chunked_prefill_size": 16}, {"disable_radix_cache": True}]
+
+
+@pytest.mark.parametrize("cfg", FAULT_CFGS)
+@pytest.mark.parametrize("fail_on", [{1}, {4}], ids=["prefill", "decode"])
+def test_forward_failure_fails_the_batch_and_frees_its_slots(cfg, fail_on):
+    prompts = shared_prompts(groups=2, per=3, system=30, q=5)
+    sched = make_flaky(fail_on, max_running_requests=3, **cfg)  # 3 of 6 per batch: some survive
+    sp = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    reqs = [Req(str(i), list(p), sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, reqs)
+    failed = [r for r in reqs if r.finish_reason == "error"]
+    assert 0 < len(failed) < len(reqs)
+    assert all("forward pass failed" in r.error and "boom" in r.error for r in failed)
+    assert sched.stats["finished_error"] == len(failed) and sched.stats["forward_failures"] == 1
+    assert sched.forward_failures == 0  # reset by the good forwards after the failure
+    for r in reqs:
+        if r.finish_reason != "error":
+            assert r.output_ids == reference(r.prompt_ids, 8)
+    # nothing the failed forward was meant to write is in the tree: a rerun gives the true tokens
+    again = run(sched, prompts, 8, check_every_step=True)
+    assert [r.output_ids for r in again] == [reference(p, 8) for p in prompts]
+
+
+def test_forward_failure_spares_requests_outside_the_batch():
+    sched = make_flaky({3})
+    sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    a, b = Req("a", list(range(10)), sp), Req("b", list(range(40, 60)), sp)
+    sched.add_request(a)
+    sched.step()  # forward 1: a's prefill
+    sched.step()  # forward 2: a decodes
+    sched.add_request(b)
+    assert sched.step() == [b]  # forward 3: b's prefill fails
+    assert b.finish_reason == "error" and sched.forward_failures == 1
+    drive(sched, [a])
+    assert a.finish_reason == "length" and a.output_ids == reference(a.prompt_ids, 6)
+    assert sched.forward_failures == 0
+
+
+def test_consecutive_forward_failures_are_counted():
+    sched = make_flaky({1, 2, 3})
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    for i in range(3):
+        req = Req(str(i), list(range(i, i + 10)), sp)
+        sched.add_request(req)
+        sched.step()
+        assert req.finish_reason == "error" and sched.forward_failures == i + 1
+    assert sched.idle
+    sched.check_memory()
+
+
+def test_a_failing_stop_check_fails_only_that_request():
+    from radixrt.server import faults
+    sched = make()
+    faults.install_in_scheduler(sched, faults.parse("stop_check"))
+    prompts = shared_prompts(groups=1, per=4, system=20, q=4)
+    reqs = [Req(str(i), list(p), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True,
+                                                 stop=["<fault:stop_check>"] if i == 1 else ["zzz"]))
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    drive(sched, reqs)
+    assert [r.finish_reason for r in reqs] == ["length", "error", "length", "length"]
+    assert "injected stop_check fault" in reqs[1].error
+    for i in (0, 2, 3):
+        assert reqs[i].output_ids == reference(prompts[i], 6)
+
+
+def test_forward_fault_hits_batches_with_a_marked_request():
+    from radixrt.server import faults
+    sched = make()
+    faults.install_in_scheduler(sched, faults.parse("forward"))
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    good = Req("good", list(range(12)), sp)
+    sched.add_request(good)
+    sched.step()
+    bad = Req("bad", list(range(30, 50)), SamplingParams(max_new_tokens=4, temperature=0,
+                                                        ignore_eos=True, stop=["<fault:forward>"]))
+    sched.add_request(bad)
+    assert sched.step() == [bad] and bad.finish_reason == "error"  # bad's prefill batch
+    drive(sched, [good])
+    assert good.output_ids == reference(good.prompt_ids, 4)
+
+
+def test_fault_spec_parsing():
+    from radixrt.server import faults
+    assert faults.parse(None) is None and faults.parse("") is None
+    armed = faults.parse("stop_check, forward:always")
+    assert armed.armed == {"stop_check": "marker", "forward": "always"}
+    assert armed.fires("forward", None) and armed.fires("stop_check", ["<fault:stop_check>"])
+    assert not armed.fires("stop_check", ["x"]) and not armed.fires("detokenize", ["<fault:detokenize>"])
+    for bad in ("nope", "forward:sometimes", "forward,"):
+        with pytest.raises(ValueError, match="debug-faults"):
+            faults.parse(bad)
+
+
+def test_a_failing_sampler_fails_the_requests_it_samples_for():
+    sched = make()
+    sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
+    a = Req("a", list(range(10)), sp)
+    sched.add_request(a)
+    sched.step()
+    sample, calls = sched.sampler.sample, []
+
+    def flaky(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("bad params")
+        return sample(*args)
+
+    sched.sampler.sample = flaky
+    b = Req("b", list(range(50, 70)), sp)
+    sched.add_request(b)
+    assert sched.step() == [b] and "sampling failed" in b.error  # b's prefill step
+    drive(sched, [a])
+    assert a.output_ids == reference(a.prompt_ids, 5)
+    again = run(sched, [b.prompt_ids], 5)[0]  # b's computed prompt KV was cached, and is right
+    assert again.cached_tokens == len(b.prompt_ids) - 1 and again.output_ids == reference(b.prompt_ids, 5)
