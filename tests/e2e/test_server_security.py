@@ -5,6 +5,7 @@ Every server here is a real `radixrt launch` subprocess on the tiny model.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -211,52 +212,45 @@ def _wait_draining(client: Client) -> None:
     pytest.fail("the server never started draining")
 
 
-def test_sigterm_drains_running_requests_then_exits_0():
-    srv = Server("--grace-period", "120")
+@contextlib.contextmanager
+def sigterm_mid_stream(grace_period: str, prompt: str, max_new_tokens: int):
+    """A server with one streamed request under way, sent SIGTERM: (server, client, result, thread)."""
+    srv = Server("--grace-period", grace_period)
     try:
         with Client(srv.address, timeout=120) as c:
-            started, result, t = _stream_in_thread(c, "for i in range(", 400)
+            started, result, t = _stream_in_thread(c, prompt, max_new_tokens)
             assert started.wait(60)
             srv.proc.send_signal(signal.SIGTERM)
-            _wait_draining(c)
-            with pytest.raises(ServerError) as e:
-                c.generate("new work", {"max_new_tokens": 2})
-            assert e.value.code == ErrorCode.SHUTTING_DOWN
-            t.join(120)
-            assert result == {"tokens": 400, "finish": "length"}  # nothing lost, nothing cut
-        assert srv.proc.wait(60) == 0
+            yield srv, c, result, t
     finally:
         srv.stop()
+
+
+def test_sigterm_drains_running_requests_then_exits_0():
+    with sigterm_mid_stream("120", "for i in range(", 400) as (srv, c, result, t):
+        _wait_draining(c)
+        with pytest.raises(ServerError) as e:
+            c.generate("new work", {"max_new_tokens": 2})
+        assert e.value.code == ErrorCode.SHUTTING_DOWN
+        t.join(120)
+        assert result == {"tokens": 400, "finish": "length"}  # nothing lost, nothing cut
+        assert srv.proc.wait(60) == 0
 
 
 def test_grace_period_over_aborts_what_is_left():
-    srv = Server("--grace-period", "0.5")
-    try:
-        with Client(srv.address, timeout=120) as c:
-            started, result, t = _stream_in_thread(c, "x = [", 1900)
-            assert started.wait(60)
-            srv.proc.send_signal(signal.SIGTERM)
-            t.join(120)
-            assert result.get("finish") == "abort" and result["tokens"] < 1900  # the client hears of it
+    with sigterm_mid_stream("0.5", "x = [", 1900) as (srv, c, result, t):
+        t.join(120)
+        assert result.get("finish") == "abort" and result["tokens"] < 1900  # the client hears of it
         assert srv.proc.wait(60) == 1
         assert "aborted 1 running" in srv.proc.stderr.read()
-    finally:
-        srv.stop()
 
 
 def test_second_sigterm_stops_at_once():
-    srv = Server("--grace-period", "600")
-    try:
-        with Client(srv.address, timeout=120) as c:
-            started, result, t = _stream_in_thread(c, "x = [", 1900)
-            assert started.wait(60)
-            srv.proc.send_signal(signal.SIGTERM)
-            _wait_draining(c)
-            srv.proc.send_signal(signal.SIGTERM)
-            assert srv.proc.wait(30) == 0  # long before 1900 tokens or 600 s
-            assert "tokens" not in result
-    finally:
-        srv.stop()
+    with sigterm_mid_stream("600", "x = [", 1900) as (srv, c, result, t):
+        _wait_draining(c)
+        srv.proc.send_signal(signal.SIGTERM)
+        assert srv.proc.wait(30) == 0  # long before 1900 tokens or 600 s
+        assert "tokens" not in result
 
 
 def test_malformed_frames_do_not_need_a_key(guarded, alpha):
