@@ -158,6 +158,7 @@ class TokenizedRequest(_Msg, tag="tokenized"):
     input_ids: list[int]
     sampling_params: SamplingParams
     logprob_start_len: int | None = None
+    stream: bool = True  # False: the scheduler sends the output once, when it finishes
 
 
 class AbortRid(_Msg, tag="abort_rid"):

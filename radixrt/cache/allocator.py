@@ -37,6 +37,7 @@ import torch
 _USED, _FREE, _RESERVED = 0, 1, 2
 # Frees of at most this many slots take the plain-Python path.
 _SMALL = 16
+_INT64 = np.dtype(np.int64)
 
 
 def _as_numpy(slots: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -47,7 +48,7 @@ def _as_numpy(slots: torch.Tensor | np.ndarray) -> np.ndarray:
         slots = slots.numpy()
     if slots.ndim != 1:
         slots = slots.reshape(-1)
-    if slots.dtype != np.int64:
+    if slots.dtype is not _INT64:
         slots = slots.astype(np.int64)
     return slots
 
@@ -123,15 +124,17 @@ class KVSlotAllocator:
 
     def free(self, slots: torch.Tensor | np.ndarray) -> None:
         """Return the pages holding ``slots`` to the free list."""
-        if not isinstance(slots, np.ndarray):
+        if type(slots) is not np.ndarray:
             if not slots.is_cpu:
                 slots = slots.cpu()
             slots = slots.numpy()
-        if slots.size == 0:
-            return
-        if slots.size <= _SMALL and slots.dtype.kind in "iu":
+        n = slots.size
+        if n > _SMALL:
+            self._free_vectorized(slots if slots.dtype is _INT64 and slots.ndim == 1
+                                  else _as_numpy(slots))
+        elif n and slots.dtype.kind in "iu":
             self._free_small(slots.reshape(-1).tolist())
-        else:
+        elif n:
             self._free_vectorized(_as_numpy(slots))
         if self.debug:
             self.check_integrity()
@@ -183,7 +186,7 @@ class KVSlotAllocator:
                 raise ValueError("free: the same slot was passed twice")
         pages = slots if p == 1 else slots // p
         state = self._state_np
-        if np.count_nonzero(state.take(pages, mode="clip")):
+        if np.count_nonzero(state.take(pages, mode="clip")):  # one gather checks every page
             self._raise_bad_free(slots, pages)
         if p > 1:
             # Each page once (the slots of a page usually come together):
@@ -193,8 +196,9 @@ class KVSlotAllocator:
             self._scratch[pages] = order
             pages = pages[self._scratch[pages] == order]
         state[pages] = _FREE
-        self._stack[self._top:self._top + pages.size] = pages
-        self._top += pages.size
+        top = self._top
+        self._stack[top:top + pages.size] = pages
+        self._top = top + pages.size
 
     def _check_range(self, slots: np.ndarray) -> None:
         lo, hi = int(slots.min()), int(slots.max())

@@ -3,7 +3,11 @@
 Contract (see shared DESIGN.md, "The KV cache"):
 - Every node but the roots holds a non-empty ``key`` (token ids) and a
   ``value`` (int64 slot tensor of the same length). With page_size > 1 every
-  key is a whole number of pages. Values live on the CPU as int64 numpy
+  key is a whole number of pages. The tree stores a key packed, as the
+  native int64 bytes of its tokens (``node.key`` unpacks a fresh list):
+  8 bytes a token rather than a list slot plus an int object, and freeing
+  an evicted node is O(1) instead of freeing one int per token. Token ids
+  must fit in int64. Values live on the CPU as int64 numpy
   arrays; ``node.value`` and ``MatchResult.kv_indices`` are CPU int64 tensors
   sharing that memory (treat them as read-only). ``insert`` takes slot
   tensors on any device.
@@ -20,7 +24,8 @@ Contract (see shared DESIGN.md, "The KV cache"):
 - Namespaces (tenant isolation): ``match_prefix``/``insert`` take an optional
   ``cache_salt``. Keys without a salt live under ``root``; keys with salt ``s``
   live under a ``NamespaceNode`` stored as ``root.children[s]`` (a str key,
-  which never collides with the int/tuple token keys). A namespace node is a
+  which never collides with the int/tuple token keys: ``node.head``, the
+  first token, or with page_size > 1 the first page as a tuple). A namespace node is a
   root of its own: empty key and value, lock_ref fixed at 1, never evictable;
   lock/unlock/touch walks stop at it (every walk stops at the first empty
   key). It exists only while it has children: ``insert`` creates it, ``evict``
@@ -30,14 +35,16 @@ Contract (see shared DESIGN.md, "The KV cache"):
   none) shares exactly as without salts. The eviction order is global
   (LRU/LFU across all namespaces).
 
-Keys are compared as runs (list slices compare in C), never token by token
-in Python. Slots stay in numpy from insert to evict (torch is touched once
+Keys are compared as runs, never token by token in Python: a lookup packs
+the request's tokens once, in C (only as far as the edges it follows reach),
+and compares packed runs with memcmp. Slots stay in numpy from insert to evict (torch is touched once
 per match, to hand out the result): on the scheduler's path each torch call
 costs several µs, more than the rest of a tree operation.
 """
 
 from __future__ import annotations
 
+import struct
 from typing import NamedTuple, Sequence
 
 import numpy as np
@@ -47,23 +54,35 @@ from sortedcontainers import SortedList
 from radixrt.cache.allocator import KVSlotAllocator
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
+_TOKEN_BYTES = 8  # a packed key holds each token id as one native int64
+_INT64 = np.dtype(np.int64)
 
 
 class TreeNode:
-    __slots__ = ("id", "key", "_np", "parent", "children", "lock_ref",
+    __slots__ = ("id", "_key", "head", "_np", "parent", "children", "lock_ref",
                  "last_access", "hit_count", "entry")
 
-    def __init__(self, node_id: int, key: list[int], value: np.ndarray | torch.Tensor,
-                 parent: TreeNode | None) -> None:
+    def __init__(self, node_id: int, key: bytes, head: int | tuple[int, ...] | None,
+                 value: np.ndarray, parent: TreeNode | None) -> None:
         self.id = node_id
-        self.key = key
-        self._np = _slots_np(value)  # int64 slot ids, on the CPU
+        self._key = key  # packed token ids (native int64); b"" for a root
+        self.head = head  # the key of this node in parent.children
+        self._np = value  # 1-D int64 numpy slot ids
         self.parent = parent
         self.children: dict[int | tuple[int, ...], TreeNode] = {}
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
         self.entry: tuple | None = None  # its tuple in the evictable set, if there
+
+    @property
+    def key(self) -> list[int]:
+        """The node's token ids (a fresh list, unpacked from the stored bytes)."""
+        return np.frombuffer(self._key, dtype=np.int64).tolist()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._key) // _TOKEN_BYTES
 
     @property
     def value(self) -> torch.Tensor:
@@ -75,7 +94,7 @@ class TreeNode:
         self._np = _slots_np(value)
 
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+        return f"TreeNode(id={self.id}, len={self.num_tokens}, lock_ref={self.lock_ref})"
 
 
 class NamespaceNode(TreeNode):
@@ -84,7 +103,7 @@ class NamespaceNode(TreeNode):
     __slots__ = ("salt",)
 
     def __init__(self, node_id: int, salt: str, parent: TreeNode) -> None:
-        super().__init__(node_id, [], np.empty(0, dtype=np.int64), parent)
+        super().__init__(node_id, b"", salt, np.empty(0, dtype=np.int64), parent)
         self.salt = salt
         self.lock_ref = 1  # like the root: never evictable
 
@@ -99,7 +118,7 @@ class MatchResult(NamedTuple):
 
 
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of two lists, by slice comparisons in C."""
+    """Length of the common prefix of two lists (or bytes), by slice comparisons in C."""
     n = min(len(a), len(b))
     if len(a) != n:
         a = a[:n]
@@ -129,12 +148,13 @@ class RadixCache:
         self.allocator = allocator
         self.page_size = page_size
         self.eviction_policy = eviction_policy
+        self._head_struct = struct.Struct(f"{page_size}q")  # a node's first page
         self._init_tree()
 
     def _init_tree(self) -> None:
         self._next_id = 0
         self._clock = 0
-        self.root = self._new_node([], np.empty(0, dtype=np.int64), None)
+        self.root = self._new_node(b"", None, np.empty(0, dtype=np.int64), None)
         self.root.lock_ref = 1  # the root is never evictable
         self.evictable_size = 0
         self.protected_size = 0
@@ -150,24 +170,11 @@ class RadixCache:
         count) of every node on the path. A miss returns the namespace node
         (or ``root`` when the salt has nothing cached) as ``last_node``.
         """
-        key = self._page_align(_as_list(token_ids))
+        tokens = _as_list(token_ids)
         node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
         if node is None:
             return MatchResult(0, _EMPTY, self.root)  # nothing cached under this salt
-        pos, values = 0, []
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, pos)
-            split = n < len(child.key)
-            if split:
-                child = self._split(child, n)
-            values.append(child._np)
-            pos += n
-            node = child
-            if split:
-                break
+        node, pos, values, _ = self._walk(node, tokens, self._aligned_len(tokens))
         self._touch_path(node, hit=True)
         if not values:
             return MatchResult(0, _EMPTY, node)
@@ -184,39 +191,33 @@ class RadixCache:
         path forks from an existing one. Only the salt's own namespace counts
         as cached (created here on its first non-empty insert).
         """
-        key = self._page_align(_as_list(token_ids))
+        tokens = _as_list(token_ids)
+        n = self._aligned_len(tokens)
         num_kv = kv_indices.size if isinstance(kv_indices, np.ndarray) else kv_indices.numel()
-        if num_kv < len(key):
-            raise ValueError(f"insert: {len(key)} tokens but only {num_kv} kv_indices")
-        node = self.root if cache_salt is None or not key else self._namespace(cache_salt)
-        pos = 0
-        while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
-            if child is None:
-                break
-            n = self._match_len(child.key, key, pos)
-            if n < len(child.key):
-                child = self._split(child, n)
-            pos += n
-            node = child
-        if pos < len(key):
-            # The tree owns copies of its keys and values. _as_list hands
-            # back the caller's own list, but _page_align (page_size > 1)
-            # and any conversion make a fresh one.
-            private = pos or self.page_size > 1 or not isinstance(token_ids, list)
-            leaf_key = key[pos:] if pos else (key if private else key[:])
-            value = _slots_np(kv_indices)[pos:len(key)].copy()
-            self._touch_path(node, hit=False, new_leaf=(leaf_key, value))
+        if num_kv < n:
+            raise ValueError(f"insert: {n} tokens but only {num_kv} kv_indices")
+        node = self.root if cache_salt is None or not n else self._namespace(cache_salt)
+        node, pos, _, packed = self._walk(node, tokens, n)
+        if pos < n:
+            # The leaf's key: the packed rest of the request (bytes are
+            # immutable, so the tree never shares state with the caller).
+            done = len(packed) // _TOKEN_BYTES
+            key = packed[pos * _TOKEN_BYTES:] if pos else packed
+            if done < n:
+                key += _pack(tokens, done, n)
+            value = _slots_np(kv_indices)[pos:n].copy()
+            self._touch_path(node, hit=False, new_leaf=(key, self._child_key(tokens, pos), value))
         else:
             self._touch_path(node, hit=False)
         return pos
 
     def lock(self, node: TreeNode) -> None:
         """lock_ref += 1 on node and every ancestor below its root (root or namespace)."""
-        while node.key:
+        while node._key:
             if node.lock_ref == 0:
-                self.evictable_size -= len(node.key)
-                self.protected_size += len(node.key)
+                size = len(node._key) // _TOKEN_BYTES
+                self.evictable_size -= size
+                self.protected_size += size
                 if node.entry is not None:
                     self._evictable.remove(node.entry)
                     node.entry = None
@@ -225,13 +226,14 @@ class RadixCache:
 
     def unlock(self, node: TreeNode) -> None:
         """lock_ref -= 1 on node and every ancestor below its root; raises if a ref would go below 0."""
-        if node.key and node.lock_ref <= 0:
+        if node._key and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} which is not locked")
-        while node.key:
+        while node._key:
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_size += len(node.key)
-                self.protected_size -= len(node.key)
+                size = len(node._key) // _TOKEN_BYTES
+                self.evictable_size += size
+                self.protected_size -= size
                 if not node.children:
                     self._add_evictable(node)
             node = node.parent
@@ -243,23 +245,23 @@ class RadixCache:
         evictable). A parent left childless and unlocked becomes a candidate;
         a namespace left childless is dropped.
         """
-        freed, slots = 0, []
-        while freed < num_tokens and self._evictable:
-            node = self._evictable.pop(0)[-1]
+        evictable, freed, slots = self._evictable, 0, []
+        while freed < num_tokens and evictable:
+            node = evictable.pop(0)[-1]
             node.entry = None
             slots.append(node._np)
-            freed += len(node.key)
-            self.evictable_size -= len(node.key)
+            freed += len(node._key) // _TOKEN_BYTES
             parent = node.parent
-            del parent.children[self._child_key(node.key, 0)]
+            del parent.children[node.head]
             node.parent = None
             if not parent.children:
-                if parent.key:
+                if parent._key:
                     if parent.lock_ref == 0:
                         self._add_evictable(parent)
                 elif parent is not self.root:
                     self._drop_namespace(parent)
         if slots:
+            self.evictable_size -= freed
             self.allocator.free(np.concatenate(slots) if len(slots) > 1 else slots[0])
         return freed
 
@@ -291,16 +293,16 @@ class RadixCache:
         values = []
         for node in self._nodes():
             if node is self.root:
-                assert node.parent is None and not node.key
+                assert node.parent is None and not node._key
                 continue
-            if not node.key:
+            if not node._key:
                 self._check_namespace(node)
                 continue
             self._check_node(node)
             if node.lock_ref == 0:
-                evictable += len(node.key)
+                evictable += node.num_tokens
             else:
-                protected += len(node.key)
+                protected += node.num_tokens
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.id)
             values.append(node._np)
@@ -323,12 +325,14 @@ class RadixCache:
 
     def _check_node(self, node: TreeNode) -> None:
         p = self.page_size
-        assert node.key, f"{node!r} has an empty key"
+        assert isinstance(node._key, bytes) and node._key, f"{node!r} has an empty key"
+        assert len(node._key) % _TOKEN_BYTES == 0, f"{node!r}: key is not whole int64 tokens"
         assert isinstance(node._np, np.ndarray) and node._np.dtype == np.int64 \
             and node._np.ndim == 1, f"{node!r}: value is not a 1-D int64 array"
-        assert len(node.key) == node._np.size, f"{node!r}: key/value lengths differ"
-        assert len(node.key) % p == 0, f"{node!r}: key is not page-aligned"
-        assert node.parent.children.get(self._child_key(node.key, 0)) is node, f"{node!r}: bad parent link"
+        assert node.num_tokens == node._np.size, f"{node!r}: key/value lengths differ"
+        assert node.num_tokens % p == 0, f"{node!r}: key is not page-aligned"
+        assert node.head == self._child_key(node.key, 0), f"{node!r}: head is not its first page"
+        assert node.parent.children.get(node.head) is node, f"{node!r}: bad parent link"
         child_refs = sum(c.lock_ref for c in node.children.values())
         assert node.lock_ref >= child_refs, f"{node!r}: lock_ref below its children's sum {child_refs}"
         assert node.lock_ref >= 0
@@ -336,7 +340,8 @@ class RadixCache:
     def _check_namespace(self, ns: TreeNode) -> None:
         assert isinstance(ns, NamespaceNode), f"{ns!r} has an empty key"
         assert ns.parent is self.root and self.root.children.get(ns.salt) is ns, f"{ns!r}: bad parent link"
-        assert ns._np.size == 0 and ns.lock_ref == 1 and ns.entry is None, f"{ns!r}: not root-like"
+        assert ns._np.size == 0 and ns.lock_ref == 1 and ns.entry is None and ns.head == ns.salt, \
+            f"{ns!r}: not root-like"
         assert ns.children, f"{ns!r} is empty but still in the tree"
 
     def _namespace(self, salt: str, create: bool = True) -> NamespaceNode | None:
@@ -363,54 +368,94 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _new_node(self, key: list[int], value: np.ndarray, parent: TreeNode | None) -> TreeNode:
-        node = TreeNode(self._next_id, key, value, parent)
+    def _new_node(self, key: bytes, head: int | tuple[int, ...] | None, value: np.ndarray,
+                  parent: TreeNode | None) -> TreeNode:
+        node = TreeNode(self._next_id, key, head, value, parent)
         self._next_id += 1
         return node
 
-    def _child_key(self, key: list[int], pos: int) -> int | tuple[int, ...]:
-        return key[pos] if self.page_size == 1 else tuple(key[pos:pos + self.page_size])
+    def _child_key(self, tokens: list[int], pos: int) -> int | tuple[int, ...]:
+        """The children-dict key of a run starting at ``tokens[pos]`` (a token, or a page as a tuple)."""
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
 
-    def _page_align(self, key: list[int]) -> list[int]:
-        p = self.page_size
-        return key if p == 1 else key[:len(key) // p * p]
+    def _aligned_len(self, tokens: list[int]) -> int:
+        return len(tokens) // self.page_size * self.page_size
 
-    def _match_len(self, edge: list[int], key: list[int], pos: int) -> int:
-        """Tokens of ``edge`` that match ``key[pos:]``, rounded down to whole pages."""
-        n = common_prefix_len(edge, key[pos:pos + len(edge)])
-        return n - n % self.page_size
+    def _walk(self, node: TreeNode, tokens: list[int],
+              n: int) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
+        """Follow ``tokens[:n]`` down from ``node`` as far as the tree has it.
+
+        Where the run leaves an edge part-way, that edge is split so the last
+        node ends exactly at the hit. Returns (last node, hit length in
+        tokens, the slot arrays along the path, the packed prefix of tokens
+        it compared: at least ``hit`` tokens, at most n).
+
+        Tokens are packed lazily, as the edges followed need them; once an
+        edge reaches half of the run, the whole run is packed in one go.
+        """
+        packed, done = b"", 0  # packed == pack(tokens[:done])
+        pos, values, page = 0, [], self.page_size
+        while pos < n:
+            child = node.children.get(tokens[pos] if page == 1 else tuple(tokens[pos:pos + page]))
+            if child is None:
+                break
+            edge = child._key
+            end = min(n, pos + len(edge) // _TOKEN_BYTES)
+            if end > done:
+                stop = n if 2 * end >= n else end
+                packed += _pack(tokens, done, stop)
+                done = stop
+            if packed.startswith(edge, pos * _TOKEN_BYTES):
+                pos += len(edge) // _TOKEN_BYTES
+                values.append(child._np)
+                node = child
+                continue
+            off = pos * _TOKEN_BYTES
+            hit = common_prefix_len(edge, packed[off:off + len(edge)]) // _TOKEN_BYTES
+            hit -= hit % page  # > 0: the child's first page matched
+            node = self._split(child, hit)
+            values.append(node._np)
+            pos += hit
+            break  # the run parts from the tree inside this edge
+        return node, pos, values, packed
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
         """Split child's edge after n tokens; return the new upper node."""
-        parent = child.parent
-        upper = self._new_node(child.key[:n], child._np[:n], parent)
+        parent, cut = child.parent, n * _TOKEN_BYTES
+        upper = self._new_node(child._key[:cut], child.head, child._np[:n], parent)
         upper.lock_ref = child.lock_ref
         upper.last_access = child.last_access
         upper.hit_count = child.hit_count
-        parent.children[self._child_key(upper.key, 0)] = upper
-        child.key = child.key[n:]
+        parent.children[upper.head] = upper
+        child._key = child._key[cut:]
+        child.head = self._unpack_head(child._key)
         child._np = child._np[n:]
         child.parent = upper
-        upper.children[self._child_key(child.key, 0)] = child
+        upper.children[child.head] = child
         return upper
 
+    def _unpack_head(self, key: bytes) -> int | tuple[int, ...]:
+        head = self._head_struct.unpack_from(key)
+        return head[0] if self.page_size == 1 else head
+
     def _touch_path(self, node: TreeNode, hit: bool,
-                    new_leaf: tuple[list[int], np.ndarray] | None = None) -> None:
+                    new_leaf: tuple[bytes, int | tuple[int, ...], np.ndarray] | None = None) -> None:
         """Refresh last_access (and hit_count) from node up to its root (root or namespace).
 
-        With ``new_leaf`` = (key, value), first hang a new leaf under node and
-        start the walk from it (so it enters the evictable set once, current).
+        With ``new_leaf`` = (packed key, head, value), first hang a new leaf
+        under node and start the walk from it (so it enters the evictable set
+        once, current).
         """
         self._clock += 1
         clock = self._clock
         if new_leaf is not None:
-            key, value = new_leaf
-            leaf = self._new_node(key, value, node)
+            key, head, value = new_leaf
+            leaf = self._new_node(key, head, value, node)
             leaf.last_access = clock
             if not node.children:
                 self._remove_evictable(node)  # no longer a leaf
-            node.children[self._child_key(key, 0)] = leaf
-            self.evictable_size += len(key)
+            node.children[head] = leaf
+            self.evictable_size += len(key) // _TOKEN_BYTES
             self._add_evictable(leaf)
         else:
             leaf = node
@@ -420,7 +465,7 @@ class RadixCache:
                 leaf.hit_count += hit
                 self._add_evictable(leaf)
                 node = leaf.parent
-        while node.key:
+        while node._key:
             node.last_access = clock
             node.hit_count += hit
             node = node.parent
@@ -442,13 +487,22 @@ class RadixCache:
 
 def _slots_np(slots: torch.Tensor | np.ndarray) -> np.ndarray:
     """1-D int64 numpy array of slot ids (a view of CPU int64 tensors)."""
-    if isinstance(slots, torch.Tensor):
+    if type(slots) is not np.ndarray:
         if not slots.is_cpu:
             slots = slots.cpu()
         slots = slots.numpy()
-    if slots.dtype != np.int64:
+    if slots.dtype is not _INT64:
         slots = slots.astype(np.int64)
     return slots if slots.ndim == 1 else slots.reshape(-1)
+
+
+def _pack(tokens: list[int], start: int, stop: int) -> bytes:
+    """``tokens[start:stop]`` as native int64 bytes, packed in one C loop."""
+    run = tokens if start == 0 and stop == len(tokens) else tokens[start:stop]
+    try:
+        return struct.Struct(f"{stop - start}q").pack(*run)
+    except struct.error as e:
+        raise ValueError(f"token ids must be int64 integers: {e}") from None
 
 
 def _as_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:

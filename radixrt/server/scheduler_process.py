@@ -2,8 +2,10 @@
 
 Loop: read every pending message (non-blocking while there is work, blocking
 up to ``POLL_MS`` when idle), then run one ``Scheduler.step()``, then send the
-new token ids of every request that produced some (and finish info) to the
-Detokenizer as one ``BatchTokenOut``. Control replies and per-request errors
+new token ids of every streamed request that produced some, and the whole
+output of every request that finished, to the Detokenizer as one
+``BatchTokenOut`` (a non-streamed request costs nothing downstream until it
+finishes). Control replies and per-request errors
 travel the same way, so the TokenizerManager sees them in order.
 
 A request the Scheduler failed (finish_reason "error": a fault in its own
@@ -53,6 +55,7 @@ class SchedulerProcess:
         self.send = push(ctx, args["detokenizer_addr"])
         self.tracked: dict[str, Req] = {}
         self.sent: dict[str, int] = {}  # rid -> output tokens already sent
+        self.unstreamed: set[str] = set()  # rids whose output goes out only when they finish
 
     def info(self) -> dict:
         eng = self.engine
@@ -116,6 +119,8 @@ class SchedulerProcess:
         self.scheduler.add_request(req)
         self.tracked[msg.rid] = req
         self.sent[msg.rid] = 0
+        if not msg.stream:
+            self.unstreamed.add(msg.rid)
 
     def control(self, msg: ControlRequest) -> None:
         if msg.kind == "server_info":
@@ -135,17 +140,22 @@ class SchedulerProcess:
             return
         self.send.send(encode(ControlReply(req_id=msg.req_id, data=data)))
 
+    def untrack(self, rid: str) -> None:
+        del self.tracked[rid], self.sent[rid]
+        self.unstreamed.discard(rid)
+
     def emit(self) -> None:
-        """Send what every tracked request produced since the last emit."""
+        """Send what every tracked request produced since the last emit (unstreamed ones: once,
+        when they finish)."""
         items, errors = [], []
         for rid, req in list(self.tracked.items()):
             n0, n = self.sent[rid], len(req.output_ids)
-            if n == n0 and not req.finished:
+            if not req.finished and (n == n0 or rid in self.unstreamed):
                 continue
             if req.finish_reason == "error":
                 errors.append(RidError(rid=rid, code=ErrorCode.INTERNAL,
                                        message=req.error or "internal error"))
-                del self.tracked[rid], self.sent[rid]
+                self.untrack(rid)
                 continue
             items.append(TokenDelta(
                 rid=rid, token_ids=req.output_ids[n0:n],
@@ -157,7 +167,7 @@ class SchedulerProcess:
                                  is not None else None)))
             self.sent[rid] = n
             if req.finished:
-                del self.tracked[rid], self.sent[rid]
+                self.untrack(rid)
         if items:
             self.send.send(encode(BatchTokenOut(items=items)))
         for err in errors:

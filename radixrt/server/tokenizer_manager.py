@@ -303,7 +303,7 @@ class TokenizerManager:
         self.reqs[rid] = ClientReq(identity, msg.req_id, msg.stream)
         self.in_flight[identity] += 1
         self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp,
-                                                      logprob_start_len=start)))
+                                                      logprob_start_len=start, stream=msg.stream)))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
