@@ -186,7 +186,11 @@ class KVSlotAllocator:
                 raise ValueError("free: the same slot was passed twice")
         pages = slots if p == 1 else slots // p
         state = self._state_np
-        if np.count_nonzero(state.take(pages, mode="clip")):  # one gather checks every page
+        # One gather checks every page: any state but _USED (0) is a bad free.
+        # (Its max through C-level methods: np.count_nonzero's Python wrapper
+        # costs more than the whole scan at these sizes.)
+        gathered = state.take(pages, mode="clip")
+        if gathered.item(gathered.argmax()):
             self._raise_bad_free(slots, pages)
         if p > 1:
             # Each page once (the slots of a page usually come together):

@@ -7,8 +7,8 @@ Contract (see shared DESIGN.md, "The KV cache"):
   native int64 bytes of its tokens (``node.key`` unpacks a fresh list):
   8 bytes a token rather than a list slot plus an int object, and freeing
   an evicted node is O(1) instead of freeing one int per token. Token ids
-  must fit in int64. Values live on the CPU as int64 numpy
-  arrays; ``node.value`` and ``MatchResult.kv_indices`` are CPU int64 tensors
+  must fit in int64. Values live on the CPU as int64 numpy arrays;
+  ``node.value`` and ``MatchResult.kv_indices`` are CPU int64 tensors
   sharing that memory (treat them as read-only). ``insert`` takes slot
   tensors on any device.
 - ``lock_ref`` of a node counts the locks taken on it or on any descendant;
@@ -25,10 +25,10 @@ Contract (see shared DESIGN.md, "The KV cache"):
   ``cache_salt``. Keys without a salt live under ``root``; keys with salt ``s``
   live under a ``NamespaceNode`` stored as ``root.children[s]`` (a str key,
   which never collides with the int/tuple token keys: ``node.head``, the
-  first token, or with page_size > 1 the first page as a tuple). A namespace node is a
-  root of its own: empty key and value, lock_ref fixed at 1, never evictable;
-  lock/unlock/touch walks stop at it (every walk stops at the first empty
-  key). It exists only while it has children: ``insert`` creates it, ``evict``
+  first token, or with page_size > 1 the first page as a tuple). A
+  namespace node is a root of its own: empty key and value, lock_ref fixed
+  at 1, never evictable; lock/unlock/touch walks stop at it (every walk
+  stops at the first empty key). It exists only while it has children: ``insert`` creates it, ``evict``
   drops it with its last child, and a match under an unknown salt returns
   ``root`` as ``last_node`` (a 0-token hit; locking it is a no-op). So
   requests with different salts never share a slot, and the same salt (or
@@ -37,15 +37,17 @@ Contract (see shared DESIGN.md, "The KV cache"):
 
 Keys are compared as runs, never token by token in Python: a lookup packs
 the request's tokens once, in C (only as far as the edges it follows reach),
-and compares packed runs with memcmp. Slots stay in numpy from insert to evict (torch is touched once
-per match, to hand out the result): on the scheduler's path each torch call
-costs several µs, more than the rest of a tree operation.
+and compares packed runs with memcmp. Slots stay in numpy from insert to
+evict (torch is touched once per match, to hand out the result): on the
+scheduler's path each torch call costs several µs, more than the rest of a
+tree operation.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
-from typing import NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -193,22 +195,27 @@ class RadixCache:
         """
         tokens = _as_list(token_ids)
         n = self._aligned_len(tokens)
-        num_kv = kv_indices.size if isinstance(kv_indices, np.ndarray) else kv_indices.numel()
-        if num_kv < n:
-            raise ValueError(f"insert: {n} tokens but only {num_kv} kv_indices")
-        node = self.root if cache_salt is None or not n else self._namespace(cache_salt)
-        node, pos, _, packed = self._walk(node, tokens, n)
-        if pos < n:
-            # The leaf's key: the packed rest of the request (bytes are
-            # immutable, so the tree never shares state with the caller).
-            done = len(packed) // _TOKEN_BYTES
-            key = packed[pos * _TOKEN_BYTES:] if pos else packed
-            if done < n:
-                key += _pack(tokens, done, n)
-            value = _slots_np(kv_indices)[pos:n].copy()
-            self._touch_path(node, hit=False, new_leaf=(key, self._child_key(tokens, pos), value))
-        else:
-            self._touch_path(node, hit=False)
+        slots = _slots_np(kv_indices)  # the one torch call of an insert
+        if slots.size < n:
+            raise ValueError(f"insert: {n} tokens but only {slots.size} kv_indices")
+        node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
+        pos, packed = 0, b""
+        if node is not None:
+            node, pos, _, packed = self._walk(node, tokens, n)
+        if pos == n:
+            self._touch_path(node or self.root, hit=False)
+            return pos
+        # The leaf's key: the packed rest of the request (bytes are immutable,
+        # so the tree never shares state with the caller). Packing may reject
+        # the tokens: up to here the tree gained at most a split, no content.
+        done = len(packed) // _TOKEN_BYTES
+        key = packed[pos * _TOKEN_BYTES:] if pos else packed
+        if done < n:
+            key += _pack(tokens, done, n)
+        value = slots[pos:n].copy()
+        if node is None:
+            node = self._namespace(cache_salt)  # the salt's first key
+        self._touch_path(node, hit=False, new_leaf=(key, self._child_key(tokens, pos), value))
         return pos
 
     def lock(self, node: TreeNode) -> None:
@@ -390,8 +397,9 @@ class RadixCache:
         tokens, the slot arrays along the path, the packed prefix of tokens
         it compared: at least ``hit`` tokens, at most n).
 
-        Tokens are packed lazily, as the edges followed need them; once an
-        edge reaches half of the run, the whole run is packed in one go.
+        Tokens are packed lazily, as the edges followed need them, in
+        doubling steps (so O(log n) packs and O(n) bytes copied, however many
+        edges); once that reaches half of the run, the whole run is packed.
         """
         packed, done = b"", 0  # packed == pack(tokens[:done])
         pos, values, page = 0, [], self.page_size
@@ -402,7 +410,8 @@ class RadixCache:
             edge = child._key
             end = min(n, pos + len(edge) // _TOKEN_BYTES)
             if end > done:
-                stop = n if 2 * end >= n else end
+                stop = max(end, 2 * done)
+                stop = n if 2 * stop >= n else stop
                 packed += _pack(tokens, done, stop)
                 done = stop
             if packed.startswith(edge, pos * _TOKEN_BYTES):
@@ -496,11 +505,17 @@ def _slots_np(slots: torch.Tensor | np.ndarray) -> np.ndarray:
     return slots if slots.ndim == 1 else slots.reshape(-1)
 
 
+@functools.lru_cache(maxsize=256)
+def _packer(n: int) -> Callable[..., bytes]:
+    """``pack`` of a Struct of n native int64s (compiled once per length in use)."""
+    return struct.Struct(f"{n}q").pack
+
+
 def _pack(tokens: list[int], start: int, stop: int) -> bytes:
     """``tokens[start:stop]`` as native int64 bytes, packed in one C loop."""
     run = tokens if start == 0 and stop == len(tokens) else tokens[start:stop]
     try:
-        return struct.Struct(f"{stop - start}q").pack(*run)
+        return _packer(stop - start)(*run)
     except struct.error as e:
         raise ValueError(f"token ids must be int64 integers: {e}") from None
 

@@ -132,6 +132,46 @@ def test_insert_accepts_other_token_and_slot_types(page_size):
     check(alloc, cache)
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_keys_are_packed_int64_and_unpack_to_lists(page_size):
+    """Keys are stored as int64 bytes (O(1) to free); any int64 token id round-trips."""
+    p = page_size
+    alloc, cache = make(64, p)
+    big = [2**62, -(2**40), 0, 7, 2**31, 5] * p
+    put(alloc, cache, big)
+    put(alloc, cache, big[:3 * p] + [8] * p)  # splits after three pages
+    r = cache.match_prefix(list(big))
+    assert r.hit_len == len(big) and r.last_node.key == big[3 * p:]
+    assert r.last_node.parent.key == big[:3 * p]
+    for node in cache._nodes():
+        assert isinstance(node._key, bytes) and len(node._key) == 8 * len(node.key)
+    check(alloc, cache)
+
+
+def test_tokens_must_be_int64_integers():
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    with pytest.raises(ValueError, match="int64"):
+        cache.match_prefix([1, 2**63])
+    slots = alloc.alloc(2)
+    with pytest.raises(ValueError, match="int64"):
+        cache.insert([1, 2.5], slots)
+    with pytest.raises(ValueError, match="int64"):
+        cache.insert([4, 2.5], slots, cache_salt="t")
+    assert "t" not in cache.root.children  # a rejected insert changes nothing
+    alloc.free(slots)
+    check(alloc, cache)
+
+
+def test_match_packs_only_what_it_compares():
+    """A long request with a short hit does not pay for packing all of itself."""
+    alloc, cache = make()
+    put(alloc, cache, [1, 2, 3])
+    r = cache.match_prefix([1, 2, 3] + ["not a token id"] * 100)  # never packed
+    assert r.hit_len == 3
+    check(alloc, cache)
+
+
 def test_split_on_match_mid_edge():
     alloc, cache = make()
     _, slots = put(alloc, cache, [1, 2, 3, 4, 5])
