@@ -15,7 +15,10 @@ writes JSON (and a PNG when matplotlib is installed) under bench/results/.
 ``--compare-engine`` runs the shared-prefix workload on the server (all at
 once streamed, all at once not streamed, then one request at a time) and on
 an in-process ``Engine`` loaded from the server's model, interleaved, best of
-``--repeats``; it reports the throughput ratio and the TTFT the server adds.
+``--repeats``; it reports the throughput ratio and the TTFT the server adds
+(as the difference of p50s, and as ``ttft_paired_low_load``: 16 prompts, each
+cold, sent to the server and then to the Engine back to back; the p50 of the
+per-pair differences does not move with the machine's drift between runs).
 """
 
 from __future__ import annotations
@@ -236,6 +239,29 @@ class EngineRunner:
         return 1e3 * percentile(ttfts, 50)
 
 
+async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict]) -> dict:
+    """TTFT added by the server, measured in pairs: for each prompt (cold cache each time) the
+    server's first streamed chunk, then the in-process Engine's 1-token generate, back to back.
+    The median of the differences is robust to the machine's drift between whole runs."""
+    sp_engine = engine.sp_cls(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    server, local, added = [], [], []
+    for r in reqs:
+        await client.flush_cache()
+        t0, first = time.perf_counter(), None
+        async for chunk in await client.generate(input_ids=r["input_ids"], stream=True,
+                                                 sampling_params={"max_new_tokens": 1, "temperature": 0.0}):
+            first = first if first is not None else time.perf_counter() - t0
+        engine.eng.flush_cache()
+        t0 = time.perf_counter()
+        engine.eng.generate(input_ids=[r["input_ids"]], sampling_params=sp_engine)
+        mine = time.perf_counter() - t0
+        server.append(first)
+        local.append(mine)
+        added.append(first - mine)
+    return {"pairs": len(reqs), "server_p50_ms": 1e3 * percentile(server, 50),
+            "engine_p50_ms": 1e3 * percentile(local, 50), "added_p50_ms": 1e3 * percentile(added, 50)}
+
+
 async def compare(args, reqs: list[dict]) -> dict:
     """Best of ``--repeats`` interleaved runs of each mode (robust to a busy machine)."""
     async with AsyncClient(args.server, timeout=args.timeout) as client:
@@ -250,6 +276,8 @@ async def compare(args, reqs: list[dict]) -> dict:
         runs["server_low_load"].append((await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
         runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
         runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
+    async with AsyncClient(args.server, timeout=args.timeout) as client:
+        paired = await paired_ttft(client, engine, reqs[:16])
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
     engine_ttft = min(r["ttft_p50_ms_low_load"] for r in runs["engine"])
     server_ttft = min(r["ttft_p50_ms"] for r in runs["server_low_load"])
@@ -258,7 +286,8 @@ async def compare(args, reqs: list[dict]) -> dict:
             "throughput_ratio_no_stream": (best["server_no_stream"]["output_throughput"]
                                            / best["engine"]["output_throughput"]),
             "ttft_ms_low_load": {"server": server_ttft, "engine": engine_ttft},
-            "ttft_added_ms_low_load": server_ttft - engine_ttft}
+            "ttft_added_ms_low_load": server_ttft - engine_ttft,
+            "ttft_paired_low_load": paired}
 
 
 # ------------------------------------------------------------------ main

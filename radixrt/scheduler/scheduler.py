@@ -26,6 +26,7 @@ it in-process; the server runs the same loop behind sockets.
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from typing import Callable
 
@@ -93,10 +94,12 @@ class Scheduler:
         batch = self.schedule_prefill() or self.schedule_decode()
         if batch is None:
             return []
+        start = time.perf_counter()
         try:
             logits = self._forward(batch)
         except Exception as e:  # fail the batch, keep serving the rest
             return self._fail_batch(batch, e)
+        self.stats["forward_s"] += time.perf_counter() - start
         self.forward_failures = 0
         return self.process_output(batch, logits)
 
