@@ -242,24 +242,36 @@ class EngineRunner:
 async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict]) -> dict:
     """TTFT added by the server, measured in pairs: for each prompt (cold cache each time) the
     server's first streamed chunk, then the in-process Engine's 1-token generate, back to back.
-    The median of the differences is robust to the machine's drift between whole runs."""
+    The median of the differences is robust to the machine's drift between whole runs.
+
+    Both sides also report the time spent in their forward pass (``forward_s``; the same code
+    in both), so the added time splits into "outside the forward" (sockets, processes,
+    scheduling: what the server adds) and the difference between the two forwards."""
     sp_engine = engine.sp_cls(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-    server, local, added = [], [], []
+    added, outside, forward_diff, server, local = [], [], [], [], []
     for r in reqs:
         await client.flush_cache()
+        before = (await client.server_info()).get("forward_s", 0.0)
         t0, first = time.perf_counter(), None
         async for chunk in await client.generate(input_ids=r["input_ids"], stream=True,
                                                  sampling_params={"max_new_tokens": 1, "temperature": 0.0}):
             first = first if first is not None else time.perf_counter() - t0
+        s_fwd = (await client.server_info()).get("forward_s", 0.0) - before
         engine.eng.flush_cache()
+        before = engine.eng.stats().get("forward_s", 0.0)
         t0 = time.perf_counter()
         engine.eng.generate(input_ids=[r["input_ids"]], sampling_params=sp_engine)
         mine = time.perf_counter() - t0
+        e_fwd = engine.eng.stats().get("forward_s", 0.0) - before
         server.append(first)
         local.append(mine)
         added.append(first - mine)
-    return {"pairs": len(reqs), "server_p50_ms": 1e3 * percentile(server, 50),
-            "engine_p50_ms": 1e3 * percentile(local, 50), "added_p50_ms": 1e3 * percentile(added, 50)}
+        outside.append((first - s_fwd) - (mine - e_fwd))
+        forward_diff.append(s_fwd - e_fwd)
+    ms = lambda xs: 1e3 * percentile(xs, 50)  # noqa: E731
+    return {"pairs": len(reqs), "server_p50_ms": ms(server), "engine_p50_ms": ms(local),
+            "added_p50_ms": ms(added), "added_outside_forward_p50_ms": ms(outside),
+            "forward_diff_p50_ms": ms(forward_diff)}
 
 
 async def compare(args, reqs: list[dict]) -> dict:
