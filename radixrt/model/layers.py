@@ -191,13 +191,24 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._memo: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, H, D], k [T, KH, D]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, 1, D] for positions; the model shares one instance across its layers,
+        so a forward looks them up once (same positions tensor, unmodified, same dtype)."""
+        memo = self._memo
+        if memo is not None and memo[0] is positions and memo[1] == positions._version and memo[2] == dtype:
+            return memo[3], memo[4]
+        cos = self.cos[positions].unsqueeze(1).to(dtype)
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
+        self._memo = (positions, positions._version, dtype, cos, sin)
+        return cos, sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
