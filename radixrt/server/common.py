@@ -19,7 +19,10 @@ import zmq
 from radixrt.protocol import ProcessFailed, ProcessReady, encode
 
 PR_SET_PDEATHSIG = 1
-POLL_MS = 200  # how often an idle loop wakes to check that its parent lives
+# How often an idle loop wakes to check that its parent lives. Rare on purpose:
+# on a small machine every wakeup of a server process preempts one of the
+# scheduler's compute threads in the middle of a forward.
+POLL_MS = 1000
 
 
 def setup_child(args: dict) -> None:

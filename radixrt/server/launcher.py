@@ -29,6 +29,7 @@ import zmq
 
 from radixrt.config import EngineConfig
 from radixrt.protocol import Drained, ProcessFailed, ProcessReady, decode
+from radixrt.server.common import POLL_MS
 
 READY_TIMEOUT_S = 600
 STOP_GRACE_S = 3.0
@@ -136,7 +137,7 @@ class Launcher:
                 print(f"radixrt: error: the {dead} process exited "
                       f"(code {self.procs[dead].exitcode}); shutting down", file=sys.stderr)
                 return 1
-            if self.ready.poll(100):
+            if self.ready.poll(POLL_MS):  # signals set flags; seen within a second
                 msg = decode(self.ready.recv())
                 if isinstance(msg, ProcessFailed):
                     print(f"radixrt: error: {msg.role} failed:\n{msg.error}", file=sys.stderr)

@@ -51,7 +51,7 @@ from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_
 
 CONTROL_KINDS = ("server_info", "flush_cache", "health")
 SCHEDULER_START_TIMEOUT_S = 600
-PROBE_S = 1.0
+PROBE_S = 2.0
 HARD_SIZE_FACTOR = 4  # ZMQ_MAXMSGSIZE = this × max_message_bytes
 
 
