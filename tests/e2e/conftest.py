@@ -4,6 +4,18 @@ import pytest
 
 
 @pytest.fixture
+def client(server):
+    """A Client of the module's ``server`` fixture (a ``server_harness.Server``); after the test,
+    the idle KV invariant through ``server_info`` (unless the test stopped the server)."""
+    from radixrt.client import Client
+    from server_harness import assert_idle_kv
+    with Client(server.address, timeout=60) as c:
+        yield c
+        if server.proc.poll() is None:
+            assert_idle_kv(c)
+
+
+@pytest.fixture
 def engine_factory():
     """Build Engines; after the test, every one of them must pass check_memory() at idle."""
     from radixrt import Engine

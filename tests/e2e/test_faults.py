@@ -47,11 +47,6 @@ def server():
     srv.stop()
 
 
-@pytest.fixture
-def client(server):
-    with Client(server.address, timeout=60) as c:
-        yield c
-        assert_idle_kv(c)
 
 
 def run_concurrently(client: Client, jobs: list[tuple[str, dict]]) -> list:
