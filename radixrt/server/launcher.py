@@ -53,6 +53,7 @@ class Launcher:
         self.stop_signal: int | None = None  # stop at once
         self.drain_signal = False            # a first SIGTERM once ready: drain
         self.draining_since: float | None = None
+        self.drain_announced = False
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -71,7 +72,8 @@ class Launcher:
 
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGTERM and self.ready_printed and not self.drain_signal:
-            self.drain_signal = True
+            self.drain_signal = True  # announced by supervise(); the drain itself starts now,
+            self.start_drain()        # not when the poll below next wakes (up to POLL_MS later)
         else:
             self.stop_signal = signum
 
@@ -126,8 +128,10 @@ class Launcher:
 
     def supervise(self) -> int:
         while self.stop_signal is None:
-            if self.drain_signal and self.draining_since is None:
-                self.start_drain()
+            if self.drain_signal and not self.drain_announced:
+                self.drain_announced = True
+                print(f"radixrt: SIGTERM: draining (grace period {self.server.get('grace_period')} s; "
+                      "a second SIGTERM stops at once)", file=sys.stderr, flush=True)
             if self.draining_since is not None and time.monotonic() > self.draining_since + \
                     float(self.server.get("grace_period", 0)) + DRAIN_SLACK_S:
                 print("radixrt: error: the drain did not finish; stopping", file=sys.stderr)
@@ -153,8 +157,6 @@ class Launcher:
 
     def start_drain(self) -> None:
         self.draining_since = time.monotonic()
-        print(f"radixrt: SIGTERM: draining (grace period {self.server.get('grace_period')} s; "
-              "a second SIGTERM stops at once)", file=sys.stderr, flush=True)
         os.kill(self.procs["tokenizer_manager"].pid, signal.SIGUSR1)
 
     def shutdown(self) -> None:

@@ -204,11 +204,13 @@ def _stream_in_thread(client: Client, prompt: str, max_new_tokens: int):
     return started, result, t
 
 
-def _wait_draining(client: Client) -> None:
-    for _ in range(600):
-        if client.server_info().get("draining"):
-            return
-        threading.Event().wait(0.05)
+def _wait_draining(address: str) -> None:
+    """Poll until the server reports it is draining (fails fast if it has already gone)."""
+    with Client(address, timeout=10) as client:
+        for _ in range(600):
+            if client.server_info().get("draining"):
+                return
+            threading.Event().wait(0.05)
     pytest.fail("the server never started draining")
 
 
@@ -227,13 +229,13 @@ def sigterm_mid_stream(grace_period: str, prompt: str, max_new_tokens: int):
 
 
 def test_sigterm_drains_running_requests_then_exits_0():
-    with sigterm_mid_stream("120", "for i in range(", 400) as (srv, c, result, t):
-        _wait_draining(c)
+    with sigterm_mid_stream("120", "for i in range(", 800) as (srv, c, result, t):
+        _wait_draining(srv.address)
         with pytest.raises(ServerError) as e:
             c.generate("new work", {"max_new_tokens": 2})
         assert e.value.code == ErrorCode.SHUTTING_DOWN
         t.join(120)
-        assert result == {"tokens": 400, "finish": "length"}  # nothing lost, nothing cut
+        assert result == {"tokens": 800, "finish": "length"}  # nothing lost, nothing cut
         assert srv.proc.wait(60) == 0
 
 
@@ -247,7 +249,7 @@ def test_grace_period_over_aborts_what_is_left():
 
 def test_second_sigterm_stops_at_once():
     with sigterm_mid_stream("600", "x = [", 1900) as (srv, c, result, t):
-        _wait_draining(c)
+        _wait_draining(srv.address)
         srv.proc.send_signal(signal.SIGTERM)
         assert srv.proc.wait(30) == 0  # long before 1900 tokens or 600 s
         assert "tokens" not in result
