@@ -1,17 +1,23 @@
 """Reference attention on CPU (or any device): gather K/V through slots, attend.
 
-Query heads are grouped under their KV head (GQA): q [T, H, D] is viewed as
-[KH, G·n, D] (G = H / KH) so attention runs on the KV heads as they are
-stored, with no repeat of K/V. Output dtype = q dtype.
-- Extend: one SDPA per request; new token i (position prefix + i) sees keys
-  0..prefix + i. Masks are 4-D boolean so PyTorch's CPU flash kernel takes them.
+Attention over parts of a sequence runs as SDPA that also returns the
+log-sum-exp (``_sdpa_lse``: PyTorch's CPU flash kernel, which takes GQA and
+strided K/V as they are), and parts are merged by their log-sum-exps:
+(o1·e^lse1 + o2·e^lse2) / (e^lse1 + e^lse2) = lerp(o2, o1, sigmoid(lse1 - lse2)).
+Output dtype = q dtype.
+- Extend: the new tokens of a request attend causally to each other, read
+  straight from the new k/v (one SDPA per run of consecutive requests with the
+  same extend length); requests with a cached prefix also attend to it, one
+  SDPA per group of requests whose cached prefixes are the very same slots
+  (its K/V gathered once: requests admitted together under a shared prefix).
 - Decode, cascade: requests whose req_to_token rows start with the same run of
   c_g slots (a prefix shared through the radix cache) form a group; groups of
   >= ``MIN_GROUP_SIZE`` requests with c_g >= ``MIN_SHARED_PREFIX`` are used.
   Per layer, (1) each group's prefix K/V is gathered once and all the group's
   queries attend to it; (2) every request's private tail [c_b, seq_len_b),
-  padded over the batch, is attended; both in float32 matmuls keeping the
-  log-sum-exp; (3) the two results are merged by their log-sum-exps. c_g is
+  padded over the batch, is attended; (3) the two results are merged. The
+  query heads of a KV head act as that head's queries: q [B, H, D] is viewed
+  [B, KH, G, D] (G = H / KH), with no repeat of K/V. c_g is
   capped at seq_len - 1 so every tail holds at least the new token; a request
   outside every group has an empty shared part (lse -inf, weight 0).
 - Decode, no qualifying group: the batch is padded to its longest sequence
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
 MIN_GROUP_SIZE = 2
 MIN_SHARED_PREFIX = 16
 # Cost of one key, in keys of the padded bf16 SDPA path, measured on a 2-core AVX-512 CPU
@@ -37,9 +44,9 @@ PREFIX_COST = 2.0
 
 @dataclass
 class _ExtendMeta:
-    token_starts: list[int]            # [B] first index of request b in T
-    slots: list[torch.Tensor]          # [B] int64 [seq_len_b]
-    masks: list[torch.Tensor | None]   # [B] bool [1, 1, extend_b, seq_len_b]; None = causal
+    runs: list[tuple[int, int, int]]  # (first token, requests, extend length) of equal-length runs
+    prefix_groups: list[tuple[torch.Tensor, torch.Tensor]]  # (token indices [n], prefix slots [p])
+    prefix_tokens: torch.Tensor | None  # int64: every token with a cached prefix, group by group
 
 
 @dataclass
@@ -53,7 +60,7 @@ class _DecodeMeta:
 class _Part:
     """X key sequences of up to L slots each (X = groups for prefixes, B for tails)."""
     slots: torch.Tensor        # int64 [X, L], padded with slot 0
-    bias: torch.Tensor | None  # float32 [X * KH, 1, L]: 0 on keys, -inf on padding (None: none)
+    bias: torch.Tensor | None  # [X, 1, 1, L] in the KV dtype: 0 on keys, -inf on padding (None: none)
 
 
 @dataclass
@@ -72,15 +79,9 @@ class TorchAttentionBackend(AttentionBackend):
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
-                                                   self.pool.kv_heads)
+                                                   self.pool.kv_heads, self.pool.dtype)
             return
-        starts, slots, masks, pos = [], [], [], 0
-        for row, seq_len, ext in zip(batch.req_rows.tolist(), batch.seq_lens, batch.extend_lens):
-            starts.append(pos)
-            pos += ext
-            slots.append(table[row, :seq_len])
-            masks.append(None if seq_len == ext else _prefix_causal_mask(ext, seq_len, table.device))
-        batch.attn_metadata = _ExtendMeta(starts, slots, masks)
+        batch.attn_metadata = _extend_metadata(table, batch.req_rows, batch.seq_lens, batch.extend_lens)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scaling: float) -> torch.Tensor:
@@ -91,18 +92,76 @@ class TorchAttentionBackend(AttentionBackend):
             return _cascade_decode(q, k_buf, v_buf, meta, scaling)
         if isinstance(meta, _DecodeMeta):
             return _padded_decode(q, k_buf, v_buf, meta, scaling)
-        out = torch.empty_like(q)
-        for b, ext in enumerate(batch.extend_lens):
-            s = meta.token_starts[b]
-            kb, vb = _gather(k_buf, meta.slots[b]), _gather(v_buf, meta.slots[b])  # [L, KH, D]
-            out[s:s + ext] = _grouped_sdpa(q[s:s + ext], kb, vb, meta.masks[b], scaling)
+        return _extend(q, k, v, k_buf, v_buf, meta, scaling)
+
+
+# ---- extend ---------------------------------------------------------------------------------
+
+def _extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
+                     extend_lens: list[int]) -> _ExtendMeta:
+    runs: list[tuple[int, int, int]] = []
+    groups: dict[tuple, list] = {}  # (prefix length, first slot, last slot) → [[slots, tokens...]]
+    pos = 0
+    for row, seq_len, ext in zip(req_rows.tolist(), seq_lens, extend_lens):
+        if runs and runs[-1][2] == ext:
+            first, n, _ = runs[-1]
+            runs[-1] = (first, n + 1, ext)
+        else:
+            runs.append((pos, 1, ext))
+        prefix = seq_len - ext
+        if prefix:
+            slots = table[row, :prefix]
+            same = groups.setdefault((prefix, int(slots[0]), int(slots[-1])), [])
+            for group in same:  # requests whose whole cached prefix is the same slots share it
+                if torch.equal(group[0], slots):
+                    group[1].append(torch.arange(pos, pos + ext))
+                    break
+            else:
+                same.append([slots, [torch.arange(pos, pos + ext)]])
+        pos += ext
+    prefix_groups = [(torch.cat(tokens).to(table.device), slots)
+                     for same in groups.values() for slots, tokens in same]
+    every = torch.cat([t for t, _ in prefix_groups]) if prefix_groups else None
+    return _ExtendMeta(runs, prefix_groups, every)
+
+
+def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
+            v_buf: torch.Tensor, meta: _ExtendMeta, scaling: float) -> torch.Tensor:
+    """q [T, H, D], the new k/v [T, KH, D] → [T, H, D]: each request's new tokens attend
+    causally to each other (run by run of equal lengths, straight from k/v) and, when it has
+    one, to its cached prefix (once per group of requests sharing it); the two are merged by
+    their log-sum-exps."""
+    t, h, d = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(t, h, dtype=torch.float32, device=q.device) if meta.prefix_groups else None
+    for first, n, ext in meta.runs:
+        span = slice(first, first + n * ext)
+        qq, kk, vv = (x[span].view(n, ext, -1, d).transpose(1, 2) for x in (q, k, v))
+        o, l = _sdpa_lse(qq, kk, vv, scaling, causal=True)  # [n, H, ext, D], [n, H, ext]
+        out[span] = o.transpose(1, 2).reshape(n * ext, h, d)
+        if lse is not None:
+            lse[span] = l.transpose(1, 2).reshape(n * ext, h)
+    if not meta.prefix_groups:
         return out
+    parts, part_lse = [], []
+    for tokens, slots in meta.prefix_groups:
+        qq = q.index_select(0, tokens).unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
+        kk = _gather(k_buf, slots).unsqueeze(0).transpose(1, 2)      # [1, KH, p, D]
+        vv = _gather(v_buf, slots).unsqueeze(0).transpose(1, 2)
+        o, l = _sdpa_lse(qq, kk, vv, scaling)
+        parts.append(o[0].transpose(0, 1))  # [n, H, D]
+        part_lse.append(l[0].transpose(0, 1))  # [n, H]
+    rows = meta.prefix_tokens
+    o_prefix = torch.cat(parts) if len(parts) > 1 else parts[0]
+    w = torch.sigmoid(torch.cat(part_lse) - lse.index_select(0, rows)).unsqueeze(-1)
+    merged = torch.lerp(out.index_select(0, rows).float(), o_prefix.float(), w)
+    return out.index_copy_(0, rows, merged.to(q.dtype))
 
 
 # ---- decode metadata (once per step) -------------------------------------------------------
 
 def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
-                     kh: int) -> _DecodeMeta | _CascadeMeta:
+                     kh: int, dtype: torch.dtype) -> _DecodeMeta | _CascadeMeta:
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)  # [B]
     lmax = max(seq_lens)
     valid = torch.arange(lmax, device=table.device)[None, :] < lens[:, None]
@@ -114,7 +173,7 @@ def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
             start.index_fill_(0, members, c)
         b, width = len(seq_lens), int((lens - start).max())  # P: longest private tail
         if TAIL_COST * b * width + PREFIX_COST * int(prefix_lens.sum()) < b * lmax:
-            return _cascade_metadata(rows, lens, start, width, groups, prefix_lens, kh)
+            return _cascade_metadata(rows, lens, start, width, groups, prefix_lens, kh, dtype)
     return _DecodeMeta(rows.clamp(min=0).reshape(-1), lmax, valid[:, None, None, :])
 
 
@@ -141,7 +200,8 @@ def _shared_groups(rows: torch.Tensor,
 
 
 def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tensor, width: int,
-                      groups: list[torch.Tensor], prefix_lens: torch.Tensor, kh: int) -> _CascadeMeta:
+                      groups: list[torch.Tensor], prefix_lens: torch.Tensor, kh: int,
+                      dtype: torch.dtype) -> _CascadeMeta:
     (b, lmax), dev = rows.shape, rows.device
     ng, n = len(groups), max(m.numel() for m in groups)
     heads = torch.arange(kh, device=dev)
@@ -155,21 +215,21 @@ def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tenso
         out_rows.index_copy_(0, members, (g * kh + heads[None, :]) * n + pos)
         no_shared.index_fill_(0, members, 0.0)
     firsts = torch.stack([m[0] for m in groups])
-    prefix = _part(rows[:, :int(prefix_lens.max())].index_select(0, firsts), prefix_lens, kh)
+    prefix = _part(rows[:, :int(prefix_lens.max())].index_select(0, firsts), prefix_lens, dtype)
     tail_pos = start[:, None] + torch.arange(width, device=dev)[None, :]  # [B, P]
-    tail = _part(rows.gather(1, tail_pos.clamp(max=lmax - 1)), lens - start, kh)
+    tail = _part(rows.gather(1, tail_pos.clamp(max=lmax - 1)), lens - start, dtype)
     return _CascadeMeta(list(zip(groups, prefix_lens.tolist())), n, prefix, tail,
                         q_rows.reshape(-1), out_rows.reshape(-1), no_shared)
 
 
-def _part(slots: torch.Tensor, lens: torch.Tensor, kh: int) -> _Part:
+def _part(slots: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype) -> _Part:
     """slots int64 [X, L], of which the first lens[x] are keys of sequence x."""
     keys = torch.arange(slots.shape[1], device=slots.device)[None, :] < lens[:, None]  # [X, L]
     if bool(keys.all()):
         return _Part(slots, None)
-    bias = torch.zeros(keys.shape, dtype=torch.float32, device=slots.device)
+    bias = torch.zeros(keys.shape, dtype=dtype, device=slots.device)
     bias.masked_fill_(~keys, float("-inf"))
-    return _Part(torch.where(keys, slots, 0), bias.repeat_interleave(kh, 0)[:, None, :])
+    return _Part(torch.where(keys, slots, 0), bias[:, None, None, :])
 
 
 # ---- decode attention (per layer) ----------------------------------------------------------
@@ -190,39 +250,62 @@ def _cascade_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, m
     b, h, d = q.shape
     kh = k_buf.shape[1]
     g = h // kh
-    qf = (q.float() * scaling).reshape(b * kh, g * d)  # row (b, j): b's G queries on KV head j
+    rows = q.reshape(b * kh, g * d)  # row (b, j): b's G queries on KV head j
     # (1) shared: per (group, KV head) the N·G queries of its requests vs its C prefix keys
-    qs = qf.index_select(0, meta.q_rows).view(-1, meta.width * g, d)
-    o1, lse1 = _attend(qs, k_buf, v_buf, meta.prefix)  # [NG·KH, N·G, D], [NG·KH, N·G]
+    qs = rows.index_select(0, meta.q_rows).view(-1, kh, meta.width * g, d)
+    o1, lse1 = _attend(qs, k_buf, v_buf, meta.prefix, scaling)  # [NG, KH, N·G, D], [NG, KH, N·G]
     o1 = o1.reshape(-1, g * d).index_select(0, meta.out_rows).view(b, h, d)
     lse1 = lse1.reshape(-1, g).index_select(0, meta.out_rows).view(b, h) + meta.no_shared
     # (2) private: per (request, KV head) its G queries vs its P tail keys
-    o2, lse2 = _attend(qf.view(b * kh, g, d), k_buf, v_buf, meta.tail)  # [B·KH, G, D]
+    o2, lse2 = _attend(q.view(b, kh, g, d), k_buf, v_buf, meta.tail, scaling)  # [B, KH, G, D]
     # (3) merge: (o1·e^lse1 + o2·e^lse2) / (e^lse1 + e^lse2) = lerp(o2, o1, sigmoid(lse1 - lse2))
-    w1 = torch.sigmoid(lse1 - lse2.view(b, h)).unsqueeze(-1)  # [B, H, 1]
-    return torch.lerp(o2.view(b, h, d), o1, w1).to(q.dtype)
+    w1 = torch.sigmoid(lse1 - lse2.reshape(b, h)).unsqueeze(-1)  # [B, H, 1]
+    return torch.lerp(o2.reshape(b, h, d).float(), o1.float(), w1).to(q.dtype)
 
 
-def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-            part: _Part) -> tuple[torch.Tensor, torch.Tensor]:
-    """q float32 [X·KH, n, D], pre-scaled, vs the part's keys → float32 (o [X·KH, n, D],
-    lse [X·KH, n])."""
-    k, v = _gather_heads(k_buf, part), _gather_heads(v_buf, part)  # [X·KH, L, D]
-    s = torch.bmm(q, k.transpose(1, 2))  # [X·KH, n, L]
-    if part.bias is not None:
-        s.add_(part.bias)
-    m = s.amax(-1, keepdim=True)  # finite: every sequence has a key
-    p = s.sub_(m).exp_()
-    total = p.sum(-1, keepdim=True)
-    return torch.bmm(p, v).div_(total), (m + total.log()).squeeze(-1)
+def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, part: _Part,
+            scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [X, KH, n, D] vs the part's keys → (o [X, KH, n, D] in q's dtype, float32 lse [X, KH, n])."""
+    k, v = _gather_heads(k_buf, part), _gather_heads(v_buf, part)  # [X, KH, L, D]
+    return _sdpa_lse(q, k, v, scaling, bias=part.bias)
+
+
+def _sdpa_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+              causal: bool = False, bias: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [X, H, n, D], k/v [X, KH, L, D] (KH divides H; any strides) → (o [X, H, n, D] in q's
+    dtype, float32 lse [X, H, n]). ``causal`` aligns the end of q with the end of k (n == L
+    here); ``bias`` [X, 1, 1, L] in q's dtype is added to the scores.
+
+    On the CPU: PyTorch's flash kernel, which returns the log-sum-exp, handles GQA and reads
+    strided views in place, accumulating in float32. Elsewhere: the same, as float32 math.
+    """
+    if q.is_cpu:
+        return _FLASH_CPU(q, k, v, 0.0, causal, attn_mask=bias, scale=scaling)
+    return _sdpa_lse_math(q, k, v, scaling, causal, bias)
+
+
+def _sdpa_lse_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                   causal: bool = False, bias: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_sdpa_lse`` as plain float32 math (devices without the CPU kernel)."""
+    g = q.shape[1] // k.shape[1]
+    s = torch.matmul(q.float(), k.float().repeat_interleave(g, 1).transpose(-1, -2)).mul_(scaling)
+    if bias is not None:
+        s.add_(bias)
+    if causal:
+        n, length = s.shape[-2:]
+        s.masked_fill_(torch.ones(n, length, dtype=torch.bool, device=s.device).triu_(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.matmul(s.sub_(lse.unsqueeze(-1)).exp_(), v.float().repeat_interleave(g, 1))
+    return o.to(q.dtype), lse
 
 
 def _gather_heads(buf: torch.Tensor, part: _Part) -> torch.Tensor:
-    """The part's rows of a [N, KH, D] buffer → float32 [X·KH, L, D] (one converting copy)."""
+    """The part's rows of a [N, KH, D] buffer as a [X, KH, L, D] view (one gathering copy)."""
     _, kh, d = buf.shape
     x, length = part.slots.shape
-    rows = _gather(buf, part.slots.reshape(-1)).view(x, length, kh, d).transpose(1, 2)  # [X, KH, L, D]
-    return buf.new_empty(rows.shape, dtype=torch.float32).copy_(rows).view(x * kh, length, d)
+    return _gather(buf, part.slots.reshape(-1)).view(x, length, kh, d).transpose(1, 2)
 
 
 # ---- helpers --------------------------------------------------------------------------------
@@ -231,25 +314,3 @@ def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` of a [N, KH, D] buffer (index_select: far faster than advanced indexing)."""
     n, kh, d = buf.shape
     return torch.index_select(buf.view(n, kh * d), 0, slots).view(-1, kh, d)
-
-
-def _prefix_causal_mask(ext: int, seq_len: int, device: torch.device) -> torch.Tensor:
-    prefix = seq_len - ext
-    cols = torch.arange(seq_len, device=device)[None, :]
-    rows = torch.arange(ext, device=device)[:, None]
-    return (cols <= rows + prefix)[None, None]
-
-
-def _grouped_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scaling: float) -> torch.Tensor:
-    """q [n, H, D], k/v [L, KH, D] → [n, H, D]; causal (aligned at the end) when mask is None."""
-    n, h, d = q.shape
-    kh = k.shape[1]
-    g = h // kh
-    # [n, KH, G, D] → [KH, G, n, D] → [1, KH, G·n, D]: rows of KV head j are its G heads' queries.
-    qg = q.view(n, kh, g, d).permute(1, 2, 0, 3).reshape(1, kh, g * n, d)
-    kk, vv = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
-    if mask is None:
-        mask = _prefix_causal_mask(n, k.shape[0], q.device)
-    o = F.scaled_dot_product_attention(qg, kk, vv, attn_mask=mask.repeat(1, 1, g, 1), scale=scaling)
-    return o.view(kh, g, n, d).permute(2, 0, 1, 3).reshape(n, h, d)

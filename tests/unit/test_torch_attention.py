@@ -116,21 +116,57 @@ def test_cost_model_picks_the_path() -> None:
     assert not hasattr(_run_decode(pool, rows, [250, 240], 6), "groups")
 
 
-@pytest.mark.parametrize("kh,h", [(4, 4), (2, 6)])
-def test_extend_matches_reference(kh: int, h: int) -> None:
-    spec = [(30, 0), (45, 0), (17, None)]
-    seq_lens, extend_lens, starts = [30, 45, 17], [30, 5, 17], [0, 30, 35]  # row 1: cached prefix
-    pool, rows = _setup(kh, spec)
+def _run_extend(pool: KVPool, seq_lens: list[int], extend_lens: list[int], h: int,
+                tol: float = 1e-5):
+    rows = torch.arange(len(seq_lens))
     out_loc = torch.cat([pool.req_to_token[r, s - e:s]
-                         for r, s, e in zip(range(3), seq_lens, extend_lens)])
-    t = len(out_loc)
-    q = torch.randn(t, h, D)
-    k, v = torch.randn(t, kh, D), torch.randn(t, kh, D)
+                         for r, s, e in zip(range(len(seq_lens)), seq_lens, extend_lens)])
+    t, dtype = len(out_loc), pool.dtype
+    q = torch.randn(t, h, D, dtype=dtype)
+    k, v = (torch.randn(t, pool.kv_heads, D, dtype=dtype) for _ in range(2))
     batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
                          torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, extend_lens)
     backend = TorchAttentionBackend(pool)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, SCALE)
+    starts = torch.tensor([0] + extend_lens).cumsum(0).tolist()
     ref = torch.cat([_reference(q[s:s + e], pool, r, n)
-                     for s, e, r, n in zip(starts, extend_lens, range(3), seq_lens)])
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+                     for s, e, r, n in zip(starts, extend_lens, range(len(seq_lens)), seq_lens)])
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    return batch.attn_metadata
+
+
+@pytest.mark.parametrize("kh,h", [(4, 4), (2, 6)])
+def test_extend_matches_reference(kh: int, h: int) -> None:
+    pool, _ = _setup(kh, [(30, 0), (45, 0), (17, None)])
+    _run_extend(pool, [30, 45, 17], [30, 5, 17], h)  # row 1: a cached prefix
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_extend_shares_identical_cached_prefixes(dtype: torch.dtype, tol: float) -> None:
+    """Requests 0, 1 and 5 have the very same cached prefix: one group; 2 (a longer cached
+    prefix) and 3 (another prefix) are groups of their own; 4 has none. Runs of equal
+    extend lengths: requests 0-3, 4, 5."""
+    spec = [(PREFIX + 5, 0), (PREFIX + 5, 0), (PREFIX + 8, 0), (PREFIX + 5, 1), (12, None),
+            (PREFIX + 5, 0)]
+    pool, _ = _setup(2, spec, dtype)
+    meta = _run_extend(pool, [s for s, _ in spec], [5, 5, 5, 5, 12, 5], 6, tol)
+    assert meta.runs == [(0, 4, 5), (20, 1, 12), (32, 1, 5)]
+    assert sorted(len(tokens) for tokens, _ in meta.prefix_groups) == [5, 5, 15]
+    assert sorted(len(slots) for _, slots in meta.prefix_groups) == [PREFIX, PREFIX, PREFIX + 3]
+
+
+@pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True)])
+def test_sdpa_lse_math_matches_the_cpu_kernel(causal: bool, masked: bool) -> None:
+    """The float32 fallback (the torch backend on other devices) agrees with the flash kernel."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 6, 7, D), torch.randn(2, 2, 7, D), torch.randn(2, 2, 7, D)
+    bias = None
+    if masked:
+        bias = torch.zeros(2, 1, 1, 7)
+        bias[0, ..., 5:] = float("-inf")
+    o, lse = torch_backend._sdpa_lse(q, k, v, SCALE, causal, bias)
+    o_ref, lse_ref = torch_backend._sdpa_lse_math(q, k, v, SCALE, causal, bias)
+    torch.testing.assert_close(o, o_ref)
+    torch.testing.assert_close(lse, lse_ref)
