@@ -82,26 +82,26 @@ def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chu
     """A lower bound no runtime on this model can beat: its weight matmuls alone.
 
     Times only the model's own linear layers (qkv, o, gate_up, down of every
-    layer, and the LM head for each sampled row) on the workload's shapes:
+    layer, and the LM head for each sampled row; called as the model calls
+    them, so with its packed CPU weights too) on the workload's shapes:
     every unique prompt token once, in ``chunk``-row prefill batches, then
     ``out`` decode steps over all requests at once. No attention, norms,
     rotary, sampling or Python scheduling: any real run takes longer.
     """
     eng = Engine(model=None, dtype=dtype, max_total_tokens=4096)
     model = eng.runner.model
-    weights = [w for layer in model.model.layers for w in (
-        layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-        layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-    head = model.lm_head.weight
-    hidden = head.shape[1]
+    linears = [m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    head = model.lm_head
+    hidden = head.weight.shape[1]
 
-    widths = sorted({w.shape[1] for w in weights} | {hidden})
-    inputs = {k: torch.randn(chunk, k, dtype=head.dtype) for k in widths}  # made outside the clock
+    widths = sorted({m.weight.shape[1] for m in linears} | {hidden})
+    inputs = {k: torch.randn(chunk, k, dtype=head.weight.dtype) for k in widths}  # outside the clock
 
     def run(rows: int, sampled: int) -> None:
-        for w in weights:
-            torch.nn.functional.linear(inputs[w.shape[1]][:rows], w)
-        torch.nn.functional.linear(inputs[hidden][:sampled], head)
+        for m in linears:
+            m(inputs[m.weight.shape[1]][:rows])
+        head(inputs[hidden][:sampled])
 
     assert len(prompts) <= chunk
     shapes = [(min(chunk, unique - i), 0) for i in range(0, unique, chunk)]

@@ -11,6 +11,7 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
+from radixrt.model.layers import pack_cpu_weights
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, iter_weights
 
@@ -70,6 +71,7 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
+        self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:

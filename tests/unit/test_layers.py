@@ -1,0 +1,61 @@
+"""Model layers: oneDNN-packed CPU weights (bf16) give the plain layers' results."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from radixrt.model import layers
+from radixrt.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                  pack_cpu_weights)
+
+needs_onednn = pytest.mark.skipif(
+    layers._ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available(),
+    reason="this PyTorch build has no oneDNN linear ops")
+
+
+class Tiny(nn.Module):
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = ColumnParallelLinear(32, 48, bias=True)
+        self.down = RowParallelLinear(48, 32)
+        self.head = ParallelLMHead(100, 32)
+        for p in self.parameters():
+            p.data.normal_()
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.down(self.up(x)))
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_packed_bf16_model_matches_plain(rows: int) -> None:
+    plain = Tiny(torch.bfloat16)
+    packed = copy.deepcopy(plain)
+    assert pack_cpu_weights(packed)
+    assert packed.up.packed and packed.down.packed and packed.up.weight.is_mkldnn
+    assert packed.head.packed_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
+    x = torch.randn(rows, 32, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(packed(x), plain(x), rtol=1e-2, atol=1e-1)
+    assert not pack_cpu_weights(packed)  # nothing left to pack
+
+
+def test_other_dtypes_stay_plain() -> None:
+    model = Tiny(torch.float32)
+    assert not pack_cpu_weights(model)
+    assert not model.up.packed and not model.up.weight.is_mkldnn and model.head.packed_weight is None
+
+
+@needs_onednn
+def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
+    from radixrt import Engine
+    with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=256) as eng:
+        assert eng.runner.packed_weights
+    with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
+        assert not eng.runner.packed_weights
