@@ -13,7 +13,14 @@ decoding one token each per step (the life cycle of radixrt.scheduler.kv):
 
 Every request's token list is made at admission from a numpy array, so it
 holds fresh int objects (as a tokenizer's output does) and key comparisons
-cannot take CPython's identity shortcut. Each cache call is timed on its own,
+cannot take CPython's identity shortcut. radixrt, like its scheduler, then
+copies the prompt into an int64 TokenBuffer (row "ids at admit") that the
+tree reads with memcpy, and at finish appends the generated tokens to it
+(row "ids at finish"); the baseline hands its lists to the tree as they
+are. Row "ids+match+insert" sums these costs per request, for both (this
+trace matches and inserts once per request; the scheduler, which also
+caches after prefill and re-matches after each insert, reads each buffer
+more often). Each cache call is timed on its own,
 in place in the trace (so with the CPU caches as the surrounding work leaves
 them), as thread CPU time (time.thread_time_ns, less its own overhead; or
 wall time with --clock wall): the machines this runs on are shared, and CPU
@@ -59,11 +66,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixrt.cache import KVSlotAllocator, RadixCache, check_slot_partition
+from radixrt.cache import KVSlotAllocator, RadixCache, TokenBuffer, check_slot_partition
 
 RESULTS = Path(__file__).parent / "results"
 VOCAB = 32000
-OPS = ("match", "insert", "lock", "unlock", "evict", "alloc", "free")
+OPS = ("match", "insert", "lock", "unlock", "evict", "alloc", "free", "ids_admit", "ids_finish")
 COUNTED_CALLS = 200  # part 2: evict calls run under cProfile to count Python calls
 
 # SGLang's Python RadixCache on this trace, as quoted in the issue (µs).
@@ -302,10 +309,11 @@ def pool_slots(trace, args) -> tuple[int, int]:
 
 
 class Running:
-    __slots__ = ("tokens", "out", "slots", "hit", "node")
+    __slots__ = ("tokens", "ids", "out", "slots", "hit", "node")
 
-    def __init__(self, tokens, out, slots, hit, node):
-        self.tokens, self.out, self.slots, self.hit, self.node = tokens, out, slots, hit, node
+    def __init__(self, tokens, ids, out, slots, hit, node):
+        self.tokens, self.ids, self.out, self.slots, self.hit, self.node = \
+            tokens, ids, out, slots, hit, node
 
 
 def run_trace(impl: str, trace, args) -> dict:
@@ -351,8 +359,13 @@ def run_trace(impl: str, trace, args) -> dict:
         # The request's token lists are made now, as a tokenizer would: fresh
         # int objects, warm in cache (the tree's keys are whatever is left).
         prompt, out = prompt_ids.tolist(), out_ids.tolist()
+        ids = None
+        if impl == "radixrt":  # what radixrt's scheduler hands the tree
+            t0 = clock()
+            ids = TokenBuffer(prompt, capacity=len(prompt) + len(out))
+            t["ids_admit"].add(clock() - t0)
         t0 = clock()
-        hit, kv, node = cache.match_prefix(prompt)
+        hit, kv, node = cache.match_prefix(prompt if ids is None else ids.array)
         t["match"].add(clock() - t0)
         t0 = clock()
         cache.lock(node)
@@ -366,11 +379,17 @@ def run_trace(impl: str, trace, args) -> dict:
             return None
         stats["hit_tokens"] += hit
         stats["prompt_tokens"] += len(prompt)
-        return Running(list(prompt), deque(out), torch.cat([kv, own]), hit, node)
+        return Running(list(prompt), ids, deque(out), torch.cat([kv, own]), hit, node)
 
     def finish(r: Running) -> None:
+        key = r.tokens
+        if r.ids is not None:
+            t0 = clock()
+            r.ids.extend(r.tokens[len(r.ids):])
+            t["ids_finish"].add(clock() - t0)
+            key = r.ids.array
         t0 = clock()
-        cached = cache.insert(r.tokens, r.slots)
+        cached = cache.insert(key, r.slots)
         t["insert"].add(clock() - t0)
         aligned = len(r.tokens) // p * p
         free(torch.cat([r.slots[r.hit:cached], r.slots[aligned:]]))
@@ -436,6 +455,13 @@ def summarize(runs: list[dict]) -> dict:
     info = {k: v for k, v in runs[0].items() if k != "timers"}
     info["wall_s"] = min(r["wall_s"] for r in runs)
     return {"info": info, "ops": out}
+
+
+def request_key_us(summary: dict) -> float:
+    """Mean µs per request of key conversion + match + insert (all calls / requests)."""
+    ops, requests = summary["ops"], summary["info"]["requests"]
+    names = ("ids_admit", "ids_finish", "match", "insert")
+    return sum(ops[k]["us_per_op"] * ops[k]["calls"] for k in names if k in ops) / requests
 
 
 # ------------------------------------------------------------------ part 2
@@ -565,7 +591,8 @@ def main() -> None:
     print(head)
     names = [("match", "match"), ("insert", "insert"), ("lock", "lock"), ("unlock", "unlock"),
              ("evict (per call)", "evict"), ("evict (per leaf)", "evict_leaf"),
-             ("alloc.alloc", "alloc"), ("alloc.free", "free")]
+             ("alloc.alloc", "alloc"), ("alloc.free", "free"), ("ids at admit", "ids_admit"),
+             ("ids at finish", "ids_finish")]
     quoted = {"match": SGLANG_US["match"], "evict": SGLANG_US["evict"],
               "evict_leaf": SGLANG_US["evict"]}
     for label, key in names:
@@ -578,6 +605,10 @@ def main() -> None:
         print(f"{label:<17}{o['calls']:>7}{fmt(o['us_per_op'], 8, 2)}{fmt(o.get('p50_us'), 8, 2)}"
               f"{o['ops_per_s']:>10.0f}{fmt(bus, 9)}{fmt(bus / o['us_per_op'] if bus else None, 7)}x"
               f"{fmt(q, 10)}{fmt(q / o['us_per_op'] if q else None, 8)}x")
+    per_req = request_key_us(ours)
+    base_req = request_key_us(base) if base else None
+    print(f"{'ids+match+insert':<17}{info['requests']:>7}{fmt(per_req, 8, 2)}{'-':>8}{'-':>10}"
+          f"{fmt(base_req, 9)}{fmt(base_req / per_req if base_req else None, 7)}x   (per request)")
     if base:
         bi = base["info"]
         print(f"baseline: hit rate {bi['hit_rate']:.1%}, {bi['evicted_tokens']} tokens evicted "

@@ -6,10 +6,10 @@ import torch
 
 from radixrt.cache.allocator import KVSlotAllocator
 from radixrt.cache.kv_pool import KVPool
-from radixrt.cache.radix_cache import MatchResult, NamespaceNode, RadixCache, TreeNode
+from radixrt.cache.radix_cache import MatchResult, NamespaceNode, RadixCache, TokenBuffer, TreeNode
 
-__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "RadixCache", "TreeNode",
-           "check_slot_partition"]
+__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "RadixCache", "TokenBuffer",
+           "TreeNode", "check_slot_partition"]
 
 
 def check_slot_partition(allocator: KVSlotAllocator, cache: RadixCache | None,

@@ -37,17 +37,20 @@ Contract (see shared DESIGN.md, "The KV cache"):
 
 Keys are compared as runs, never token by token in Python: a lookup packs
 the request's tokens once, in C (only as far as the edges it follows reach),
-and compares packed runs with memcmp. Slots stay in numpy from insert to
-evict (torch is touched once per match, to hand out the result): on the
-scheduler's path each torch call costs several µs, more than the rest of a
-tree operation.
+and compares packed runs with memcmp. Token ids may come as a list, tuple,
+tensor or numpy array: packing an int64 array (or tensor) is a memcpy, a
+list costs ~5 ns a token on every call, so the scheduler keeps a running
+request's ids in a ``TokenBuffer`` (converted once). Slots stay in numpy
+from insert to evict (torch is touched once per match, to hand out the
+result): on the scheduler's path each torch call costs several µs, more
+than the rest of a tree operation.
 """
 
 from __future__ import annotations
 
 import functools
 import struct
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -119,6 +122,47 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
+class TokenBuffer:
+    """A request's token ids as a growable int64 array: the form the tree reads fastest.
+
+    ``match_prefix``/``insert`` pack an int64 array with one memcpy, but a
+    list of Python ints token by token (~5 ns each), on every call. A request
+    converts its ids once, when admitted (``TokenBuffer(prompt_ids)``), and
+    ``extend``s it as it decodes; ``array`` is what it hands the tree.
+    """
+
+    __slots__ = ("_buf", "_len")
+
+    def __init__(self, token_ids: Sequence[int] = (), capacity: int = 0) -> None:
+        """``capacity``: room for this many ids before the first reallocation."""
+        self._buf = np.empty(max(16, capacity, len(token_ids)), dtype=np.int64)
+        self._len = 0
+        self.extend(token_ids)
+
+    def __len__(self) -> int:
+        return self._len
+
+    @property
+    def array(self) -> np.ndarray:
+        """The token ids so far: a view into the buffer, which later ``extend``s may not reach."""
+        return self._buf[:self._len]
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append token ids; raises ValueError (appending nothing) unless they fit in int64."""
+        start, n = self._len, len(token_ids)
+        if not n:
+            return
+        if start + n > self._buf.size:  # grow by doubling: O(1) amortized per token
+            grown = np.empty(max(start + n, 2 * self._buf.size), dtype=np.int64)
+            grown[:start] = self._buf[:start]
+            self._buf = grown
+        try:  # straight into the buffer; a failure leaves _len, so appends nothing
+            _int64s(n).pack_into(self._buf, start * _TOKEN_BYTES, *token_ids)
+        except struct.error as e:
+            raise ValueError(f"token ids must be int64 integers: {e}") from None
+        self._len = start + n
+
+
 def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
     """Length of the common prefix of two lists (or bytes), by slice comparisons in C."""
     n = min(len(a), len(b))
@@ -172,7 +216,7 @@ class RadixCache:
         count) of every node on the path. A miss returns the namespace node
         (or ``root`` when the salt has nothing cached) as ``last_node``.
         """
-        tokens = _as_list(token_ids)
+        tokens = _as_tokens(token_ids)
         node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
         if node is None:
             return MatchResult(0, _EMPTY, self.root)  # nothing cached under this salt
@@ -193,7 +237,7 @@ class RadixCache:
         path forks from an existing one. Only the salt's own namespace counts
         as cached (created here on its first non-empty insert).
         """
-        tokens = _as_list(token_ids)
+        tokens = _as_tokens(token_ids)
         n = self._aligned_len(tokens)
         slots = _slots_np(kv_indices)  # the one torch call of an insert
         if slots.size < n:
@@ -215,7 +259,7 @@ class RadixCache:
         value = slots[pos:n].copy()
         if node is None:
             node = self._namespace(cache_salt)  # the salt's first key
-        self._touch_path(node, hit=False, new_leaf=(key, self._child_key(tokens, pos), value))
+        self._touch_path(node, hit=False, new_leaf=(key, self._unpack_head(key), value))
         return pos
 
     def lock(self, node: TreeNode) -> None:
@@ -385,10 +429,10 @@ class RadixCache:
         """The children-dict key of a run starting at ``tokens[pos]`` (a token, or a page as a tuple)."""
         return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
 
-    def _aligned_len(self, tokens: list[int]) -> int:
+    def _aligned_len(self, tokens: list[int] | np.ndarray) -> int:
         return len(tokens) // self.page_size * self.page_size
 
-    def _walk(self, node: TreeNode, tokens: list[int],
+    def _walk(self, node: TreeNode, tokens: list[int] | np.ndarray,
               n: int) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
         """Follow ``tokens[:n]`` down from ``node`` as far as the tree has it.
 
@@ -400,6 +444,9 @@ class RadixCache:
         Tokens are packed lazily, as the edges followed need them, in
         doubling steps (so O(log n) packs and O(n) bytes copied, however many
         edges); once that reaches half of the run, the whole run is packed.
+        ``tokens`` is a list or an int64 array (see ``_as_tokens``); an
+        array's heads are numpy ints, which hash and compare like the
+        Python ints (and tuples of them) that key ``children``.
         """
         packed, done = b"", 0  # packed == pack(tokens[:done])
         pos, values, page = 0, [], self.page_size
@@ -444,6 +491,7 @@ class RadixCache:
         return upper
 
     def _unpack_head(self, key: bytes) -> int | tuple[int, ...]:
+        """The children-dict key of a packed run (its first token, or first page as a tuple)."""
         head = self._head_struct.unpack_from(key)
         return head[0] if self.page_size == 1 else head
 
@@ -506,23 +554,41 @@ def _slots_np(slots: torch.Tensor | np.ndarray) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=256)
-def _packer(n: int) -> Callable[..., bytes]:
-    """``pack`` of a Struct of n native int64s (compiled once per length in use)."""
-    return struct.Struct(f"{n}q").pack
+def _int64s(n: int) -> struct.Struct:
+    """A Struct of n native int64s (compiled once per length in use)."""
+    return struct.Struct(f"{n}q")
 
 
-def _pack(tokens: list[int], start: int, stop: int) -> bytes:
-    """``tokens[start:stop]`` as native int64 bytes, packed in one C loop."""
+def _pack(tokens: list[int] | np.ndarray, start: int, stop: int) -> bytes:
+    """``tokens[start:stop]`` as native int64 bytes: a memcpy of an int64 array, a C loop over a list."""
+    if type(tokens) is np.ndarray:
+        return tokens[start:stop].tobytes()
     run = tokens if start == 0 and stop == len(tokens) else tokens[start:stop]
     try:
-        return _packer(stop - start)(*run)
+        return _int64s(stop - start).pack(*run)
     except struct.error as e:
         raise ValueError(f"token ids must be int64 integers: {e}") from None
 
 
-def _as_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+def _as_tokens(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> list[int] | np.ndarray:
+    """Token ids as a list, or (numpy arrays and tensors of ints that fit) a 1-D int64 array.
+
+    The tree packs an int64 array's runs with memcpy, a list's token by
+    token. Arrays of any other dtype become lists, so they get the list's
+    checks (and its ValueError for what is not an int64 integer).
+    """
     if isinstance(token_ids, list):
         return token_ids
-    if isinstance(token_ids, torch.Tensor):
-        return token_ids.tolist()
-    return list(token_ids)
+    if isinstance(token_ids, np.ndarray):
+        arr = token_ids
+    elif isinstance(token_ids, torch.Tensor):
+        arr = token_ids.cpu().numpy()
+    else:
+        return list(token_ids)  # a tuple, range, ...
+    if arr.ndim != 1:
+        arr = arr.reshape(-1)
+    if arr.dtype == _INT64:
+        return arr
+    if arr.dtype.kind == "i" or (arr.dtype.kind == "u" and arr.dtype.itemsize < 8):
+        return arr.astype(np.int64)
+    return arr.tolist()

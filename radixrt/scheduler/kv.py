@@ -6,14 +6,18 @@ one tree node, or private to one request (see ``Req`` for the row layout).
 With the radix cache disabled, nothing is matched and everything a request
 held is freed when it leaves. Every match and insert is made in the
 namespace of the request's ``params.cache_salt``, so requests with different
-salts never share KV.
+salts never share KV. A running request's token ids are handed to the tree
+from an int64 ``TokenBuffer`` (converted once at admission, extended with
+the decoded tokens as they are cached), not as lists: the tree packs a
+list token by token on every call, an array with one memcpy.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from radixrt.cache import KVPool, KVSlotAllocator, RadixCache, check_slot_partition
+from radixrt.cache import KVPool, KVSlotAllocator, RadixCache, TokenBuffer, check_slot_partition
 from radixrt.scheduler.req import Req
 
 
@@ -25,6 +29,7 @@ class KVManager:
         self.tree = RadixCache(self.allocator, page_size, eviction_policy)
         self.disabled = disable_radix_cache
         self.running: dict[str, Req] = {}  # requests holding a row
+        self.token_ids: dict[str, TokenBuffer] = {}  # rid -> ids of a running request (cache on)
         self.evicted_tokens = 0
 
     @property
@@ -47,8 +52,12 @@ class KVManager:
         if row is None:
             return False
         req.row = row
-        match = None if self.disabled else \
-            self.tree.match_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt)
+        match = None
+        if not self.disabled:
+            room = min(req.fill_len + req.remaining_new_tokens, self.pool.max_context)
+            ids = self.token_ids[req.rid] = TokenBuffer(req.prompt_ids, capacity=room)
+            ids.extend(req.output_ids)  # a retracted request resumes with its output
+            match = self.tree.match_prefix(ids.array[:req.match_limit], req.params.cache_salt)
         req.last_node = self.tree.root if match is None else match.last_node
         req.prefix_len = req.kv_len = 0 if match is None else match.hit_len
         self.tree.lock(req.last_node)
@@ -94,7 +103,7 @@ class KVManager:
         if self.disabled or req.kv_len == 0:
             return
         table = self.pool.req_to_token[req.row]
-        ids, slots, salt = req.fill_ids[:req.kv_len], table[:req.kv_len], req.params.cache_salt
+        ids, slots, salt = self._ids(req, req.kv_len), table[:req.kv_len], req.params.cache_salt
         cached = self.tree.insert(ids, slots, salt)
         self.allocator.free(slots[req.prefix_len:cached].clone())
         match = self.tree.match_prefix(ids, salt)
@@ -102,6 +111,13 @@ class KVManager:
         self.tree.lock(match.last_node)
         self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len = match.last_node, match.hit_len
+
+    def _ids(self, req: Req, n: int) -> np.ndarray:
+        """``req.fill_ids[:n]`` from req's buffer, first extended with the tokens decoded since."""
+        ids = self.token_ids[req.rid]
+        if len(ids) < n:
+            ids.extend(req.ids_slice(len(ids), n))
+        return ids.array[:n]
 
     def release(self, req: Req) -> None:
         """Req leaves the running set (finish, abort or retraction): its KV goes to the tree."""
@@ -111,6 +127,7 @@ class KVManager:
         self.tree.unlock(req.last_node)
         self.pool.free_row(req.row)
         del self.running[req.rid]
+        self.token_ids.pop(req.rid, None)
         req.reset_kv()
 
     def private_slots(self) -> list[torch.Tensor]:
@@ -120,6 +137,7 @@ class KVManager:
     def check(self, idle: bool) -> None:
         """Assert the slot partition (and, at idle, that nothing is protected)."""
         check_slot_partition(self.allocator, self.tree, self.private_slots())
+        assert self.token_ids.keys() <= self.running.keys(), "token ids kept for a request that left"
         if idle:
             assert not self.running, f"{len(self.running)} requests still hold KV at idle"
             assert self.tree.protected_size == 0, f"protected_size {self.tree.protected_size} at idle"

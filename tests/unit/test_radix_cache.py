@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
                                  rule)
 
-from radixrt.cache import KVSlotAllocator, RadixCache, check_slot_partition
+from radixrt.cache import KVSlotAllocator, RadixCache, TokenBuffer, check_slot_partition
 
 A, B, C, D, E, X, Y = 10, 11, 12, 13, 14, 20, 21
 
@@ -161,6 +162,49 @@ def test_tokens_must_be_int64_integers():
     assert "t" not in cache.root.children  # a rejected insert changes nothing
     alloc.free(slots)
     check(alloc, cache)
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_token_ids_as_numpy_arrays(page_size):
+    """int numpy arrays (and tensors) are read as int64; the tree keeps no view of them."""
+    p = page_size
+    alloc, cache = make(64 * p, p)
+    toks = np.arange(100, 100 + 3 * p, dtype=np.int64)
+    s = alloc.alloc(3 * p)
+    cache.insert(toks, s)
+    assert cache.match_prefix(toks.tolist()).kv_indices.tolist() == s.tolist()
+    for same in (toks.astype(np.int32), toks.astype(np.uint16), toks.astype(np.uint64),
+                 toks.astype(">i8"), toks.reshape(1, -1), torch.from_numpy(toks.astype(np.int32))):
+        assert cache.match_prefix(same).hit_len == 3 * p
+    toks[:] = 7  # the caller reuses its array
+    assert cache.match_prefix(np.arange(100, 100 + 3 * p)).hit_len == 3 * p
+    # A fork taken from an array: heads are Python ints, as from a list.
+    fork = np.array(list(range(100, 100 + p)) + [9] * p + [5] * (p - 1), dtype=np.int64)
+    s2 = alloc.alloc(2 * p)
+    assert cache.insert(fork, torch.cat([s[:p], s2[:p]])) == p  # the unaligned tail is left out
+    alloc.free(s2[p:])
+    heads = [n.head if p > 1 else (n.head,) for n in cache._nodes() if n is not cache.root]
+    assert all(type(t) is int for head in heads for t in head)
+    assert cache.match_prefix(fork[:2 * p]).kv_indices.tolist() == s[:p].tolist() + s2[:p].tolist()
+    first = list(range(100, 100 + p))  # a cached page, so the walk packs what follows
+    for bad in (np.array(first + [101.0] * p), np.array(first + [2**63] * p, dtype=np.uint64)):
+        with pytest.raises(ValueError, match="int64"):
+            cache.match_prefix(bad)
+    check(alloc, cache)
+
+
+def test_token_buffer_grows_and_rejects_non_int64():
+    buf = TokenBuffer([1, 2, 3], capacity=4)
+    assert len(buf) == 3 and buf.array.dtype == np.int64 and buf.array.tolist() == [1, 2, 3]
+    buf.extend(range(4, 40))  # past the capacity: reallocates
+    buf.extend([])
+    assert buf.array.tolist() == list(range(1, 40))
+    with pytest.raises(ValueError, match="int64"):
+        buf.extend([40, 2.5])
+    with pytest.raises(ValueError, match="int64"):
+        buf.extend([2**63])
+    assert len(buf) == 39  # a rejected extend appends nothing
+    assert len(TokenBuffer()) == 0 and TokenBuffer().array.size == 0
 
 
 def test_match_packs_only_what_it_compares():
@@ -664,14 +708,19 @@ SALTS = st.sampled_from([None, None, "a", "b"])
 
 
 class Request:
-    __slots__ = ("tokens", "prefix", "own", "node", "salt")
+    __slots__ = ("tokens", "ids", "prefix", "own", "node", "salt")
 
-    def __init__(self, tokens, prefix, own, node, salt):
+    def __init__(self, tokens, ids, prefix, own, node, salt):
         self.tokens = tokens    # list[int], prompt plus generated tokens
+        self.ids = ids          # the same as a TokenBuffer, or None: what the tree is handed
         self.prefix = prefix    # slots of tokens[:len(prefix)], owned by the tree
         self.own = own          # slots of the rest, owned by the request
         self.node = node        # locked node whose path covers ``prefix``
         self.salt = salt        # cache_salt of every match and insert
+
+    @property
+    def key(self):
+        return self.tokens if self.ids is None else self.ids.array
 
 
 class ServingTrace(RuleBasedStateMachine):
@@ -722,7 +771,7 @@ class ServingTrace(RuleBasedStateMachine):
         """Insert the request's tokens; free its duplicate slots. Returns aligned length."""
         slots = torch.cat([req.prefix, req.own])
         h = req.prefix.numel()
-        cached = self.cache.insert(req.tokens, slots, cache_salt=req.salt)
+        cached = self.cache.insert(req.key, slots, cache_salt=req.salt)
         aligned = len(req.tokens) // self.p * self.p
         assert h <= cached <= aligned, (h, cached, aligned)
         # [h, cached): already in the tree (another request inserted it): a
@@ -745,8 +794,9 @@ class ServingTrace(RuleBasedStateMachine):
         if not tokens:
             return
         salt = data.draw(SALTS, label="salt")
+        ids = TokenBuffer(tokens) if data.draw(st.booleans(), label="int64 ids") else None
         self.seen.append(tokens)
-        r = self.cache.match_prefix(tokens, cache_salt=salt)
+        r = self.cache.match_prefix(tokens if ids is None else ids.array, cache_salt=salt)
         self._check_hit(tokens, salt, r.hit_len, r.kv_indices)
         self.cache.lock(r.last_node)
         own = self._alloc(len(tokens) - r.hit_len, -1)
@@ -754,7 +804,7 @@ class ServingTrace(RuleBasedStateMachine):
             self.cache.unlock(r.last_node)  # drop the request
             return
         self._record(tokens, salt, r.hit_len, own)
-        self.live.append(Request(list(tokens), r.kv_indices, own, r.last_node, salt))
+        self.live.append(Request(list(tokens), ids, r.kv_indices, own, r.last_node, salt))
 
     @precondition(lambda self: self.live)
     @rule(data=st.data(), n=st.integers(1, 6))
@@ -770,6 +820,8 @@ class ServingTrace(RuleBasedStateMachine):
             return
         start = len(req.tokens)
         req.tokens.extend(new)
+        if req.ids is not None:
+            req.ids.extend(new)
         req.own = torch.cat([req.own, slots])
         self._record(req.tokens, req.salt, start, slots)
 
@@ -781,7 +833,7 @@ class ServingTrace(RuleBasedStateMachine):
         h = req.prefix.numel()
         slots = torch.cat([req.prefix, req.own])
         aligned = self._cache_into_tree(req)
-        r = self.cache.match_prefix(req.tokens, cache_salt=req.salt)
+        r = self.cache.match_prefix(req.key, cache_salt=req.salt)
         assert r.hit_len == aligned
         self._check_hit(req.tokens, req.salt, r.hit_len, r.kv_indices)
         assert r.kv_indices[:h].tolist() == req.prefix.tolist()
@@ -890,13 +942,14 @@ def test_match_agrees_with_naive_reference(page_size, seed):
     for _ in range(300):
         seq = random_seq()
         want = max((_lcp(seq, s) for s in stored), default=0) // p * p
+        key = np.array(seq, dtype=np.int64) if rng.random() < 0.5 else seq
         if rng.random() < 0.5:
-            r = cache.match_prefix(seq)
+            r = cache.match_prefix(key)
             assert r.hit_len == want, (seq, r.hit_len, want)
             assert r.kv_indices.tolist() == [first_slot[_page_key(seq, i, p)] for i in range(want)]
         else:
             slots = alloc.alloc(len(seq))
-            cached = cache.insert(seq, slots)
+            cached = cache.insert(key, slots)
             assert cached == min(want, len(seq) // p * p)
             aligned = len(seq) // p * p
             for i in range(cached, aligned):
