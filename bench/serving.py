@@ -14,7 +14,8 @@ writes JSON (and a PNG when matplotlib is installed) under bench/results/.
 
 ``--compare-engine`` runs the shared-prefix workload on the server (all at
 once streamed, all at once not streamed, then one request at a time) and on
-an in-process ``Engine`` loaded from the server's model, interleaved, best of
+an ``Engine`` loaded from the server's model (in a worker process, so that
+neither side shares a process with the client), interleaved, best of
 ``--repeats``; it reports the throughput ratio and the TTFT the server adds
 (as the difference of p50s, and as ``ttft_paired_low_load``: 16 prompts, each
 cold, sent to the server and then to the Engine back to back; the p50 of the
@@ -208,46 +209,90 @@ async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: 
 # ------------------------------------------------------- engine compare
 
 class EngineRunner:
-    """The in-process Engine on the server's model, for --compare-engine."""
+    """The Engine on the server's model, for --compare-engine, in a process of its own.
+
+    Not in this process: a second PyTorch process computing on the same cores
+    changes how fast the other one's forward runs (measured: the server's
+    forward ran ~5 % slower while this process held an Engine, ~5 % faster
+    with that Engine's OpenMP threads set passive), so both sides are
+    measured as processes apart from the client, and the client does no
+    compute. Times are taken inside the worker, around ``Engine.generate``.
+    """
 
     def __init__(self, model: str, dtype: str, max_total_tokens: int | None) -> None:
-        from radixrt import Engine, SamplingParams
-        self.sp_cls = SamplingParams
-        self.eng = Engine(model=model, dtype=dtype, max_total_tokens=max_total_tokens)
-        self.eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_engine_worker, args=(child, model, dtype, max_total_tokens),
+                                daemon=True)
+        self.proc.start()
+        self._call("ready")
+
+    def _call(self, method: str, *args):
+        self.conn.send((method, args))
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"engine worker: {value}")
+        return value
 
     def throughput(self, reqs: list[dict], max_new_tokens: int) -> dict:
-        self.eng.flush_cache()
-        sp = self.sp_cls(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
-        ids = [r["input_ids"] for r in reqs]
+        return self._call("throughput", [r["input_ids"] for r in reqs], max_new_tokens)
+
+    def ttft_low_load(self, reqs: list[dict]) -> float:
+        """p50 ms of a 1-token generate, one request at a time (what TTFT is in-process)."""
+        return 1e3 * percentile([self.first_token(r["input_ids"])[0] for r in reqs], 50)
+
+    def first_token(self, input_ids: list[int]) -> tuple[float, float]:
+        """(wall s, forward s) of a 1-token generate on a cold cache."""
+        return self._call("first_token", input_ids)
+
+    def close(self) -> None:
+        self.conn.send(("stop", ()))
+        self.proc.join(30)
+
+
+def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -> None:
+    from radixrt import Engine, SamplingParams
+    eng = Engine(model=model, dtype=dtype, max_total_tokens=max_total_tokens)
+    eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
+
+    def throughput(ids: list[list[int]], max_new_tokens: int) -> dict:
+        eng.flush_cache()
+        sp = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0, ignore_eos=True)
         t0 = time.perf_counter()
-        outs = self.eng.generate(input_ids=ids, sampling_params=sp)
+        outs = eng.generate(input_ids=ids, sampling_params=sp)
         elapsed = time.perf_counter() - t0
         out_tokens = sum(len(o.token_ids) for o in outs)
         return {"elapsed_s": elapsed, "output_throughput": out_tokens / elapsed,
                 "total_throughput": (out_tokens + sum(map(len, ids))) / elapsed}
 
-    def ttft_low_load(self, reqs: list[dict]) -> float:
-        """p50 ms of a 1-token generate, one request at a time (what TTFT is in-process)."""
-        self.eng.flush_cache()
-        first = self.sp_cls(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        ttfts = []
-        for r in reqs:
-            t = time.perf_counter()
-            self.eng.generate(input_ids=[r["input_ids"]], sampling_params=first)
-            ttfts.append(time.perf_counter() - t)
-        return 1e3 * percentile(ttfts, 50)
+    def first_token(ids: list[int]) -> tuple[float, float]:
+        eng.flush_cache()
+        before = eng.stats().get("forward_s", 0.0)
+        t0 = time.perf_counter()
+        eng.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0,
+                                                                      ignore_eos=True))
+        return time.perf_counter() - t0, eng.stats().get("forward_s", 0.0) - before
+
+    methods = {"ready": lambda: True, "throughput": throughput, "first_token": first_token}
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            conn.send((True, methods[method](*args)))
+        except Exception as e:  # noqa: BLE001 (reported to the parent)
+            conn.send((False, f"{type(e).__name__}: {e}"))
 
 
 async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict]) -> dict:
     """TTFT added by the server, measured in pairs: for each prompt (cold cache each time) the
-    server's first streamed chunk, then the in-process Engine's 1-token generate, back to back.
+    server's first streamed chunk, then the Engine's 1-token generate, back to back.
     The median of the differences is robust to the machine's drift between whole runs.
 
     Both sides also report the time spent in their forward pass (``forward_s``; the same code
     in both), so the added time splits into "outside the forward" (sockets, processes,
     scheduling: what the server adds) and the difference between the two forwards."""
-    sp_engine = engine.sp_cls(max_new_tokens=1, temperature=0.0, ignore_eos=True)
     added, outside, forward_diff, server, local = [], [], [], [], []
     for r in reqs:
         await client.flush_cache()
@@ -257,12 +302,7 @@ async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict
                                                  sampling_params={"max_new_tokens": 1, "temperature": 0.0}):
             first = first if first is not None else time.perf_counter() - t0
         s_fwd = (await client.server_info()).get("forward_s", 0.0) - before
-        engine.eng.flush_cache()
-        before = engine.eng.stats().get("forward_s", 0.0)
-        t0 = time.perf_counter()
-        engine.eng.generate(input_ids=[r["input_ids"]], sampling_params=sp_engine)
-        mine = time.perf_counter() - t0
-        e_fwd = engine.eng.stats().get("forward_s", 0.0) - before
+        mine, e_fwd = engine.first_token(r["input_ids"])
         server.append(first)
         local.append(mine)
         added.append(first - mine)
@@ -281,15 +321,19 @@ async def compare(args, reqs: list[dict]) -> dict:
     engine = EngineRunner(info["model"], args.dtype or info.get("dtype", "auto"), info.get("kv_slots"))
     args.flush = True
     runs: dict[str, list[dict]] = {"server": [], "server_no_stream": [], "server_low_load": [], "engine": []}
-    for _ in range(args.repeats):
-        runs["server"].append((await bench_server(args, reqs, float("inf"), None, show=False))[0])
-        runs["server_no_stream"].append(
-            (await bench_server(args, reqs, float("inf"), None, show=False, stream=False))[0])
-        runs["server_low_load"].append((await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
-        runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
-        runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
-    async with AsyncClient(args.server, timeout=args.timeout) as client:
-        paired = await paired_ttft(client, engine, reqs[:16])
+    try:
+        for _ in range(args.repeats):
+            runs["server"].append((await bench_server(args, reqs, float("inf"), None, show=False))[0])
+            runs["server_no_stream"].append(
+                (await bench_server(args, reqs, float("inf"), None, show=False, stream=False))[0])
+            runs["server_low_load"].append(
+                (await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
+            runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
+            runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
+        async with AsyncClient(args.server, timeout=args.timeout) as client:
+            paired = await paired_ttft(client, engine, reqs[:16])
+    finally:
+        engine.close()
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
     engine_ttft = min(r["ttft_p50_ms_low_load"] for r in runs["engine"])
     server_ttft = min(r["ttft_p50_ms"] for r in runs["server_low_load"])
