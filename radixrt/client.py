@@ -21,6 +21,7 @@ with CurveZMQ under a fresh client key pair.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import os
 import queue
@@ -267,9 +268,17 @@ class Client:
         return self._call(ControlRequest(req_id=self._ids(), kind=kind)).data
 
     def _io_loop(self) -> None:
+        """Move frames between the callers (through the inbox) and the server socket.
+
+        Sends never block: a DEALER with no server connected yet (or a CURVE
+        handshake that never completes) would block ``send`` for good, so
+        frames wait in a backlog until the socket reports room (POLLOUT).
+        """
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._inbox, zmq.POLLIN)
+        backlog: collections.deque[bytes] = collections.deque()
+        polling_out = False
         try:
             while True:
                 events = dict(poller.poll())
@@ -277,12 +286,21 @@ class Client:
                     data = self._inbox.recv()
                     if not data:
                         return
-                    self._sock.send(data)
-                if self._sock in events:
+                    backlog.append(data)
+                if events.get(self._sock, 0) & zmq.POLLIN:
                     for msg in _unbatch(decode(self._sock.recv())):
                         q = self._pending.get(msg.req_id)
                         if q is not None:
                             q.put(msg)
+                while backlog:
+                    try:
+                        self._sock.send(backlog[0], zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    backlog.popleft()
+                if polling_out != bool(backlog):
+                    polling_out = bool(backlog)
+                    poller.modify(self._sock, zmq.POLLIN | (zmq.POLLOUT if polling_out else 0))
         finally:
             self._sock.close(0)
             self._inbox.close(0)

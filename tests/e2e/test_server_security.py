@@ -110,6 +110,9 @@ def test_curve_encryption(tmp_path):
             assert_idle_kv(c)
         with pytest.raises(TimeoutError):  # plaintext never completes the handshake
             Client(srv.address, timeout=2)
+        # ...so its hello can never leave (a DEALER without a peer): the I/O thread must not
+        # sit blocked in send, but end with the client
+        assert not [t for t in threading.enumerate() if t.name == "radixrt-client"]
         import zmq.auth
         public = zmq.auth.load_certificate(os.path.join(folder, "server.key"))[0]
         with Client(srv.address, timeout=30, curve_server_key=public.decode()) as c:
