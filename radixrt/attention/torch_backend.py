@@ -36,10 +36,11 @@ from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
 MIN_GROUP_SIZE = 2
 MIN_SHARED_PREFIX = 16
-# Cost of one key, in keys of the padded bf16 SDPA path, measured on a 2-core AVX-512 CPU
-# (float32 conversion + matmuls): the cascade runs when TAIL_COST·B·P + PREFIX_COST·Σc_g < B·Lmax.
-TAIL_COST = 3.0
-PREFIX_COST = 2.0
+# Cost of one key, in keys of the padded bf16 SDPA path, fitted on a 2-core AMX CPU (bf16,
+# KH 3, G 3, D 64; B 8-32, 1-16 groups, prefixes 64-1024, tails 32-512): the cascade runs when
+# TAIL_COST·B·P + PREFIX_COST·Σc_g < B·Lmax.
+TAIL_COST = 1.5
+PREFIX_COST = 3.3
 
 
 @dataclass
