@@ -213,7 +213,7 @@ class EngineRunner:
 
     Not in this process: a second PyTorch process computing on the same cores
     changes how fast the other one's forward runs (measured: the server's
-    forward ran ~5 % slower while this process held an Engine, ~5 % faster
+    forward ran ~7 % slower while this process held an Engine, ~8 % faster
     with that Engine's OpenMP threads set passive), so both sides are
     measured as processes apart from the client, and the client does no
     compute. Times are taken inside the worker, around ``Engine.generate``.

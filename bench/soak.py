@@ -499,28 +499,13 @@ def is_local(address: str) -> bool:
     return address.startswith("ipc://") or host in ("127.0.0.1", "localhost", "::1", "0.0.0.0", "*")
 
 
-def children_of(pids: set[int]) -> set[int]:
-    """``pids`` and all their descendants (from /proc)."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found = set(pids)
-    while new := {p for p, pp in parent.items() if pp in found} - found:
-        found |= new
-    return found
-
-
 def server_rss_mb(info: dict, address: str) -> float | None:
     """Summed VmRSS (MiB) of the server's processes and their children; None when not local."""
     if not is_local(address) or "pids" not in info:
         return None
+    from radixrt.testing import process_tree
     total_kb = 0
-    for pid in children_of({int(p) for p in info["pids"].values()}):
+    for pid in process_tree({int(p) for p in info["pids"].values()}):
         try:
             with open(f"/proc/{pid}/status") as f:
                 total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)

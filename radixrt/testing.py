@@ -361,3 +361,19 @@ def tiny_model_path(arch: str = "llama", seed: int = 0) -> str:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
+
+
+def process_tree(pids: set[int]) -> set[int]:
+    """``pids`` and all their descendants (Linux /proc; no psutil needed)."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found = set(pids)
+    while new := {p for p, pp in parent.items() if pp in found} - found:
+        found |= new
+    return found

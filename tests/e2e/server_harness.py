@@ -14,7 +14,7 @@ import time
 import pytest
 
 from radixrt.client import Client
-from radixrt.testing import tiny_model_path
+from radixrt.testing import process_tree, tiny_model_path
 
 READY_TIMEOUT_S = 120
 
@@ -29,19 +29,7 @@ def proc_alive(pid: int) -> bool:
 
 
 def descendants(pid: int) -> set[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parents[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parents.items() if pp in frontier} - found
-        found |= frontier
-    return found
+    return process_tree({pid}) - {pid}
 
 
 def wait_gone(pids: set[int], timeout: float) -> set[int]:
