@@ -10,6 +10,10 @@ Output dtype = q dtype.
   same extend length); requests with a cached prefix also attend to it, one
   SDPA per group of requests whose cached prefixes are the very same slots
   (its K/V gathered once: requests admitted together under a shared prefix).
+- A prefix whose slots are one run of consecutive slots (prefilled in one
+  piece: the allocator hands out fresh slots in order) is read in place as a
+  view of the KV buffer instead of gathered, in extend and in the cascade's
+  shared part (there only if every group's prefix is such a run).
 - Decode, cascade: requests whose req_to_token rows start with the same run of
   c_g slots (a prefix shared through the radix cache) form a group; groups of
   >= ``MIN_GROUP_SIZE`` requests with c_g >= ``MIN_SHARED_PREFIX`` are used.
@@ -46,7 +50,8 @@ PREFIX_COST = 3.3
 @dataclass
 class _ExtendMeta:
     runs: list[tuple[int, int, int]]  # (first token, requests, extend length) of equal-length runs
-    prefix_groups: list[tuple[torch.Tensor, torch.Tensor]]  # (token indices [n], prefix slots [p])
+    # (token indices [n], prefix slots [p], or (first slot, p) when they are consecutive)
+    prefix_groups: list[tuple[torch.Tensor, torch.Tensor | tuple[int, int]]]
     prefix_tokens: torch.Tensor | None  # int64: every token with a cached prefix, group by group
 
 
@@ -62,6 +67,8 @@ class _Part:
     """X key sequences of up to L slots each (X = groups for prefixes, B for tails)."""
     slots: torch.Tensor        # int64 [X, L], padded with slot 0
     bias: torch.Tensor | None  # [X, 1, 1, L] in the KV dtype: 0 on keys, -inf on padding (None: none)
+    runs: list[tuple[int, int]] | None = None  # (first slot, length) per sequence when each is one
+    # run of consecutive slots (a prefix prefilled in one piece): read in place, not gathered
 
 
 @dataclass
@@ -120,10 +127,18 @@ def _extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
             else:
                 same.append([slots, [torch.arange(pos, pos + ext)]])
         pos += ext
-    prefix_groups = [(torch.cat(tokens).to(table.device), slots)
+    prefix_groups = [(torch.cat(tokens).to(table.device), _as_run(slots))
                      for same in groups.values() for slots, tokens in same]
     every = torch.cat([t for t, _ in prefix_groups]) if prefix_groups else None
     return _ExtendMeta(runs, prefix_groups, every)
+
+
+def _as_run(slots: torch.Tensor) -> torch.Tensor | tuple[int, int]:
+    """(first slot, length) when ``slots`` are consecutive, else ``slots``."""
+    first, n = int(slots[0]), slots.numel()
+    if int(slots[-1]) == first + n - 1 and torch.equal(slots, torch.arange(first, first + n, device=slots.device)):
+        return first, n
+    return slots
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
@@ -147,8 +162,11 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tens
     parts, part_lse = [], []
     for tokens, slots in meta.prefix_groups:
         qq = q.index_select(0, tokens).unsqueeze(0).transpose(1, 2)  # [1, H, n, D]
-        kk = _gather(k_buf, slots).unsqueeze(0).transpose(1, 2)      # [1, KH, p, D]
-        vv = _gather(v_buf, slots).unsqueeze(0).transpose(1, 2)
+        if isinstance(slots, tuple):  # consecutive slots: K/V read in place
+            kk, vv = _run(k_buf, *slots), _run(v_buf, *slots)          # [1, KH, p, D]
+        else:
+            kk = _gather(k_buf, slots).unsqueeze(0).transpose(1, 2)
+            vv = _gather(v_buf, slots).unsqueeze(0).transpose(1, 2)
         o, l = _sdpa_lse(qq, kk, vv, scaling)
         parts.append(o[0].transpose(0, 1))  # [n, H, D]
         part_lse.append(l[0].transpose(0, 1))  # [n, H]
@@ -217,10 +235,22 @@ def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tenso
         no_shared.index_fill_(0, members, 0.0)
     firsts = torch.stack([m[0] for m in groups])
     prefix = _part(rows[:, :int(prefix_lens.max())].index_select(0, firsts), prefix_lens, dtype)
+    prefix.runs = _consecutive_runs(prefix.slots, prefix_lens)
     tail_pos = start[:, None] + torch.arange(width, device=dev)[None, :]  # [B, P]
     tail = _part(rows.gather(1, tail_pos.clamp(max=lmax - 1)), lens - start, dtype)
     return _CascadeMeta(list(zip(groups, prefix_lens.tolist())), n, prefix, tail,
                         q_rows.reshape(-1), out_rows.reshape(-1), no_shared)
+
+
+def _consecutive_runs(slots: torch.Tensor, lens: torch.Tensor) -> list[tuple[int, int]] | None:
+    """[(first slot, length)] of each row of ``slots`` [X, L] if the first lens[x] slots of every
+    row are consecutive (first, first + 1, ...); else None."""
+    first = slots[:, 0]
+    expected = first[:, None] + torch.arange(slots.shape[1], device=slots.device)[None, :]
+    keys = torch.arange(slots.shape[1], device=slots.device)[None, :] < lens[:, None]
+    if not bool(((slots == expected) | ~keys).all()):
+        return None
+    return list(zip(first.tolist(), lens.tolist()))
 
 
 def _part(slots: torch.Tensor, lens: torch.Tensor, dtype: torch.dtype) -> _Part:
@@ -267,6 +297,10 @@ def _cascade_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, m
 def _attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, part: _Part,
             scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """q [X, KH, n, D] vs the part's keys → (o [X, KH, n, D] in q's dtype, float32 lse [X, KH, n])."""
+    if part.runs is not None:  # each sequence's K/V read in place: one SDPA per sequence, no bias
+        outs = [_sdpa_lse(q[x:x + 1], _run(k_buf, first, n), _run(v_buf, first, n), scaling)
+                for x, (first, n) in enumerate(part.runs)]
+        return torch.cat([o for o, _ in outs]), torch.cat([lse for _, lse in outs])
     k, v = _gather_heads(k_buf, part), _gather_heads(v_buf, part)  # [X, KH, L, D]
     return _sdpa_lse(q, k, v, scaling, bias=part.bias)
 
@@ -310,6 +344,11 @@ def _gather_heads(buf: torch.Tensor, part: _Part) -> torch.Tensor:
 
 
 # ---- helpers --------------------------------------------------------------------------------
+
+def _run(buf: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Rows [first, first + n) of a [N, KH, D] buffer as a [1, KH, n, D] view (no copy)."""
+    return buf[first:first + n].unsqueeze(0).transpose(1, 2)
+
 
 def _gather(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """Rows ``slots`` of a [N, KH, D] buffer (index_select: far faster than advanced indexing)."""

@@ -35,8 +35,11 @@ def _reference(q: torch.Tensor, pool: KVPool, row: int, seq_len: int) -> torch.T
     return (s.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = torch.float32):
-    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None) → pool, rows."""
+def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = torch.float32,
+           consecutive: tuple[int, ...] = ()):
+    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None) → pool, rows.
+    Slots are scattered, except that the prefixes named in ``consecutive`` take a run of
+    consecutive slots (as a prefix prefilled in one piece does)."""
     torch.manual_seed(0)
     pool = KVPool(4096, 1, kh, D, dtype, 16, 256)  # slots >= 2048: free for the tests' own use
     pool.k_buffers[0].normal_()
@@ -44,7 +47,10 @@ def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = tor
     free = iter(torch.randperm(2047).add(1).tolist())  # scattered slots, never slot 0
     prefixes: dict[int, list[int]] = {}
     for row, (seq_len, pid) in enumerate(spec):
-        new = [next(free) for _ in range(PREFIX)] if pid not in prefixes else None
+        new = None
+        if pid not in prefixes:
+            new = (list(range(2100 + 100 * pid, 2100 + 100 * pid + PREFIX)) if pid in consecutive
+                   else [next(free) for _ in range(PREFIX)])
         shared = [] if pid is None else prefixes.setdefault(pid, new)
         slots = shared[:seq_len] + [next(free) for _ in range(seq_len - len(shared))]
         pool.req_to_token[row, :seq_len] = torch.tensor(slots)
@@ -77,6 +83,20 @@ def test_cascade_decode_matches_reference(kh: int, h: int, always_cascade) -> No
     meta = _run_decode(pool, rows, [s for s, _ in spec], h)
     groups = sorted((m.tolist(), c) for m, c in meta.groups)
     assert groups == [([0, 3, 6], PREFIX), ([1, 4], 25)]  # cascade used, singletons not
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_cascade_decode_reads_consecutive_prefixes_in_place(dtype: torch.dtype, tol: float,
+                                                            always_cascade) -> None:
+    # Both prefixes in runs of consecutive slots: attended per group straight from the buffers.
+    spec = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (73, 0)]
+    pool, rows = _setup(2, spec, dtype, consecutive=(0, 1))
+    meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol)
+    assert meta.prefix.runs == [(2100, PREFIX), (2200, PREFIX)]
+    # One prefix scattered: every group is gathered (and still exact).
+    pool, rows = _setup(2, spec, dtype, consecutive=(0,))
+    meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol)
+    assert meta.prefix.runs is None and len(meta.groups) == 2
 
 
 def test_cascade_decode_bfloat16(always_cascade) -> None:
@@ -155,6 +175,15 @@ def test_extend_shares_identical_cached_prefixes(dtype: torch.dtype, tol: float)
     assert meta.runs == [(0, 4, 5), (20, 1, 12), (32, 1, 5)]
     assert sorted(len(tokens) for tokens, _ in meta.prefix_groups) == [5, 5, 15]
     assert sorted(len(slots) for _, slots in meta.prefix_groups) == [PREFIX, PREFIX, PREFIX + 3]
+
+
+def test_extend_reads_a_consecutive_prefix_in_place() -> None:
+    # Prefix 0 in consecutive slots (read in place), prefix 1 scattered (gathered).
+    spec = [(PREFIX + 5, 0), (PREFIX + 5, 0), (PREFIX + 7, 1), (9, None)]
+    pool, _ = _setup(2, spec, consecutive=(0,))
+    meta = _run_extend(pool, [s for s, _ in spec], [5, 5, 7, 9], 6)
+    slots = sorted((s if isinstance(s, tuple) else len(s) for _, s in meta.prefix_groups), key=str)
+    assert slots == [(2100, PREFIX), PREFIX]
 
 
 @pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True)])
