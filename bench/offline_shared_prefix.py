@@ -3,7 +3,10 @@
 G groups × Q questions; each prompt is a group's S-token system prompt plus an
 L-token question; O output tokens are forced with ignore_eos. Token ids are
 seeded random ids from the vocabulary. Prints a table, writes JSON and a PNG.
-The "floor" row times the model's weight matmuls alone on the workload's
+Every row gets one untimed warm-up (radixrt: the whole workload, then a cache
+flush; transformers: its first batch), then ``--repeats`` timed runs, best
+reported (all are in the JSON: this kind of machine drifts 10-20 % between
+runs). The "floor" row times the model's weight matmuls alone on the workload's
 shapes (see ``dense_floor``): the most any runtime could reach here.
 
     python bench/offline_shared_prefix.py [--groups 4 --questions 8 --system 512 ...]
@@ -37,45 +40,64 @@ def make_workload(vocab: int, groups: int, questions: int, system: int, question
     return prompts
 
 
-def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, **kwargs) -> dict:
+def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repeats: int,
+                **kwargs) -> dict:
+    """One untimed run of the whole workload (warm-up: first-touch of the activation and KV
+    memory), then ``repeats`` timed runs on a flushed cache; the fastest is reported."""
     eng = Engine(model=None, dtype=dtype, **kwargs)
-    eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
-    eng.flush_cache()
-    before = eng.stats()
     sp = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
-    t0 = time.perf_counter()
-    outs = eng.generate(input_ids=prompts, sampling_params=sp)
-    wall = time.perf_counter() - t0
-    after = eng.stats()
-    eng.check_memory()
+    eng.generate(input_ids=prompts, sampling_params=sp)
+    runs = []
+    for _ in range(repeats):
+        eng.flush_cache()
+        before = eng.stats()
+        t0 = time.perf_counter()
+        outs = eng.generate(input_ids=prompts, sampling_params=sp)
+        wall = time.perf_counter() - t0
+        after = eng.stats()
+        eng.check_memory()
+        runs.append((wall, outs, before, after))
+    eng.shutdown()
+    wall, outs, before, after = min(runs, key=lambda r: r[0])
     n_out = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     cached = after["cached_tokens"] - before.get("cached_tokens", 0)
     return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
             "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
-            "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0)}
+            "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0),
+            "runs_s": [r[0] for r in runs]}
 
 
-def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, batch: int) -> dict:
+def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, batch: int,
+                     repeats: int) -> dict:
+    """Batched, left-padded greedy ``generate``; an untimed warm-up on the first batch, then
+    ``repeats`` timed passes over the workload; the fastest is reported."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     pad = 0
-    t0 = time.perf_counter()
-    n_out = prefill = 0
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
+
+    def generate(chunk: list[list[int]], new: int) -> tuple[int, int]:
         width = max(map(len, chunk))
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=mask, max_new_tokens=out, min_new_tokens=out,
+            gen = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                  do_sample=False, pad_token_id=pad)
-        n_out += (gen.shape[1] - width) * len(chunk)
-        prefill += width * len(chunk)
-    wall = time.perf_counter() - t0
+        return (gen.shape[1] - width) * len(chunk), width * len(chunk)
+
+    generate(prompts[:batch], out)  # warm-up
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        n_out = prefill = 0
+        for i in range(0, len(prompts), batch):
+            o, p = generate(prompts[i:i + batch], out)
+            n_out, prefill = n_out + o, prefill + p
+        runs.append(time.perf_counter() - t0)
+    wall = min(runs)
     return {"row": f"transformers generate (batch {batch})", "wall_s": wall,
             "output_tok_s": n_out / wall, "output_tokens": n_out, "prefill_tokens": prefill,
-            "hit_rate": 0.0, "retractions": 0}
+            "hit_rate": 0.0, "retractions": 0, "runs_s": runs}
 
 
 def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chunk: int = 512) -> dict:
@@ -147,6 +169,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per row after a warm-up; best reported")
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -155,12 +178,13 @@ def main() -> None:
     vocab = ModelConfig.from_pretrained(path).vocab_size
     prompts = make_workload(vocab, args.groups, args.questions, args.system, args.question, args.seed)
     unique = args.groups * args.system + len(prompts) * args.question
-    rows = [run_radixrt("radixrt lpm", prompts, args.output, args.dtype),
-            run_radixrt("radixrt fcfs", prompts, args.output, args.dtype, schedule_policy="fcfs"),
-            run_radixrt("radixrt no cache", prompts, args.output, args.dtype, disable_radix_cache=True)]
+    n = args.repeats
+    rows = [run_radixrt("radixrt lpm", prompts, args.output, args.dtype, n),
+            run_radixrt("radixrt fcfs", prompts, args.output, args.dtype, n, schedule_policy="fcfs"),
+            run_radixrt("radixrt no cache", prompts, args.output, args.dtype, n, disable_radix_cache=True)]
     rows.append(dense_floor(prompts, unique, args.output, args.dtype))
     if not args.skip_transformers:
-        rows.append(run_transformers(path, prompts, args.output, args.dtype, batch=8))
+        rows.append(run_transformers(path, prompts, args.output, args.dtype, batch=8, repeats=n))
     print(f"workload: {args.groups} groups x {args.questions} questions, system {args.system}, "
           f"question {args.question}, output {args.output}; unique prefix-tree tokens {unique}")
     print(f"{'row':32} {'wall s':>8} {'out tok/s':>10} {'prefill tok':>12} {'hit rate':>9}")
