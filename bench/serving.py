@@ -17,7 +17,7 @@ once streamed, all at once not streamed, then one request at a time) and on
 an ``Engine`` loaded from the server's model (in a worker process, so that
 neither side shares a process with the client), interleaved, best of
 ``--repeats``; it reports the throughput ratio and the TTFT the server adds
-(as the difference of p50s, and as ``ttft_paired_low_load``: 16 prompts, each
+(as the difference of p50s, and as ``ttft_paired_low_load``: ``--pairs`` prompts, each
 cold, sent to the server and then to the Engine back to back; the p50 of the
 per-pair differences does not move with the machine's drift between runs).
 """
@@ -334,6 +334,10 @@ async def compare(args, reqs: list[dict]) -> dict:
     args.flush = True
     runs: dict[str, list[dict]] = {"server": [], "server_no_stream": [], "server_low_load": [], "engine": []}
     try:
+        # Warm-up, untimed: one full run on each side (first touch of activation and KV memory;
+        # a process's first run of a workload is 10-30 % slower here than its later ones).
+        await bench_server(args, reqs, float("inf"), None, show=False)
+        engine.throughput(reqs, args.max_new_tokens)
         for _ in range(args.repeats):
             runs["server"].append((await bench_server(args, reqs, float("inf"), None, show=False))[0])
             runs["server_no_stream"].append(
@@ -343,7 +347,7 @@ async def compare(args, reqs: list[dict]) -> dict:
             runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
             runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
         async with AsyncClient(args.server, timeout=args.timeout) as client:
-            paired = await paired_ttft(client, engine, reqs[:16])
+            paired = await paired_ttft(client, engine, reqs[:args.pairs])
     finally:
         engine.close()
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
@@ -396,6 +400,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--flush", action="store_true", help="flush the server's cache first")
     ap.add_argument("--compare-engine", action="store_true")
     ap.add_argument("--repeats", type=int, default=3, help="--compare-engine: best of N interleaved runs")
+    ap.add_argument("--pairs", type=int, default=24, help="--compare-engine: prompts in the paired TTFT test")
     ap.add_argument("--dtype", default=None, help="Engine dtype for --compare-engine (default: the server's)")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--out", default=None, help="JSON path (default bench/results/serving_<workload>.json)")
