@@ -134,11 +134,9 @@ def _extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
 
 
 def _as_run(slots: torch.Tensor) -> torch.Tensor | tuple[int, int]:
-    """(first slot, length) when ``slots`` are consecutive, else ``slots``."""
-    first, n = int(slots[0]), slots.numel()
-    if int(slots[-1]) == first + n - 1 and torch.equal(slots, torch.arange(first, first + n, device=slots.device)):
-        return first, n
-    return slots
+    """(first slot, length) when ``slots`` [p] are consecutive, else ``slots``."""
+    runs = _consecutive_runs(slots[None, :], torch.tensor([slots.numel()], device=slots.device))
+    return runs[0] if runs else slots
 
 
 def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor,
