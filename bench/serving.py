@@ -321,9 +321,18 @@ async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict
         outside.append((first - s_fwd) - (mine - e_fwd))
         forward_diff.append(s_fwd - e_fwd)
     ms = lambda xs: 1e3 * percentile(xs, 50)  # noqa: E731
+    # Split the forward difference by pair order: the sides alternate, so a forward follows the
+    # same process's previous forward when it goes first (server first: S E | E S | S E ...).
+    # Server first = d - c, Engine first = d + c: d is the server's own forward penalty, c
+    # what following the other process's forward costs.
+    server_first, engine_first = ms(forward_diff[0::2]), ms(forward_diff[1::2])
     return {"pairs": len(reqs), "server_p50_ms": ms(server), "engine_p50_ms": ms(local),
             "added_p50_ms": ms(added), "added_outside_forward_p50_ms": ms(outside),
-            "forward_diff_p50_ms": ms(forward_diff)}
+            "forward_diff_p50_ms": ms(forward_diff),
+            "forward_diff_server_first_p50_ms": server_first,
+            "forward_diff_engine_first_p50_ms": engine_first,
+            "forward_penalty_d_ms": (server_first + engine_first) / 2,
+            "order_effect_c_ms": (engine_first - server_first) / 2}
 
 
 async def compare(args, reqs: list[dict]) -> dict:
