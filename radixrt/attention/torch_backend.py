@@ -232,8 +232,9 @@ def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tenso
         out_rows.index_copy_(0, members, (g * kh + heads[None, :]) * n + pos)
         no_shared.index_fill_(0, members, 0.0)
     firsts = torch.stack([m[0] for m in groups])
-    prefix = _part(rows[:, :int(prefix_lens.max())].index_select(0, firsts), prefix_lens, dtype)
-    prefix.runs = _consecutive_runs(prefix.slots, prefix_lens)
+    prefix_slots = rows[:, :int(prefix_lens.max())].index_select(0, firsts)
+    runs = _consecutive_runs(prefix_slots, prefix_lens)  # read in place: no padding bias needed
+    prefix = _part(prefix_slots, prefix_lens, dtype) if runs is None else _Part(prefix_slots, None, runs)
     tail_pos = start[:, None] + torch.arange(width, device=dev)[None, :]  # [B, P]
     tail = _part(rows.gather(1, tail_pos.clamp(max=lmax - 1)), lens - start, dtype)
     return _CascadeMeta(list(zip(groups, prefix_lens.tolist())), n, prefix, tail,
@@ -243,10 +244,9 @@ def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tenso
 def _consecutive_runs(slots: torch.Tensor, lens: torch.Tensor) -> list[tuple[int, int]] | None:
     """[(first slot, length)] of each row of ``slots`` [X, L] if the first lens[x] slots of every
     row are consecutive (first, first + 1, ...); else None."""
-    first = slots[:, 0]
-    expected = first[:, None] + torch.arange(slots.shape[1], device=slots.device)[None, :]
-    keys = torch.arange(slots.shape[1], device=slots.device)[None, :] < lens[:, None]
-    if not bool(((slots == expected) | ~keys).all()):
+    first, offsets = slots[:, 0], torch.arange(slots.shape[1], device=slots.device)[None, :]
+    keys = offsets < lens[:, None]
+    if not bool(((slots == first[:, None] + offsets) | ~keys).all()):
         return None
     return list(zip(first.tolist(), lens.tolist()))
 
