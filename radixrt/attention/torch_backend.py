@@ -12,8 +12,10 @@ Output dtype = q dtype.
   (its K/V gathered once: requests admitted together under a shared prefix).
 - A prefix whose slots are one run of consecutive slots (prefilled in one
   piece: the allocator hands out fresh slots in order) is read in place as a
-  view of the KV buffer instead of gathered, in extend and in the cascade's
-  shared part (there only if every group's prefix is such a run).
+  view of the KV buffer instead of gathered: in extend (one SDPA per prefix
+  either way), and in the cascade's shared part when it has a single group
+  (several groups gathered take one SDPA; read in place, one per group, which
+  costs more than the gather saves).
 - Decode, cascade: requests whose req_to_token rows start with the same run of
   c_g slots (a prefix shared through the radix cache) form a group; groups of
   >= ``MIN_GROUP_SIZE`` requests with c_g >= ``MIN_SHARED_PREFIX`` are used.
@@ -233,7 +235,7 @@ def _cascade_metadata(rows: torch.Tensor, lens: torch.Tensor, start: torch.Tenso
         no_shared.index_fill_(0, members, 0.0)
     firsts = torch.stack([m[0] for m in groups])
     prefix_slots = rows[:, :int(prefix_lens.max())].index_select(0, firsts)
-    runs = _consecutive_runs(prefix_slots, prefix_lens)  # read in place: no padding bias needed
+    runs = _consecutive_runs(prefix_slots, prefix_lens) if ng == 1 else None  # in place: no bias
     prefix = _part(prefix_slots, prefix_lens, dtype) if runs is None else _Part(prefix_slots, None, runs)
     tail_pos = start[:, None] + torch.arange(width, device=dev)[None, :]  # [B, P]
     tail = _part(rows.gather(1, tail_pos.clamp(max=lmax - 1)), lens - start, dtype)

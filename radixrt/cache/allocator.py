@@ -11,7 +11,10 @@ Contract:
   pages in order) before taking fresh pages.
 - ``free(slots)`` returns the pages that hold ``slots``. A page is owned by
   exactly one party (the free list, one radix-tree node or one request), so
-  freeing any slot of a page frees all of it.
+  freeing any slot of a page frees all of it. The pages of the latest free
+  are the next handed out, in the order they were freed: a run of consecutive
+  slots freed in order comes back as the same run (attention reads a prefix
+  in consecutive slots in place).
 - ``available`` counts free *slots* (free pages × page_size).
 - Freeing a slot that is free, reserved, out of range or never handed out
   raises ``ValueError`` and frees nothing. That check is always on (one
@@ -175,7 +178,7 @@ class KVSlotAllocator:
         for page in pages:
             state[page] = _FREE
         top = self._top
-        self._stack[top:top + len(pages)] = pages
+        self._stack[top:top + len(pages)] = pages[::-1]
         self._top = top + len(pages)
 
     def _free_vectorized(self, slots: np.ndarray) -> None:
@@ -201,7 +204,7 @@ class KVSlotAllocator:
             pages = pages[self._scratch[pages] == order]
         state[pages] = _FREE
         top = self._top
-        self._stack[top:top + pages.size] = pages
+        self._stack[top:top + pages.size] = pages[::-1]
         self._top = top + pages.size
 
     def _check_range(self, slots: np.ndarray) -> None:

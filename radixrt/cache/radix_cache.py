@@ -329,7 +329,8 @@ class RadixCache:
             raise RuntimeError(f"reset with {self.protected_size} tokens locked by running requests")
         slots = [n._np for n in self._nodes() if n is not self.root]
         if slots:
-            self.allocator.free(np.concatenate(slots))
+            # In ascending order: the next allocations then get runs of consecutive slots.
+            self.allocator.free(np.sort(np.concatenate(slots)))
         self._init_tree()
 
     def all_slots(self) -> torch.Tensor:

@@ -145,6 +145,14 @@ def test_free_then_realloc_reuses_slots():
     assert alloc.alloc(1) is None
 
 
+@pytest.mark.parametrize("n", [5, 40])  # the plain-Python and the vectorized free
+def test_a_run_freed_in_order_comes_back_as_the_same_run(n):
+    alloc = KVSlotAllocator(128, 1)
+    a = alloc.alloc(100)
+    alloc.free(a[10:10 + n])
+    assert alloc.alloc(n).tolist() == a[10:10 + n].tolist()
+
+
 @pytest.mark.parametrize("page_size", [2, 4, 16])
 def test_paged_alloc_hands_whole_pages(page_size):
     p = page_size

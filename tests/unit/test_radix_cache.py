@@ -459,6 +459,16 @@ def test_reset():
     check(alloc, cache)
 
 
+def test_reset_hands_the_slots_back_in_ascending_order():
+    alloc, cache = make()
+    for tokens in ([1, 2, 3, 4], [5, 6], [1, 2, 7, 8, 9], [5, 10]):  # four nodes, split ones
+        put(alloc, cache, tokens)
+    held = cache.total_size()
+    cache.reset()
+    slots = alloc.alloc(held).tolist()  # the tree's slots, from the top of the free list
+    assert slots == sorted(slots)
+
+
 # --------------------------------------------- check_integrity really checks
 
 

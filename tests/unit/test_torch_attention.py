@@ -88,13 +88,14 @@ def test_cascade_decode_matches_reference(kh: int, h: int, always_cascade) -> No
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_cascade_decode_reads_consecutive_prefixes_in_place(dtype: torch.dtype, tol: float,
                                                             always_cascade) -> None:
-    # Both prefixes in runs of consecutive slots: attended per group straight from the buffers.
+    # One group, its prefix in a run of consecutive slots: attended straight from the buffers.
+    spec = [(57, 0), (33, None), (41, 0), (73, 0)]
+    pool, rows = _setup(2, spec, dtype, consecutive=(0,))
+    meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol)
+    assert meta.prefix.runs == [(2100, PREFIX)]
+    # Two groups, both in runs: gathered all the same (one SDPA for both), and still exact.
     spec = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (73, 0)]
     pool, rows = _setup(2, spec, dtype, consecutive=(0, 1))
-    meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol)
-    assert meta.prefix.runs == [(2100, PREFIX), (2200, PREFIX)]
-    # One prefix scattered: every group is gathered (and still exact).
-    pool, rows = _setup(2, spec, dtype, consecutive=(0,))
     meta = _run_decode(pool, rows, [s for s, _ in spec], 6, tol)
     assert meta.prefix.runs is None and len(meta.groups) == 2
 
