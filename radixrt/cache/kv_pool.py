@@ -3,7 +3,9 @@
 Shapes:
 - ``k_buffers[layer]``, ``v_buffers[layer]``: ``[num_slots, kv_heads, head_dim]``;
   row ``slot`` holds the K (V) of the token stored in that KV slot. Slot 0
-  (the reserved page) absorbs padding writes.
+  (the reserved page) absorbs padding writes. All are views of one
+  ``[2, num_layers, num_slots, kv_heads, head_dim]`` tensor; on the CPU it is
+  backed by huge pages where the kernel allows (``radixrt.memory``).
 - ``req_to_token``: int64 ``[max_running, max_context]``; row ``r`` maps the
   positions of the running request that owns row r to its KV slots.
 Rows are handed out by ``alloc_row`` and returned by ``free_row``.
@@ -12,6 +14,8 @@ Rows are handed out by ``alloc_row`` and returned by ``free_row``.
 from __future__ import annotations
 
 import torch
+
+from radixrt.memory import huge_page_zeros
 
 
 class KVPool:
@@ -24,9 +28,12 @@ class KVPool:
         self.head_dim = head_dim
         self.dtype = dtype
         self.device = torch.device(device)
-        shape = (num_slots, kv_heads, head_dim)
-        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        shape = (2, num_layers, num_slots, kv_heads, head_dim)
+        if self.device.type == "cpu":  # one allocation, in huge pages where the kernel allows
+            kv = huge_page_zeros(shape, dtype)
+        else:
+            kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_buffers, self.v_buffers = list(kv[0].unbind()), list(kv[1].unbind())
         self.req_to_token = torch.zeros((max_running, max_context), dtype=torch.int64, device=self.device)
         self.max_running = max_running
         self.max_context = max_context

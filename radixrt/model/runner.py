@@ -14,6 +14,7 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
+from radixrt.memory import HeapCollapser, collapse_anonymous_memory
 from radixrt.model.layers import pack_cpu_weights
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, iter_weights
@@ -21,6 +22,7 @@ from radixrt.model.loader import ModelConfig, iter_weights
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30
 MAX_AUTO_SLOTS = 1 << 17
+HUGE_PAGE_MIN_WEIGHT_BYTES = 64 << 20
 
 
 # glibc mallopt parameters (malloc.h)
@@ -93,6 +95,11 @@ class ModelRunner:
                            model_cfg.head_dim, self.dtype, config.running_limit,
                            self.max_context + config.page_size, self.device)
         self.attn_backend = make_attention_backend(config.attention_backend, self.pool)
+        # Huge pages for the weights, the KV pool and the heap the activations reuse, where the
+        # weights outgrow the caches (a test-sized model would only pay the collapse).
+        self.huge_pages = self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
+        self.huge_page_bytes = collapse_anonymous_memory() if self.huge_pages else 0
+        self.heap = HeapCollapser() if self.huge_pages else None
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default = torch.get_default_dtype()
@@ -125,4 +132,10 @@ class ModelRunner:
         """float32 logits [B, vocab] for each request's last token."""
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
-        return self.model(batch)
+        logits = self.model(batch)
+        if self.heap is not None:  # new activation memory: into huge pages too, once
+            self.heap.maybe_collapse()
+        return logits
+
+    def _weight_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())

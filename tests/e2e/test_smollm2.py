@@ -25,6 +25,7 @@ def test_default_model_greedy_matches_transformers(engine_factory):
     path = default_model_path()
     eng = engine_factory(None, max_total_tokens=4096)
     assert eng.model_path == path
+    assert eng.runner.huge_pages  # its weights outgrow the caches (radixrt.memory)
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None

@@ -13,7 +13,7 @@ import random
 import pytest
 import torch
 
-from radixrt.attention.base import ForwardBatch, ForwardMode
+from radixrt.attention.base import ForwardBatch
 from radixrt.cache import KVPool
 from radixrt.config import EngineConfig
 from radixrt.sampling import SamplingParams
