@@ -8,11 +8,13 @@ the common default), and the offline shared-prefix workload 5-10 %.
 
 - ``huge_page_zeros`` allocates a large zeroed tensor advised for huge pages
   before anything touches it, so it is faulted in as 2 MiB pages (the KV pool).
-- ``collapse_anonymous_memory`` collapses (MADV_COLLAPSE, Linux >= 6.1) the
-  process's private anonymous memory, the heap included, into huge pages:
-  the weights (oneDNN's packed tensors do not expose their addresses) and the
-  heap the activations will reuse. It copies: ~1-3 ms per MiB, once; memory
-  already in huge pages costs next to nothing.
+- ``collapse_anonymous_memory(since)`` collapses (MADV_COLLAPSE, Linux >=
+  6.1) the heap and the private anonymous memory mapped since an
+  ``anonymous_regions()`` snapshot into huge pages: the weights (oneDNN's
+  packed tensors do not expose their addresses) and the heap the activations
+  will reuse, but not the large arrays the rest of a host process may hold.
+  It copies: ~1-3 ms per MiB, once; memory already in huge pages costs next
+  to nothing.
 - ``HeapCollapser`` collapses the heap's growth (where glibc puts activations
   under ``keep_freed_memory``) each time it has grown by a step: a few times
   while the first large batches arrive, then never.
@@ -23,12 +25,15 @@ Linux) nothing changes, and results never depend on it.
 from __future__ import annotations
 
 import ctypes
+import errno
 import sys
 
 import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE, MADV_COLLAPSE = 14, 25  # linux/mman.h
+
+Region = tuple[int, int]  # [start, end) addresses
 
 
 def _libc_fn(name: str, argtypes: list, restype=ctypes.c_int):
@@ -46,12 +51,18 @@ _MADVISE = _libc_fn("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int])
 _SBRK = _libc_fn("sbrk", [ctypes.c_ssize_t], ctypes.c_void_p)
 
 
-def _madvise(start: int, end: int, advice: int) -> int:
-    """madvise the whole 2 MiB pages inside [start, end); the bytes it applied to."""
+def _madvise(start: int, end: int, advice: int, tries: int = 2) -> int:
+    """madvise the whole 2 MiB pages inside [start, end); the bytes it applied to. EAGAIN (a
+    page briefly busy, seen with MADV_COLLAPSE) is retried."""
     lo, hi = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
     if _MADVISE is None or hi <= lo:
         return 0
-    return hi - lo if _MADVISE(lo, hi - lo, advice) == 0 else 0
+    for _ in range(tries):
+        if _MADVISE(lo, hi - lo, advice) == 0:
+            return hi - lo
+        if ctypes.get_errno() != errno.EAGAIN:
+            break
+    return 0
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -65,18 +76,38 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return t.zero_()
 
 
-def anonymous_regions() -> list[tuple[int, int]]:
-    """[start, end) of each private, writable, anonymous mapping (the heap included)."""
+def _mappings() -> list[tuple[int, int, bool]]:
+    """(start, end, is the heap) of each private, writable, anonymous mapping, in address order."""
     if not sys.platform.startswith("linux"):
         return []
-    regions = []
+    found = []
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
             if fields[1] == "rw-p" and (len(fields) == 5 or fields[5] == "[heap]"):
                 start, end = (int(x, 16) for x in fields[0].split("-"))
-                regions.append((start, end))
-    return regions
+                found.append((start, end, len(fields) > 5))
+    return found
+
+
+def anonymous_regions(heap: bool = True) -> list[Region]:
+    """Each private, writable, anonymous mapping (and the heap, if ``heap``), in address order."""
+    return [(start, end) for start, end, is_heap in _mappings() if heap or not is_heap]
+
+
+def subtract(regions: list[Region], taken: list[Region]) -> list[Region]:
+    """The parts of ``regions`` outside every region of ``taken`` (both in address order)."""
+    out = []
+    for start, end in regions:
+        for t_start, t_end in taken:
+            if t_end <= start or t_start >= end:
+                continue
+            if t_start > start:
+                out.append((start, t_start))
+            start = max(start, t_end)
+        if start < end:
+            out.append((start, end))
+    return out
 
 
 def collapse(start: int, end: int) -> int:
@@ -84,9 +115,16 @@ def collapse(start: int, end: int) -> int:
     return _madvise(start, end, MADV_COLLAPSE)
 
 
-def collapse_anonymous_memory() -> int:
-    """Collapse every private anonymous mapping into huge pages; the bytes collapsed."""
-    return sum(collapse(start, end) for start, end in anonymous_regions())
+def collapse_anonymous_memory(since: list[Region] | None = None) -> int:
+    """Collapse the heap and the anonymous memory mapped since ``since`` (an
+    ``anonymous_regions(heap=False)`` snapshot; None: all of it) into huge pages; the bytes
+    collapsed."""
+    found = _mappings()
+    mapped = [(start, end) for start, end, is_heap in found if not is_heap]
+    if since is not None:
+        mapped = subtract(mapped, since)
+    heap = [(start, end) for start, end, is_heap in found if is_heap]
+    return sum(collapse(start, end) for start, end in heap + mapped)
 
 
 class HeapCollapser:

@@ -14,7 +14,7 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
-from radixrt.memory import HeapCollapser, collapse_anonymous_memory
+from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory
 from radixrt.model.layers import pack_cpu_weights
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, iter_weights
@@ -84,6 +84,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
+        host_memory = anonymous_regions(heap=False)  # not ours to collapse (see below)
         self.model_cfg = model_cfg
         # A sliding-window model (Mistral v0.1) is exact as long as no sequence
         # outgrows its window, so the window bounds the context.
@@ -98,7 +99,7 @@ class ModelRunner:
         # Huge pages for the weights, the KV pool and the heap the activations reuse, where the
         # weights outgrow the caches (a test-sized model would only pay the collapse).
         self.huge_pages = self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
-        self.huge_page_bytes = collapse_anonymous_memory() if self.huge_pages else 0
+        self.huge_page_bytes = collapse_anonymous_memory(since=host_memory) if self.huge_pages else 0
         self.heap = HeapCollapser() if self.huge_pages else None
 
     def _load_model(self, path: str) -> LlamaForCausalLM:

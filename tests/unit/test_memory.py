@@ -14,8 +14,10 @@ import numpy as np
 import pytest
 import torch
 
+from radixrt import memory
 from radixrt.cache.kv_pool import KVPool
-from radixrt.memory import HUGE_PAGE, HeapCollapser, collapse, collapse_anonymous_memory, huge_page_zeros
+from radixrt.memory import (HUGE_PAGE, HeapCollapser, anonymous_regions, collapse, collapse_anonymous_memory,
+                            huge_page_zeros, subtract)
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 thp_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists()
@@ -79,14 +81,27 @@ def test_collapse_turns_touched_memory_into_huge_pages() -> None:
     assert mm[:4] == b"\x01" * 4 and mm[-4:] == b"\x01" * 4  # contents kept
 
 
-@thp_only
-@collapse_only
-def test_collapse_anonymous_memory_covers_a_new_mapping() -> None:
+def test_subtract_regions() -> None:
+    assert subtract([(0, 100), (200, 300)], [(10, 20), (90, 210), (250, 260)]) == [
+        (0, 10), (20, 90), (210, 250), (260, 300)]
+    assert subtract([(0, 100)], []) == [(0, 100)]
+    assert subtract([(0, 100)], [(0, 100)]) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_collapse_anonymous_memory_takes_the_heap_and_new_mappings_only(monkeypatch) -> None:
     nbytes = 16 * HUGE_PAGE
-    mm, start = _touched_anonymous_mapping(nbytes)
-    assert collapse_anonymous_memory() >= 15 * HUGE_PAGE
-    assert _huge_bytes(start, start + nbytes) >= 14 * HUGE_PAGE
-    del mm
+    old, old_start = _touched_anonymous_mapping(nbytes)  # the host process's memory
+    since = anonymous_regions(heap=False)
+    new, new_start = _touched_anonymous_mapping(nbytes)
+    asked: list[tuple[int, int]] = []
+    monkeypatch.setattr(memory, "collapse", lambda start, end: asked.append((start, end)) or end - start)
+    collapse_anonymous_memory(since=since)
+    assert any(start <= new_start and new_start + nbytes <= end for start, end in asked)
+    assert not any(start < old_start + nbytes and old_start < end for start, end in asked)
+    heap = [r for r in anonymous_regions() if r not in anonymous_regions(heap=False)]
+    assert all(r in asked for r in heap)
+    del old, new
 
 
 @thp_only
