@@ -65,7 +65,9 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
             "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
             "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0),
-            "runs_s": [r[0] for r in runs]}
+            "runs_s": [r[0] for r in runs],
+            **{k: after.get(k, 0.0) - before.get(k, 0.0)
+               for k in ("prefill_forward_s", "decode_forward_s", "decode_steps")}}
 
 
 def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, batch: int,
@@ -191,6 +193,12 @@ def main() -> None:
     for r in rows:
         print(f"{r['row']:32} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} "
               f"{r['prefill_tokens']:12d} {r['hit_rate']:9.3f}")
+    for r in rows[:3]:  # where a radixrt row's wall time went
+        steps = max(r["decode_steps"], 1)
+        print(f"  {r['row']}: prefill forwards {r['prefill_forward_s']:.2f} s, decode forwards "
+              f"{r['decode_forward_s']:.2f} s ({r['decode_steps']:.0f} steps, "
+              f"{1e3 * r['decode_forward_s'] / steps:.1f} ms each), outside forwards "
+              f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s")
     base = rows[-1]["output_tok_s"] if not args.skip_transformers else None
     if base:
         print(f"lpm speed-up over transformers: {rows[0]['output_tok_s'] / base:.1f}x; "

@@ -99,7 +99,9 @@ class Scheduler:
             logits = self._forward(batch)
         except Exception as e:  # fail the batch, keep serving the rest
             return self._fail_batch(batch, e)
-        self.stats["forward_s"] += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats["forward_s"] += elapsed
+        self.stats["decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"] += elapsed
         self.forward_failures = 0
         return self.process_output(batch, logits)
 

@@ -116,6 +116,9 @@ def test_stats_and_flush(eng):
     for key in ("prompt_tokens", "cached_tokens", "prefill_tokens", "evicted_tokens", "hit_rate"):
         assert key in s
     assert s["cached_tokens"] > 0 and s["cache_tokens"] > 0
+    # Forward time, split by kind: both ran (4 new tokens: a prefill, then decode steps).
+    assert s["prefill_forward_s"] > 0 and s["decode_forward_s"] > 0
+    assert s["prefill_forward_s"] + s["decode_forward_s"] == pytest.approx(s["forward_s"])
     eng.flush_cache()
     assert eng.stats()["cache_tokens"] == 0
     eng.check_memory()
