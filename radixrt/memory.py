@@ -1,10 +1,12 @@
 """Transparent huge pages for a CPU model's memory (Linux).
 
 A CPU forward streams the weights and activations through 4 KiB pages by
-default, with a TLB entry per page and physical pages scattered across the
-caches' sets. Backed by 2 MiB pages instead, a SmolLM2-135M prefill of 544
-tokens ran ~5 % faster here (5 of 5 fresh processes, THP in "madvise" mode,
-the common default), and the offline shared-prefix workload 5-10 %.
+default: a TLB entry per page, and the hardware prefetchers stop at each page
+boundary (plain reads here: 21 GB/s in 4 KiB pages, 28 GB/s in 2 MiB pages).
+Backed by 2 MiB pages, a SmolLM2-135M prefill of 544 tokens ran 1-6 % faster
+(9 of 9 pairs of fresh processes, THP in "madvise" mode, the common default);
+on the offline shared-prefix workload the gain (0-5 %) is within this VM's
+noise. oneDNN's packed decode linears alone gained nothing.
 
 - ``huge_page_zeros`` allocates a large zeroed tensor advised for huge pages
   before anything touches it, so it is faulted in as 2 MiB pages (the KV pool).
