@@ -3,7 +3,7 @@
 A CPU forward streams the weights and activations through 4 KiB pages by
 default: a TLB entry per page, and the hardware prefetchers stop at each page
 boundary (plain reads here: 21 GB/s in 4 KiB pages, 28 GB/s in 2 MiB pages).
-Backed by 2 MiB pages, a SmolLM2-135M prefill of 544 tokens ran 1-6 % faster
+Backed by 2 MiB pages, a SmolLM2-135M prefill of 544 tokens ran 1-8 % faster
 (9 of 9 pairs of fresh processes, THP in "madvise" mode, the common default);
 on the offline shared-prefix workload the gain (0-5 %) is within this VM's
 noise. oneDNN's packed decode linears alone gained nothing.
