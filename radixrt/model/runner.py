@@ -6,15 +6,12 @@ torch.compile; the scheduler only calls ``forward``.
 
 from __future__ import annotations
 
-import ctypes
-import sys
-
 import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
-from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory
+from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory, keep_freed_memory
 from radixrt.model.layers import pack_cpu_weights
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, iter_weights
@@ -23,34 +20,6 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 CPU_KV_BUDGET_BYTES = 1 << 30
 MAX_AUTO_SLOTS = 1 << 17
 HUGE_PAGE_MIN_WEIGHT_BYTES = 64 << 20
-
-
-# glibc mallopt parameters (malloc.h)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-MALLOC_MMAP_THRESHOLD = 32 << 20  # glibc's largest
-MALLOC_TRIM_THRESHOLD = 1 << 30
-
-
-def keep_freed_memory() -> bool:
-    """Have glibc keep the memory of freed CPU activations for the next forward.
-
-    By default glibc serves large blocks with fresh mmaps, and hands the top of
-    the heap back to the OS, under thresholds it adapts as blocks are freed.
-    Depending on a process's allocation history, every large activation of
-    every forward can end up mapped, faulted in page by page and unmapped again:
-    seen here in about 1 process in 5, ~200,000 page faults in one 2,176-token
-    prefill, which then took 40-90 % longer. Fixed thresholds (blocks up to 32
-    MiB from the heap; the heap trimmed only past 1 GiB free) keep that memory
-    after the first forward. Process-wide; returns False (a no-op) off glibc.
-    """
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        mallopt = ctypes.CDLL("libc.so.6").mallopt
-    except (OSError, AttributeError):
-        return False
-    return bool(mallopt(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
-        mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
 
 
 def resolve_device(name: str) -> torch.device:
