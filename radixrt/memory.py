@@ -96,11 +96,13 @@ def _madvise(start: int, end: int, advice: int, tries: int = 2) -> int:
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose whole 2 MiB pages are huge pages where the kernel allows.
 
-    A large ``torch.empty`` is a fresh mapping nothing has touched yet, so the advice
-    holds for every page as ``zero_`` faults it in.
+    A ``torch.empty`` of 32 MiB or more is a fresh mapping nothing has touched yet, so the
+    advice holds for every page as ``zero_`` faults it in; a smaller one is left as it is.
     """
     t = torch.empty(shape, dtype=dtype)
-    _madvise(t.data_ptr(), t.data_ptr() + t.nbytes, MADV_HUGEPAGE)
+    if t.nbytes >= MALLOC_MMAP_THRESHOLD:  # glibc maps it apart; a smaller one lies in the heap,
+        # and advice there would split the heap's mapping (a collapse across the split fails)
+        _madvise(t.data_ptr(), t.data_ptr() + t.nbytes, MADV_HUGEPAGE)
     return t.zero_()
 
 
@@ -172,6 +174,8 @@ class HeapCollapser:
         end = self._heap_end()
         if not self.end or end - self.end < self.step:
             return 0
-        done = collapse(self.end, end)
+        # Mapping by mapping (the heap may be several): one collapse across two of them fails.
+        done = sum(collapse(max(start, self.end), min(stop, end))
+                   for start, stop, is_heap in _mappings() if is_heap and start < end and stop > self.end)
         self.end, self.collapsed = end, self.collapsed + done
         return done
