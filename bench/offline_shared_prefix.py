@@ -3,10 +3,13 @@
 G groups × Q questions; each prompt is a group's S-token system prompt plus an
 L-token question; O output tokens are forced with ignore_eos. Token ids are
 seeded random ids from the vocabulary. Prints a table, writes JSON and a PNG.
-Every row gets one untimed warm-up (radixrt: the whole workload, then a cache
-flush; transformers: its first batch), then ``--repeats`` timed runs, best
-reported (all are in the JSON: this kind of machine drifts 10-20 % between
-runs). The "floor" row times the model's weight matmuls alone on the workload's
+Each row runs in a fresh process of its own (as a user would run either
+system: no row inherits another's allocator settings or heap; the old
+single-process order is ``--same-process``). Every row gets one untimed warm-up
+(radixrt: the whole workload, then a cache flush; transformers: its first
+batch), then ``--repeats`` timed runs, best reported (all are in the JSON:
+this kind of machine drifts 10-20 % between runs). The "+ torch.compile" row
+compiles at start-up (``startup_s``), outside the clock. The "floor" row times the model's weight matmuls alone on the workload's
 shapes (see ``dense_floor``): the most any runtime could reach here.
 
     python bench/offline_shared_prefix.py [--groups 4 --questions 8 --system 512 ...]
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import time
@@ -44,7 +48,9 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
                 **kwargs) -> dict:
     """One untimed run of the whole workload (warm-up: first-touch of the activation and KV
     memory), then ``repeats`` timed runs on a flushed cache; the fastest is reported."""
+    t0 = time.perf_counter()
     eng = Engine(model=None, dtype=dtype, **kwargs)
+    startup = time.perf_counter() - t0
     sp = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
     eng.generate(input_ids=prompts, sampling_params=sp)
     runs = []
@@ -65,7 +71,7 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
             "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
             "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0),
-            "runs_s": [r[0] for r in runs],
+            "runs_s": [r[0] for r in runs], "startup_s": startup,
             **{k: after.get(k, 0.0) - before.get(k, 0.0)
                for k in ("prefill_forward_s", "decode_forward_s", "decode_steps")}}
 
@@ -145,6 +151,19 @@ def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chu
             "output_tokens": n_out, "prefill_tokens": unique, "hit_rate": 0.0, "retractions": 0}
 
 
+def _call_with_threads(threads: int, fn, args: tuple, kwargs: dict) -> dict:
+    torch.set_num_threads(threads)
+    return fn(*args, **kwargs)
+
+
+def row(isolated: bool, threads: int, fn, *args, **kwargs) -> dict:
+    """``fn(*args, **kwargs)``, in a fresh spawned process when ``isolated``."""
+    if not isolated:
+        return fn(*args, **kwargs)
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(_call_with_threads, (threads, fn, args, kwargs))
+
+
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
@@ -173,6 +192,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="timed runs per row after a warm-up; best reported")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--skip-compile", action="store_true", help="no torch.compile row (it compiles ~1 min)")
+    ap.add_argument("--same-process", action="store_true",
+                    help="run every row in this process, one after another (the old way)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from radixrt.model.loader import ModelConfig, default_model_path
@@ -180,30 +202,39 @@ def main() -> None:
     vocab = ModelConfig.from_pretrained(path).vocab_size
     prompts = make_workload(vocab, args.groups, args.questions, args.system, args.question, args.seed)
     unique = args.groups * args.system + len(prompts) * args.question
-    n = args.repeats
-    rows = [run_radixrt("radixrt lpm", prompts, args.output, args.dtype, n),
-            run_radixrt("radixrt fcfs", prompts, args.output, args.dtype, n, schedule_policy="fcfs"),
-            run_radixrt("radixrt no cache", prompts, args.output, args.dtype, n, disable_radix_cache=True)]
-    rows.append(dense_floor(prompts, unique, args.output, args.dtype))
+    n, iso, th = args.repeats, not args.same_process, args.threads
+    rows = [row(iso, th, run_radixrt, "radixrt lpm", prompts, args.output, args.dtype, n),
+            row(iso, th, run_radixrt, "radixrt fcfs", prompts, args.output, args.dtype, n, schedule_policy="fcfs"),
+            row(iso, th, run_radixrt, "radixrt no cache", prompts, args.output, args.dtype, n,
+                disable_radix_cache=True)]
+    if not args.skip_compile:
+        rows.append(row(iso, th, run_radixrt, "radixrt lpm + torch.compile", prompts, args.output, args.dtype,
+                        n, enable_torch_compile=True))
+    radixrt_rows = list(rows)
+    rows.append(row(iso, th, dense_floor, prompts, unique, args.output, args.dtype))
+    floor = rows[-1]
     if not args.skip_transformers:
-        rows.append(run_transformers(path, prompts, args.output, args.dtype, batch=8, repeats=n))
+        rows.append(row(iso, th, run_transformers, path, prompts, args.output, args.dtype, batch=8, repeats=n))
     print(f"workload: {args.groups} groups x {args.questions} questions, system {args.system}, "
           f"question {args.question}, output {args.output}; unique prefix-tree tokens {unique}")
     print(f"{'row':32} {'wall s':>8} {'out tok/s':>10} {'prefill tok':>12} {'hit rate':>9}")
     for r in rows:
         print(f"{r['row']:32} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} "
               f"{r['prefill_tokens']:12d} {r['hit_rate']:9.3f}")
-    for r in rows[:3]:  # where a radixrt row's wall time went
+    for r in radixrt_rows:  # where a radixrt row's wall time went
         steps = max(r["decode_steps"], 1)
         print(f"  {r['row']}: prefill forwards {r['prefill_forward_s']:.2f} s, decode forwards "
               f"{r['decode_forward_s']:.2f} s ({r['decode_steps']:.0f} steps, "
               f"{1e3 * r['decode_forward_s'] / steps:.1f} ms each), outside forwards "
-              f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s")
+              f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s; start-up "
+              f"{r['startup_s']:.1f} s")
     base = rows[-1]["output_tok_s"] if not args.skip_transformers else None
     if base:
-        print(f"lpm speed-up over transformers: {rows[0]['output_tok_s'] / base:.1f}x; "
-              f"prefill / unique = {rows[0]['prefill_tokens'] / unique:.3f}; the weight-matmul floor "
-              f"allows at most {rows[3]['output_tok_s'] / base:.1f}x")
+        ups = ", ".join(f"{r['row']} {r['output_tok_s'] / base:.1f}x" for r in radixrt_rows
+                        if "lpm" in r["row"])
+        print(f"speed-up over transformers: {ups}; prefill / unique = "
+              f"{rows[0]['prefill_tokens'] / unique:.3f}; the weight-matmul floor allows at most "
+              f"{floor['output_tok_s'] / base:.1f}x")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "offline_shared_prefix.json").write_text(json.dumps(
         {"args": vars(args), "unique_tokens": unique, "rows": rows}, indent=2))

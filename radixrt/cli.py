@@ -76,7 +76,7 @@ SERVER_SETTINGS = {
     "debug_faults": None,               # test-only fault injection (radixrt.server.faults)
 }
 ENGINE_FLAGS = ("model", "dtype", "max_total_tokens", "page_size", "schedule_policy", "disable_radix_cache",
-                "chunked_prefill_size", "max_running_requests", "attention_backend")
+                "chunked_prefill_size", "max_running_requests", "attention_backend", "enable_torch_compile")
 
 
 def _launch_settings(args: argparse.Namespace):
@@ -152,6 +152,8 @@ def _add_launch_parser(sub) -> None:
     p.add_argument("--max-waiting-requests", type=int, default=None,
                    help="refuse new requests with 'overloaded' past this many waiting")
     p.add_argument("--attention-backend", default=None)
+    p.add_argument("--enable-torch-compile", action="store_true", default=None,
+                   help="compile the model's forward with torch.compile (slower start, faster steps)")
     p.add_argument("--log-level", default=None, help="default warning")
     p.add_argument("--grace-period", type=float, default=None,
                    help="on SIGTERM, seconds to let running requests finish (default 30)")

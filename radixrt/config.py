@@ -31,6 +31,7 @@ class EngineConfig:
     eviction_policy: str = "lru"
     device: str = "auto"
     seed: int = 0
+    enable_torch_compile: bool = False         # compile the model's forward (slow start, faster steps)
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -38,6 +39,9 @@ class EngineConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("eviction_policy", self.eviction_policy, ("lru", "lfu"))
         _check_positive("page_size", self.page_size)
+        for name in ("disable_radix_cache", "enable_torch_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
             if getattr(self, name) is not None:

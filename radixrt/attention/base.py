@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -65,3 +66,45 @@ class AttentionBackend(ABC):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scaling: float) -> torch.Tensor:
         """q [T, H, D], k/v [T, KH, D] → attention output [T, H, D]."""
+
+
+# ---- attention inside a compiled model ------------------------------------------------------
+# torch.compile traces tensors, not a ForwardBatch with its Python lists, so a compiled model
+# reaches attention through one opaque op that finds the step's batch here (the model sets it
+# around the compiled call). The op also writes the new K/V into the pool, which the graph
+# does not see; nothing can reorder those writes, since each layer's attention input is
+# computed from the previous layer's attention output.
+_current_batch: ForwardBatch | None = None
+
+
+@contextmanager
+def forward_context(batch: ForwardBatch) -> Iterator[None]:
+    global _current_batch
+    _current_batch = batch
+    try:
+        yield
+    finally:
+        _current_batch = None
+
+
+@torch.library.custom_op("radixrt::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                  scaling: float) -> torch.Tensor:
+    batch = _current_batch
+    if batch is None:
+        raise RuntimeError("radixrt::attention ran outside forward_context (no batch to attend over)")
+    return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+    return q.new_empty(q.shape)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+              batch: ForwardBatch | None, scaling: float) -> torch.Tensor:
+    """The layer's attention: straight to the batch's backend, or (batch None: inside a
+    compiled model) through the ``radixrt::attention`` op."""
+    if batch is None:
+        return _attention_op(q, k, v, layer_id, scaling)
+    return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling)

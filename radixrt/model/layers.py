@@ -56,7 +56,7 @@ class LinearBase(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.packed:
-            return _ONEDNN_LINEAR(x, self.weight, bias, "none", [], "")
+            return onednn_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
 
@@ -156,7 +156,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is not None:
-            logits = _ONEDNN_LINEAR(h, self.packed_weight, None, "none", [], "").float()
+            logits = onednn_linear(h, self.packed_weight, None).float()
         else:
             logits = F.linear(h, self.weight).float()
         if self.tp_size > 1:
@@ -205,6 +205,25 @@ _ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
 _ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
 
 
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for a oneDNN-packed weight. Inside torch.compile it goes through the
+    opaque ``radixrt::onednn_linear`` op: Inductor cannot lower the packed layout itself."""
+    if torch.compiler.is_compiling():
+        return _onednn_linear_op(x, weight, bias, weight.shape[0])
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("radixrt::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+
+@_onednn_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
 class RMSNorm(nn.Module):
     """RMS norm computed in float32, as Hugging Face's Llama does."""
 
@@ -250,6 +269,8 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, D] for positions; the model shares one instance across its layers,
         so a forward looks them up once (same positions tensor, unmodified, same dtype)."""
+        if torch.compiler.is_compiling():  # traced once per graph; the memo is Python state
+            return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == positions._version and memo[2] == dtype:
             return memo[3], memo[4]

@@ -4,6 +4,11 @@ The model reads and writes K/V only through the attention backend carried by
 the ForwardBatch; it never sees request state. ``forward`` returns float32
 logits for the token positions the batch asks for (by default each request's
 last token).
+
+``enable_torch_compile`` compiles the tensor part of the forward (embedding to
+logits) into one graph with dynamic token counts; there the layers get no
+batch, and attention runs as the opaque ``radixrt::attention`` op, which finds
+the step's batch through ``forward_context``.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from radixrt.attention.base import ForwardBatch
+from radixrt.attention.base import ForwardBatch, attention, forward_context
 from radixrt.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                   RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
                                   VocabParallelEmbedding)
@@ -35,7 +40,7 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.scaling = cfg.head_dim ** -0.5
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         t = h.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
@@ -45,7 +50,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = batch.attn_backend.forward(q, k, v, self.layer_id, batch, self.scaling)
+        o = attention(q, k, v, self.layer_id, batch, self.scaling)
         return self.o_proj(o.reshape(t, q_size))
 
 
@@ -68,7 +73,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         h = h + self.self_attn(positions, self.input_layernorm(h), batch)
         return h + self.mlp(self.post_attention_layernorm(h))
 
@@ -81,10 +86,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(batch.input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                batch: ForwardBatch | None) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
         for layer in self.layers:
-            h = layer(batch.positions, h, batch)
+            h = layer(positions, h, batch)
         return h
 
 
@@ -100,13 +106,26 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.compiled = None  # see enable_torch_compile
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [N, vocab] at ``batch.logits_indices`` (default: each request's last token)."""
-        h = self.model(batch)
         idx = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        if self.compiled is None:
+            return self.logits(batch.input_ids, batch.positions, idx, batch)
+        with forward_context(batch):
+            return self.compiled(batch.input_ids, batch.positions, idx)
+
+    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
+               batch: ForwardBatch | None = None) -> torch.Tensor:
+        h = self.model(input_ids, positions, batch)
         return self.lm_head(self.model.norm(h[idx]))
+
+    def enable_torch_compile(self) -> None:
+        """Compile ``logits`` with dynamic shapes: a graph serves every batch size (sizes of 1
+        get their own; the runner compiles all of them before serving)."""
+        self.compiled = torch.compile(self.logits, dynamic=True)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters(remove_duplicate=False))

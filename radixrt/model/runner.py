@@ -1,14 +1,14 @@
 """Loads the model, owns the KV pool and the attention backend, runs forwards.
 
-This is the one place for device, dtype and (later) CUDA graphs or
-torch.compile; the scheduler only calls ``forward``.
+This is the one place for device, dtype and torch.compile (later CUDA graphs);
+the scheduler only calls ``forward``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from radixrt.attention.base import AttentionBackend, ForwardBatch
+from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
 from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory, keep_freed_memory
@@ -55,6 +55,7 @@ class ModelRunner:
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
         host_memory = anonymous_regions(heap=False)  # not ours to collapse (see below)
         self.model_cfg = model_cfg
+        self.compile = config.enable_torch_compile
         # A sliding-window model (Mistral v0.1) is exact as long as no sequence
         # outgrows its window, so the window bounds the context.
         self.max_context = min(model_cfg.max_position_embeddings,
@@ -70,6 +71,8 @@ class ModelRunner:
         self.huge_pages = self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
         self.huge_page_bytes = collapse_anonymous_memory(since=host_memory) if self.huge_pages else 0
         self.heap = HeapCollapser() if self.huge_pages else None
+        if self.compile:
+            self._compile_graphs()
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
         default = torch.get_default_dtype()
@@ -81,6 +84,8 @@ class ModelRunner:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
         self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
+        if self.compile:
+            model.enable_torch_compile()
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:
@@ -106,6 +111,22 @@ class ModelRunner:
         if self.heap is not None:  # new activation memory: into huge pages too, once
             self.heap.maybe_collapse()
         return logits
+
+    def _compile_graphs(self) -> None:
+        """Compile before serving, not in a request's forward. Dynamo gives token and logit
+        counts of 1 graphs of their own, so three shapes cover every later batch: several
+        requests (extend or decode), one request's extend, one request's decode. Their K/V go
+        to slot 0, the reserved padding slot, which is zeroed again afterwards."""
+        for mode, lens in ((ForwardMode.EXTEND, [3, 2]), (ForwardMode.EXTEND, [4]), (ForwardMode.DECODE, [1])):
+            t = sum(lens)
+            self.forward(ForwardBatch(
+                mode=mode, input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
+                positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
+                out_cache_loc=torch.zeros(t, dtype=torch.int64, device=self.device),
+                req_rows=torch.zeros(len(lens), dtype=torch.int64, device=self.device),
+                seq_lens=list(lens), extend_lens=list(lens)))
+        for buf in (*self.pool.k_buffers, *self.pool.v_buffers):
+            buf[0].zero_()
 
     def _weight_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())

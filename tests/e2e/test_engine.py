@@ -124,3 +124,22 @@ def test_mistral_folder_loads_as_llama(tiny_llama, tmp_path, engine_factory):
     assert eng.model_config.architecture == "mistral" and eng.runner.max_context == 128
     want = list(hf_greedy(tiny_llama, tuple(PROMPTS[:2]), NEW))
     assert ids_of(eng.generate(PROMPTS[:2], GREEDY)) == want
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_torch_compile_same_ids(arch, engine_factory, request):
+    # One graph from embedding to logits; attention runs as the radixrt::attention op over the
+    # step's batch: extend with in-batch sharing, extend over a cached prefix, and decode.
+    path = request.getfixturevalue(f"tiny_{arch}")
+    want = list(hf_greedy(path, tuple(PROMPTS), NEW))
+    from torch._dynamo.utils import counters
+    eng = engine_factory(path, enable_torch_compile=True)
+    assert eng.runner.model.compiled is not None
+    graphs = counters["stats"]["unique_graphs"]  # compiled at start-up, none while serving
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want
+    again = eng.generate(PROMPTS, GREEDY)
+    assert ids_of(again) == want
+    assert all(o.cached_tokens >= o.prompt_tokens - 1 for o in again)
+    assert ids_of(eng.generate(PROMPTS[:1], GREEDY)) == want[:1]  # a batch of one
+    assert counters["stats"]["unique_graphs"] == graphs
+    eng.check_memory()

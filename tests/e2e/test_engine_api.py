@@ -90,6 +90,16 @@ def test_invalid_sampling_params(kwargs, field):
         SamplingParams(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs, field", [({"enable_torch_compile": "yes"}, "enable_torch_compile"),
+                                           ({"disable_radix_cache": 1}, "disable_radix_cache"),
+                                           ({"page_size": 0}, "page_size"),
+                                           ({"schedule_policy": "random"}, "schedule_policy")])
+def test_invalid_engine_config(kwargs, field):
+    from radixrt.config import EngineConfig
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**kwargs)
+
+
 def test_bad_prompts_raise_before_kv(eng):
     before = eng.stats()
     with pytest.raises(ValueError, match="context"):

@@ -46,7 +46,9 @@ def test_configs_parse():
         assert server["port"] > 0
     args.page_size, args.port = 32, 1234
     config, server = _launch_settings(args)
-    assert config.page_size == 32 and server["port"] == 1234
+    assert config.page_size == 32 and server["port"] == 1234 and not config.enable_torch_compile
+    args.enable_torch_compile = True  # --enable-torch-compile
+    assert _launch_settings(args)[0].enable_torch_compile
 
 
 @pytest.mark.parametrize("stop", [None, ["a"], ["def", "\n\n"]])

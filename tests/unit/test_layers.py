@@ -46,6 +46,19 @@ def test_packed_bf16_model_matches_plain(rows: int) -> None:
     assert not pack_cpu_weights(packed)  # nothing left to pack
 
 
+@needs_onednn
+def test_packed_layers_compile() -> None:
+    # Inductor cannot lower oneDNN's packed layout: under torch.compile the packed linears and
+    # the LM head go through the opaque radixrt::onednn_linear op, the very kernels eager runs.
+    packed = Tiny(torch.bfloat16)
+    assert pack_cpu_weights(packed)
+    compiled = torch.compile(packed, dynamic=True)
+    with torch.inference_mode():
+        for rows in (3, 17):
+            x = torch.randn(rows, 32, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), packed(x), rtol=0, atol=0)
+
+
 def test_other_dtypes_stay_plain() -> None:
     model = Tiny(torch.float32)
     assert not pack_cpu_weights(model)

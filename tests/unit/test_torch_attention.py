@@ -200,3 +200,12 @@ def test_sdpa_lse_math_matches_the_cpu_kernel(causal: bool, masked: bool) -> Non
     o_ref, lse_ref = torch_backend._sdpa_lse_math(q, k, v, SCALE, causal, bias)
     torch.testing.assert_close(o, o_ref)
     torch.testing.assert_close(lse, lse_ref)
+
+
+def test_attention_op_needs_a_forward_context():
+    # A compiled model reaches attention only through radixrt::attention, which reads the
+    # step's batch from forward_context; outside one it names the problem.
+    from radixrt.attention.base import attention
+    q = torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="forward_context"):
+        attention(q, q[:, :2], q[:, :2], 0, None, 1.0)
