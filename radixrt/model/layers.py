@@ -269,7 +269,7 @@ class RotaryEmbedding(nn.Module):
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, 1, D] for positions; the model shares one instance across its layers,
         so a forward looks them up once (same positions tensor, unmodified, same dtype)."""
-        if torch.compiler.is_compiling():  # traced once per graph; the memo is Python state
+        if torch.compiler.is_compiling():  # the memo is Python state a graph cannot keep
             return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == positions._version and memo[2] == dtype:
