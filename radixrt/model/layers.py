@@ -245,7 +245,11 @@ class SiluAndMul(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with a float32 cos/sin cache [max_pos, head_dim]."""
+    """Neox-style rotary embedding with a float32 cos/sin cache [max_pos, head_dim].
+
+    rotate_half(x)·sin, with rotate_half(x) = [-x2, x1], is computed as roll(x, D/2)·sin±
+    where sin± is sin with its first half negated: the same products, bit for bit, in one
+    copy instead of a negation and a concatenation."""
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:
@@ -257,32 +261,27 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
-        self._memo: tuple | None = None  # (positions, its version, dtype, cos, sin) of the last call
+        self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        self._memo: tuple | None = None  # (positions, its version, dtype, cos, sin±) of the last call
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H, D], k [T, KH, D]."""
-        cos, sin = self._cos_sin(positions, q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """positions [T]; x [T, N, D] (any number of heads: q and k side by side rotate at once)."""
+        cos, sin_signed = self._cos_sin(positions, x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, 1, D] for positions; the model shares one instance across its layers,
+        """cos/sin± [T, 1, D] for positions; the model shares one instance across its layers,
         so a forward looks them up once (same positions tensor, unmodified, same dtype)."""
         if torch.compiler.is_compiling():  # the memo is Python state a graph cannot keep
-            return (self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype))
+            return (self.cos[positions].unsqueeze(1).to(dtype),
+                    self.sin_signed[positions].unsqueeze(1).to(dtype))
         memo = self._memo
         if memo is not None and memo[0] is positions and memo[1] == positions._version and memo[2] == dtype:
             return memo[3], memo[4]
         cos = self.cos[positions].unsqueeze(1).to(dtype)
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
-        self._memo = (positions, positions._version, dtype, cos, sin)
-        return cos, sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
+        sin_signed = self.sin_signed[positions].unsqueeze(1).to(dtype)
+        self._memo = (positions, positions._version, dtype, cos, sin_signed)
+        return cos, sin_signed
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

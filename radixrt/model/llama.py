@@ -41,15 +41,16 @@ class LlamaAttention(nn.Module):
         self.scaling = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        t = h.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(h).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        t, d = h.shape[0], self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        qkv = self.qkv_proj(h)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
+        if self.q_norm is None:  # q and k lie side by side in qkv: one rotation for both
+            qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(t, -1, d))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = self.rotary(positions, self.q_norm(qkv[:, :q_size].view(t, self.num_heads, d)))
+            k = self.rotary(positions, self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d)))
         o = attention(q, k, v, self.layer_id, batch, self.scaling)
         return self.o_proj(o.reshape(t, q_size))
 

@@ -72,3 +72,19 @@ def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
         assert eng.runner.packed_weights
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
         assert not eng.runner.packed_weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_matches_rotate_half_bit_for_bit(dtype) -> None:
+    # Hugging Face's form: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1].
+    from radixrt.model.layers import RotaryEmbedding
+    rope = RotaryEmbedding(64, 256, 10000.0)
+    torch.manual_seed(0)
+    positions = torch.randint(0, 256, (7,))
+    x = torch.randn(7, 12, 64, dtype=dtype)
+    cos = rope.cos[positions].unsqueeze(1).to(dtype)
+    sin = torch.cat([rope.sin_signed[:, 32:]] * 2, dim=-1)[positions].unsqueeze(1).to(dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    want = x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    assert torch.equal(rope(positions, x), want)
+    assert torch.equal(rope(positions, x[:, 3:9]), want[:, 3:9])  # a strided view of some heads
