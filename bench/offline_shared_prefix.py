@@ -9,8 +9,9 @@ single-process order is ``--same-process``). Every row gets one untimed warm-up
 (radixrt: the whole workload, then a cache flush; transformers: its first
 batch), then ``--repeats`` timed runs, best reported (all are in the JSON:
 this kind of machine drifts 10-20 % between runs). The "+ torch.compile" row
-compiles at start-up (``startup_s``), outside the clock. The "floor" row times the model's weight matmuls alone on the workload's
-shapes (see ``dense_floor``): the most any runtime could reach here.
+compiles at start-up (``startup_s``), outside the clock. The "floor" row times
+the model's weight matmuls alone on the workload's shapes (see
+``dense_floor``): the most any runtime could reach here.
 
     python bench/offline_shared_prefix.py [--groups 4 --questions 8 --system 512 ...]
 """

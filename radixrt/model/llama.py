@@ -49,8 +49,9 @@ class LlamaAttention(nn.Module):
             qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(t, -1, d))
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
-            q = self.rotary(positions, self.q_norm(qkv[:, :q_size].view(t, self.num_heads, d)))
-            k = self.rotary(positions, self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d)))
+            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, d))
+            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d))
+            q, k = self.rotary(positions, q), self.rotary(positions, k)
         o = attention(q, k, v, self.layer_id, batch, self.scaling)
         return self.o_proj(o.reshape(t, q_size))
 

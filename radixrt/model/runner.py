@@ -55,7 +55,6 @@ class ModelRunner:
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
         host_memory = anonymous_regions(heap=False)  # not ours to collapse (see below)
         self.model_cfg = model_cfg
-        self.compile = config.enable_torch_compile
         # A sliding-window model (Mistral v0.1) is exact as long as no sequence
         # outgrows its window, so the window bounds the context.
         self.max_context = min(model_cfg.max_position_embeddings,
@@ -71,7 +70,8 @@ class ModelRunner:
         self.huge_pages = self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
         self.huge_page_bytes = collapse_anonymous_memory(since=host_memory) if self.huge_pages else 0
         self.heap = HeapCollapser() if self.huge_pages else None
-        if self.compile:
+        if config.enable_torch_compile:
+            self.model.enable_torch_compile()
             self._compile_graphs()
 
     def _load_model(self, path: str) -> LlamaForCausalLM:
@@ -84,8 +84,6 @@ class ModelRunner:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
         self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
-        if self.compile:
-            model.enable_torch_compile()
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:
