@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from radixrt_kernels import cpu_decode_attention as cpu_kernel
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
 MIN_GROUP_SIZE = 2
@@ -85,9 +86,25 @@ class _CascadeMeta:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    """``use_kernel``: decode through the C kernel when it builds and takes the pool's dtype
+    (None: whenever it can; False: never, PyTorch's kernels only)."""
+
+    def __init__(self, pool, use_kernel: bool | None = None) -> None:
+        super().__init__(pool)
+        self.kernel = None
+        if use_kernel is not False and pool.device.type == "cpu":
+            from radixrt.model.loader import cache_dir
+            self.kernel = cpu_kernel.load(cache_dir())
+            if use_kernel and self.kernel is None:
+                raise RuntimeError(f"the CPU decode kernel is unavailable: {cpu_kernel.why_unavailable()}")
+
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
+            k_buf = self.pool.k_buffers[0]
+            if self.kernel is not None and cpu_kernel.supports(k_buf, k_buf):
+                batch.attn_metadata = _kernel_metadata(table, batch.req_rows, batch.seq_lens)
+                return
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
                                                    self.pool.kv_heads, self.pool.dtype)
             return
@@ -98,6 +115,9 @@ class TorchAttentionBackend(AttentionBackend):
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         meta = batch.attn_metadata
+        if isinstance(meta, cpu_kernel.Segments):
+            return cpu_kernel.decode_attention(self.kernel, q.to(k_buf.dtype).contiguous(), k_buf, v_buf,
+                                               meta, scaling).to(q.dtype)
         if isinstance(meta, _CascadeMeta):
             return _cascade_decode(q, k_buf, v_buf, meta, scaling)
         if isinstance(meta, _DecodeMeta):
@@ -194,6 +214,34 @@ def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
         if TAIL_COST * b * width + PREFIX_COST * int(prefix_lens.sum()) < b * lmax:
             return _cascade_metadata(rows, lens, start, width, groups, prefix_lens, kh, dtype)
     return _DecodeMeta(rows.clamp(min=0).reshape(-1), lmax, valid[:, None, None, :])
+
+
+def _kernel_metadata(table: torch.Tensor, req_rows: torch.Tensor,
+                     seq_lens: list[int]) -> cpu_kernel.Segments:
+    """The C kernel's segments: each qualifying group's shared prefix (part 0 of its requests),
+    then every request's private keys (part 1 in a group, else part 0: all its keys)."""
+    lens = torch.tensor(seq_lens, dtype=torch.int64)  # [B]
+    lmax = max(seq_lens)
+    pos = torch.arange(lmax)[None, :]
+    rows = torch.where(pos < lens[:, None], table[:, :lmax].index_select(0, req_rows), -1)
+    groups, prefix_lens = _shared_groups(rows, lens)
+    start = torch.zeros_like(lens)  # [B] first private position
+    for members, c in zip(groups, prefix_lens.tolist()):
+        start.index_fill_(0, members, c)
+    b = len(seq_lens)
+    prefix_slots = [rows[members[0], :c] for members, c in zip(groups, prefix_lens.tolist())]
+    tail_slots = rows[(pos >= start[:, None]) & (pos < lens[:, None])]  # request by request
+    sizes = torch.cat([prefix_lens, lens - start])
+    zero = torch.zeros(1, dtype=torch.int64)
+    member_sizes = torch.tensor([m.numel() for m in groups] + [1] * b, dtype=torch.int64)
+    in_group = (start > 0).long()
+    return cpu_kernel.Segments(
+        slots=torch.cat([*prefix_slots, tail_slots]),
+        slot_start=torch.cat([zero, sizes.cumsum(0)]),
+        members=torch.cat([*groups, torch.arange(b)]),
+        member_start=torch.cat([zero, member_sizes.cumsum(0)]),
+        part=torch.cat([torch.zeros(len(groups), dtype=torch.int64), in_group]),
+        num_parts=in_group + 1)
 
 
 def _shared_groups(rows: torch.Tensor,

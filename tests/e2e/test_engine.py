@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import torch
 
+import radixrt_kernels.cpu_decode_attention as cpu_kernel
 from radixrt import SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
@@ -44,6 +46,8 @@ def test_greedy_matches_transformers_and_reuses_prefix(arch, engine_factory, req
     want = list(hf_greedy(path, tuple(PROMPTS), NEW))
     assert len({t for o in want for t in o}) > 8, "reference continuation is degenerate"
     eng = engine_factory(path)
+    if shutil.which("gcc") or shutil.which("cc"):  # decode runs through the C kernel
+        assert eng.runner.attn_backend.kernel is not None, cpu_kernel.why_unavailable()
     first = eng.generate(PROMPTS, GREEDY)
     assert ids_of(first) == want
     assert sum(o.cached_tokens for o in first) > 0, "shared system prompt was not reused in-batch"
@@ -51,6 +55,17 @@ def test_greedy_matches_transformers_and_reuses_prefix(arch, engine_factory, req
     assert ids_of(again) == want
     assert all(o.cached_tokens >= o.prompt_tokens - 1 for o in again)
     eng.check_memory()
+
+
+def test_greedy_without_the_decode_kernel(tiny_llama, engine_factory, monkeypatch):
+    """PyTorch's decode kernels (the fallback without a C compiler) give the same ids."""
+    monkeypatch.setattr(cpu_kernel, "_tried", True)
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
+    eng = engine_factory(tiny_llama)
+    assert eng.runner.attn_backend.kernel is None
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want
+    assert ids_of(eng.generate(PROMPTS, GREEDY)) == want  # cascade decode over cached prefixes
 
 
 def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):

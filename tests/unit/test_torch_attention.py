@@ -1,5 +1,6 @@
 """TorchAttentionBackend vs a naive float64 per-request reference: decode (plain and cascade)
-and extend, with GQA ratios 1 and 3."""
+and extend, with GQA ratios 1 and 3. Decode here runs on PyTorch's kernels; the C decode
+kernel has its own tests (test_cpu_decode_kernel.py)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,7 @@ def _run_decode(pool: KVPool, rows: torch.Tensor, seq_lens: list[int], h: int, t
     k, v = (torch.randn(b, pool.kv_heads, D, dtype=dtype) for _ in range(2))
     batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
                          torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
-    backend = TorchAttentionBackend(pool)
+    backend = TorchAttentionBackend(pool, use_kernel=False)  # PyTorch's kernels
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, SCALE)
     ref = torch.cat([_reference(q[i:i + 1], pool, int(rows[i]), s) for i, s in enumerate(seq_lens)])

@@ -1,0 +1,143 @@
+"""Decode attention on the CPU: a C kernel (``cpu/decode_attention.c``), cascade-aware.
+
+The Triton kernels need a GPU; on the CPU this C kernel reads K/V straight
+from the KV buffers through slot indices (no gathered copy), reads a prefix
+shared by several requests once for all of them, and merges each request's
+parts by their log-sum-exps in the same call. It is compiled on first use with
+the system C compiler (``-O3 -march=native``, OpenMP) into
+``CACHE_DIR/kernels/`` and loaded with ctypes; it links against the OpenMP
+runtime PyTorch already loaded, so it runs on PyTorch's threads.
+
+``load(cache_dir)`` returns the library, or None when it cannot be built
+(no compiler, or PyTorch not on libgomp); ``why_unavailable()`` says why.
+Callers then fall back to PyTorch's kernels.
+
+Segments: a request's keys are one or two segments; a segment is a list of
+slots plus the requests that attend to all of it (a shared prefix: the
+requests of its group, part 0; a private tail: one request, part 1, or part 0
+when the request has no shared prefix).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "decode_attention.c"
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
+DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
+MAX_DIM = 256      # ... and at most this
+DTYPES = (torch.float32, torch.bfloat16)
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+@dataclass
+class Segments:
+    """The decode step's key segments, as the kernel takes them (all int64, on the CPU)."""
+    slots: torch.Tensor         # every segment's slots, one after another
+    slot_start: torch.Tensor    # [S + 1] offsets into slots
+    members: torch.Tensor       # every segment's requests, one after another
+    member_start: torch.Tensor  # [S + 1] offsets into members
+    part: torch.Tensor          # [S] 0 or 1: where a member's result for this segment goes
+    num_parts: torch.Tensor     # [B] 1 or 2
+
+
+def why_unavailable() -> str | None:
+    return _why
+
+
+def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    """True if the kernel takes these tensors (CPU, float32 or bfloat16, a head_dim it handles)."""
+    d = q.shape[-1]
+    return (q.device.type == "cpu" and q.dtype in DTYPES and k_buf.dtype == q.dtype
+            and d % DIM_MULTIPLE == 0 and d <= MAX_DIM)
+
+
+def load(cache_dir: str) -> ctypes.CDLL | None:
+    """The compiled kernel (built once per source, flags, compiler and CPU), or None."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        _lib = _build_and_load(Path(cache_dir) / "kernels")
+    except Exception as e:  # no compiler, a failed build: PyTorch's kernels do the work instead
+        _why = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def _torch_libgomp() -> str:
+    """Path of the libgomp PyTorch loaded (linking to it shares its thread pool)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libgomp" in os.path.basename(path) and path.startswith("/"):
+                return path
+    raise RuntimeError("PyTorch's OpenMP runtime is not libgomp")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln for ln in f if ln.startswith(("model name", "flags"))), "")
+    except OSError:
+        return ""
+
+
+def _build_and_load(folder: Path) -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    gomp = _torch_libgomp()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), cc, version, gomp,
+                                    _cpu_model()]).encode()).hexdigest()[:16]
+    target = folder / f"decode_attention-{key}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
+            for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
+                        [cc, "-shared", str(obj), gomp, "-lm", "-o", str(lib)]):
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
+    lib = ctypes.CDLL(str(target))
+    fn = lib.radixrt_decode_attention
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float,
+                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                     seg: Segments, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D], k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [B, H, D]."""
+    b, h, d = q.shape
+    kh = k_buf.shape[1]
+    if not (q.is_contiguous() and k_buf.is_contiguous() and v_buf.is_contiguous()):
+        raise ValueError("decode_attention: q, k_buf and v_buf must be contiguous")
+    out = torch.empty_like(q) if out is None else out
+    acc = torch.empty(b, 2, h, d, dtype=torch.float32)
+    ml = torch.empty(2, b, 2, h, dtype=torch.float32)
+    rc = lib.radixrt_decode_attention(
+        q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
+        b, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(), seg.slot_start.data_ptr(),
+        seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(), seg.num_parts.data_ptr(),
+        acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"decode_attention: unsupported shape (H {h}, KH {kh}, D {d})")
+    return out

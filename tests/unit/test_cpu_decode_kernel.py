@@ -1,0 +1,118 @@
+"""The C decode-attention kernel (radixrt_kernels.cpu_decode_attention) through the torch
+backend, against a float64 per-request reference: shared prefixes read once per group, private
+tails, requests in no group, row blocks over 32 rows, GQA ratios, head dims, fp32 and bf16."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import radixrt_kernels.cpu_decode_attention as cpu_kernel
+from radixrt.attention.base import ForwardBatch, ForwardMode
+from radixrt.attention.torch_backend import TorchAttentionBackend
+from radixrt.cache.kv_pool import KVPool
+
+PREFIX = 40
+
+pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
+                                reason="no C compiler: the CPU decode kernel cannot be built here")
+
+
+def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtype) -> KVPool:
+    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None); scattered slots."""
+    torch.manual_seed(0)
+    pool = KVPool(4096, 1, kh, d, dtype, len(spec), 512)
+    pool.k_buffers[0].normal_()
+    pool.v_buffers[0].normal_()
+    free = iter(torch.randperm(4095).add(1).tolist())
+    prefixes: dict[int, list[int]] = {}
+    for row, (seq_len, pid) in enumerate(spec):
+        shared = [] if pid is None else prefixes.setdefault(pid, [next(free) for _ in range(PREFIX)])
+        slots = shared[:seq_len] + [next(free) for _ in range(seq_len - len(shared[:seq_len]))]
+        pool.req_to_token[row, :seq_len] = torch.tensor(slots)
+    return pool
+
+
+def _decode(pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool) -> tuple[torch.Tensor, ...]:
+    b, d = len(seq_lens), pool.head_dim
+    rows = torch.arange(b)
+    out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
+    q = torch.randn(b, h, d, dtype=pool.dtype)
+    k, v = (torch.randn(b, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
+    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
+                         torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
+    backend = TorchAttentionBackend(pool, use_kernel=use_kernel)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, 0, batch, d ** -0.5)
+    ref = []
+    g = h // pool.kv_heads
+    for i, n in enumerate(seq_lens):  # after forward: the new K/V is in the pool
+        slots = pool.req_to_token[i, :n]
+        kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
+        vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = (q[i].double()[:, None, :] @ kk.transpose(1, 2)) * d ** -0.5                # [H, 1, L]
+        ref.append((s.softmax(-1) @ vv)[:, 0])
+    return out, torch.stack(ref), batch.attn_metadata
+
+
+SPEC = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (50, 2), (73, 0), (1 + PREFIX, 0)]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kh,h,d", [(2, 6, 64), (4, 4, 32), (1, 8, 128), (3, 9, 96)])
+def test_kernel_matches_reference(dtype: torch.dtype, tol: float, kh: int, h: int, d: int) -> None:
+    # Groups 0 (4 requests, one of them the prefix + 1 token) and 1 (2 requests), a request
+    # without prefix and one alone with its prefix: all through the kernel, in one call.
+    pool = _pool(kh, d, SPEC, dtype)
+    out, ref, meta = _decode(pool, [s for s, _ in SPEC], h, use_kernel=True)
+    assert isinstance(meta, cpu_kernel.Segments)
+    assert meta.part.numel() == 2 + len(SPEC)  # two shared prefixes + every request's own keys
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_kernel_large_group_and_single_request() -> None:
+    # 13 requests × 3 query heads per KV head = 39 rows: more than one block of 32 query rows.
+    spec = [(PREFIX + 1 + i, 0) for i in range(13)]
+    pool = _pool(2, 64, spec, torch.float32)
+    out, ref, meta = _decode(pool, [s for s, _ in spec], 6, use_kernel=True)
+    assert meta.num_parts.tolist() == [2] * 13
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    pool = _pool(2, 64, [(3, None)], torch.float32)  # one request, three keys
+    out, ref, _ = _decode(pool, [3], 6, use_kernel=True)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_kernel_agrees_with_pytorch_kernels() -> None:
+    pool = _pool(2, 64, SPEC, torch.float32)
+    torch.manual_seed(1)
+    kernel, _, _ = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=True)
+    torch.manual_seed(1)
+    plain, _, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=False)
+    assert not isinstance(meta, cpu_kernel.Segments)
+    torch.testing.assert_close(kernel, plain, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_head_dim_falls_back() -> None:
+    pool = _pool(2, 16, SPEC, torch.float32)  # head_dim 16: not a multiple of 32
+    out, ref, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=None)
+    assert not isinstance(meta, cpu_kernel.Segments)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(cpu_kernel, "_tried", False)
+    monkeypatch.setattr(cpu_kernel, "_lib", None)
+    monkeypatch.setattr(cpu_kernel, "_why", None)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
+    assert cpu_kernel.load(str(tmp_path / "cache")) is None
+    assert "no-such-compiler" in cpu_kernel.why_unavailable()
+    pool = _pool(2, 64, SPEC, torch.float32)
+    with pytest.raises(RuntimeError, match="CPU decode kernel is unavailable.*no-such-compiler"):
+        TorchAttentionBackend(pool, use_kernel=True)
+    out, ref, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=None)  # PyTorch's kernels
+    assert not isinstance(meta, cpu_kernel.Segments)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
