@@ -76,16 +76,27 @@ static inline v16 vexp(v16 x) {
     return vselect(lo, zero, p);
 }
 
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+/* Horizontal max and sum of the 16 lanes, as trees (a chain of 15 would be latency-bound). */
 static inline float hmax(v16 x) {
-    float m = x[0];
-    for (int i = 1; i < 16; i++) m = x[i] > m ? x[i] : m;
-    return m;
+    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 c = (v8)(((v8i)a & (a > b)) | ((v8i)b & ~(a > b)));
+    const v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+    const v4 f = (v4)(((v4i)d & (d > e)) | ((v4i)e & ~(d > e)));
+    const float g = f[0] > f[1] ? f[0] : f[1], h = f[2] > f[3] ? f[2] : f[3];
+    return g > h ? g : h;
 }
 
 static inline float hsum(v16 x) {
-    float s = 0.0f;
-    for (int i = 0; i < 16; i++) s += x[i];
-    return s;
+    const v8 c = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+               + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 f = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+    return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
 /* Row `row` (D values) of a buffer as float32. */
@@ -126,43 +137,48 @@ static inline __attribute__((always_inline)) void scores(const int nv, const v16
     }
 }
 
-#ifdef __AVX512BF16__
-/* The same from bfloat16 keys read in place, with AVX512-BF16 pair dot products: lanes are
- * query rows, qp[c] holds each row's dims (2c, 2c+1); a key's pair is broadcast. */
-static inline __attribute__((always_inline)) void scores_bf16(const int nv, const __m512i (*qp)[2],
-                                                              const bf16 *const *krow, int64_t nk,
-                                                              int64_t d, float scaling, v16 (*st)[2]) {
-    int64_t t = 0;
-    for (; t + 4 <= nk; t += 4) {
-        __m512 a[4][2];
-        for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm512_setzero_ps();
-        for (int64_t c = 0; c < d / 2; c++) {
-            __m512bh kp[4];
-            for (int u = 0; u < 4; u++) {
-                uint32_t pair;
-                memcpy(&pair, krow[t + u] + 2 * c, 4);
-                kp[u] = (__m512bh)_mm512_set1_epi32((int)pair);
+/* acc[r] = acc[r]·alpha[r] + Σ_t p(r, t)·vf[t] for rows [0, rows) (a multiple of RB), where
+ * p(r, t) = p[r·pr + t·pt]: per chunk of DC dims, RB rows at a time (2·RB vector chains). */
+static inline void pv_update(float (*acc)[DMAX], const float *p, int64_t pr, int64_t pt,
+                             const float *alpha, const float (*vf)[DMAX], int64_t nk, int64_t d,
+                             int64_t rows) {
+    for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+        for (int64_t c = 0; c < d; c += DC) {
+            v16 a[RB][2];
+            for (int rr = 0; rr < RB; rr++) {
+                const float scale = alpha[r0 + rr];
+                a[rr][0] = *(v16 *)&acc[r0 + rr][c] * scale;
+                a[rr][1] = *(v16 *)&acc[r0 + rr][c + 16] * scale;
             }
-            for (int v = 0; v < nv; v++) {
-                const __m512bh qv = (__m512bh)qp[c][v];
-                for (int u = 0; u < 4; u++) a[u][v] = _mm512_dpbf16_ps(a[u][v], qv, kp[u]);
+            for (int64_t t = 0; t < nk; t++) {
+                const v16 va = *(const v16 *)&vf[t][c], vc = *(const v16 *)&vf[t][c + 16];
+                for (int rr = 0; rr < RB; rr++) {
+                    const float w = p[(r0 + rr) * pr + t * pt];
+                    a[rr][0] += w * va;
+                    a[rr][1] += w * vc;
+                }
+            }
+            for (int rr = 0; rr < RB; rr++) {
+                *(v16 *)&acc[r0 + rr][c] = a[rr][0];
+                *(v16 *)&acc[r0 + rr][c + 16] = a[rr][1];
             }
         }
-        for (int u = 0; u < 4; u++)
-            for (int v = 0; v < nv; v++) st[t + u][v] = (v16)a[u][v] * scaling;
-    }
-    for (; t < nk; t++) {
-        __m512 a[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t c = 0; c < d / 2; c++) {
-            uint32_t pair;
-            memcpy(&pair, krow[t] + 2 * c, 4);
-            const __m512bh kp = (__m512bh)_mm512_set1_epi32((int)pair);
-            for (int v = 0; v < nv; v++) a[v] = _mm512_dpbf16_ps(a[v], (__m512bh)qp[c][v], kp);
-        }
-        for (int v = 0; v < nv; v++) st[t][v] = (v16)a[v] * scaling;
     }
 }
-#endif
+
+/* Write rows [0, nq) of an item's state (acc, m, l) into the partial buffers at its part. */
+static inline void write_partial(float (*acc)[DMAX], const float *m, const float *l, int64_t nq,
+                                 const int64_t *members, int64_t g, int64_t h, int64_t j, int64_t q0,
+                                 int64_t d, int64_t part, float *part_acc, float *part_m,
+                                 float *part_l) {
+    for (int64_t r = 0; r < nq; r++) {
+        const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
+        const int64_t at = (b * 2 + part) * h + head;
+        memcpy(part_acc + at * d, acc[r], (size_t)d * sizeof(float));
+        part_m[at] = m[r];
+        part_l[at] = l[r];
+    }
+}
 
 /* One work item: rows [q0, q0 + nq) (nq <= QB) of a segment's queries on KV head j. Query
  * row r is member r / G of the segment, head j*G + r % G; rows are the vector lanes of the
@@ -175,11 +191,6 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
                         float *part_acc, float *part_m, float *part_l) {
     const int64_t g = h / kh;
     const int nv = nq > 16 ? 2 : 1;
-#ifdef __AVX512BF16__
-    const int is_bf16_dot = is_bf16;
-#else
-    const int is_bf16_dot = 0;
-#endif
     v16 qt[DMAX][2];                                /* q transposed: qt[dim][rows], scaled */
     float acc[QB][DMAX] __attribute__((aligned(64)));
     float kf[KB][DMAX] __attribute__((aligned(64))); /* the block's keys, float32 */
@@ -188,25 +199,8 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
     v16 m[2], l[2];
     float row[DMAX] __attribute__((aligned(64)));
 
-#ifdef __AVX512BF16__
-    __m512i qp[DMAX / 2][2]; /* bf16 q as dim pairs, lanes = rows (unscaled: scores are scaled) */
-    const bf16 *krow[KB];
-    if (is_bf16) {
-        uint32_t pairs[DMAX / 2][32] __attribute__((aligned(64)));
-        memset(pairs, 0, (size_t)(d / 2) * sizeof pairs[0]);
-        for (int64_t r = 0; r < nq; r++) {
-            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-            const bf16 *src = (const bf16 *)q + (b * h + head) * d;
-            for (int64_t c = 0; c < d / 2; c++) pairs[c][r] = src[2 * c] | ((uint32_t)src[2 * c + 1] << 16);
-        }
-        for (int64_t c = 0; c < d / 2; c++) {
-            qp[c][0] = _mm512_load_si512(&pairs[c][0]);
-            qp[c][1] = _mm512_load_si512(&pairs[c][16]);
-        }
-    }
-#endif
     for (int64_t i = 0; i < d; i++) qt[i][0] = qt[i][1] = (v16){0};
-    for (int64_t r = 0; r < nq && !is_bf16_dot; r++) {
+    for (int64_t r = 0; r < nq; r++) {
         const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
         load_row(q, b * h + head, d, is_bf16, row);
         for (int64_t i = 0; i < d; i++) qt[i][r / 16][r % 16] = row[i] * scaling;
@@ -222,22 +216,9 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         for (int64_t t = 0; t < nk; t++) {
             const int64_t kv_row = slots[k0 + t] * kh + j;
-#ifdef __AVX512BF16__
-            if (is_bf16_dot)
-                krow[t] = (const bf16 *)k_buf + kv_row * d;
-            else
-#endif
-                load_row(k_buf, kv_row, d, is_bf16, kf[t]);
+            load_row(k_buf, kv_row, d, is_bf16, kf[t]);
             load_row(v_buf, kv_row, d, is_bf16, vf[t]);
         }
-#ifdef __AVX512BF16__
-        if (is_bf16_dot) {
-            if (nv == 1)
-                scores_bf16(1, qp, krow, nk, d, scaling, st);
-            else
-                scores_bf16(2, qp, krow, nk, d, scaling, st);
-        } else
-#endif
         if (nv == 1)
             scores(1, qt, kf, nk, d, st);
         else
@@ -256,41 +237,163 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
             m[v] = mx;
             l[v] = l[v] * alpha[v] + sum;
         }
-        /* acc = acc·alpha + P·V: per chunk of DC dims, RB rows at a time (2·RB vector chains) */
-        const float *pf = (const float *)st; /* p of key t, row r: pf[t * 32 + r] */
-        const float *af = (const float *)alpha;
-        for (int64_t r0 = 0; r0 < rb_end; r0 += RB) {
-            for (int64_t c = 0; c < d; c += DC) {
-                v16 a[RB][2];
-                for (int rr = 0; rr < RB; rr++) {
-                    const float scale = af[r0 + rr];
-                    a[rr][0] = *(v16 *)&acc[r0 + rr][c] * scale;
-                    a[rr][1] = *(v16 *)&acc[r0 + rr][c + 16] * scale;
+        pv_update(acc, (const float *)st, 1, 32, (const float *)alpha, vf, nk, d, rb_end);
+    }
+    write_partial(acc, (const float *)m, (const float *)l, nq, members, g, h, j, q0, d, part,
+                  part_acc, part_m, part_l);
+}
+
+#ifdef __AVX512BF16__
+/* Transpose a 16 × 16 matrix of 32-bit elements held as 16 rows. */
+static inline void transpose16(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int a = 0; a < 4; a++) { /* u[4a + e], lane L: rows 4a .. 4a+3 of column 4L + e */
+        u[4 * a] = _mm512_unpacklo_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 1] = _mm512_unpackhi_epi64(t[4 * a], t[4 * a + 2]);
+        u[4 * a + 2] = _mm512_unpacklo_epi64(t[4 * a + 1], t[4 * a + 3]);
+        u[4 * a + 3] = _mm512_unpackhi_epi64(t[4 * a + 1], t[4 * a + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x44);
+        const __m512i v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xEE);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x44);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xEE);
+        r[e] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+        r[4 + e] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
+        r[8 + e] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+        r[12 + e] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
+    }
+}
+
+/* attend_item for bfloat16 with AVX512-BF16 dot products: the keys are the vector lanes of
+ * the scores (a block's keys transposed as dim pairs: kt[c][half] holds dims 2c, 2c+1 of keys
+ * half·16 .. half·16+15), each query row's dim pair is broadcast, and keys are read in place
+ * from the KV buffer. Few query rows (a private tail: G rows) waste no lanes this way. */
+static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf, int64_t h,
+                             int64_t kh, int64_t d, float scaling, const int64_t *slots,
+                             int64_t n_keys, const int64_t *members, int64_t part, int64_t j,
+                             int64_t q0, int64_t nq, float *part_acc, float *part_m,
+                             float *part_l) {
+    const int64_t g = h / kh, np = d / 2;
+    const int64_t rows = (nq + RB - 1) / RB * RB;
+    uint32_t qpair[QB][DMAX / 2];
+    float acc[QB][DMAX] __attribute__((aligned(64)));
+    __m512i kt[DMAX / 2][2];
+    __m512i vp[KB / 2][DMAX / 32][2];
+    uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
+    float m[QB], l[QB], alpha[QB];
+
+    for (int64_t r = 0; r < rows; r++) {
+        if (r < nq) {
+            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
+            memcpy(qpair[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
+        } else {
+            memset(qpair[r], 0, (size_t)np * sizeof(uint32_t));
+        }
+        for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
+        const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
+        const int halves = nk > 16 ? 2 : 1;
+        /* prefetch the next block's rows (scattered slots: no hardware prefetcher follows them) */
+        for (int64_t t = k0 + KB; t < n_keys && t < k0 + 2 * KB; t++) {
+            const int64_t off = (slots[t] * kh + j) * d;
+            for (int64_t byte = 0; byte < d * 2; byte += 64) {
+                __builtin_prefetch((const char *)(k_buf + off) + byte);
+                __builtin_prefetch((const char *)v_buf + off * 2 + byte);
+            }
+        }
+        for (int half = 0; half < halves; half++) {
+            for (int64_t c0 = 0; c0 < np; c0 += 16) {
+                __m512i r16[16];
+                for (int t = 0; t < 16; t++) {
+                    const int64_t key = half * 16 + t;
+                    r16[t] = key < nk ? _mm512_loadu_si512(k_buf + (slots[k0 + key] * kh + j) * d + 2 * c0)
+                                      : _mm512_setzero_si512();
                 }
-                for (int64_t t = 0; t < nk; t++) {
-                    const v16 va = *(const v16 *)&vf[t][c], vc = *(const v16 *)&vf[t][c + 16];
+                transpose16(r16);
+                for (int c = 0; c < 16; c++) kt[c0 + c][half] = r16[c];
+            }
+        }
+        /* values as key pairs: vp[tp][c][0/1] interleaves keys 2tp, 2tp+1 over dims c·32 ...
+         * (unpack lo / hi: each 128-bit lane holds dims 8L .. 8L+3 / 8L+4 .. 8L+7) */
+        for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
+            const bf16 *va = (const bf16 *)v_buf + (slots[k0 + 2 * tp] * kh + j) * d;
+            const bf16 *vb = 2 * tp + 1 < nk ? (const bf16 *)v_buf + (slots[k0 + 2 * tp + 1] * kh + j) * d
+                                             : NULL;
+            for (int64_t c = 0; c < d / 32; c++) {
+                const __m512i a = _mm512_loadu_si512(va + 32 * c);
+                const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+                vp[tp][c][0] = _mm512_unpacklo_epi16(a, b);
+                vp[tp][c][1] = _mm512_unpackhi_epi16(a, b);
+            }
+        }
+        v16 pad[2]; /* 0 on keys, -inf past the last key */
+        for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            __m512 sc[RB][2];
+            for (int rr = 0; rr < RB; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < np; c++) {
+                for (int rr = 0; rr < RB; rr++) {
+                    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][c]);
+                    for (int hf = 0; hf < halves; hf++)
+                        sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[c][hf]);
+                }
+            }
+            for (int rr = 0; rr < RB; rr++) {
+                const int64_t r = r0 + rr;
+                const v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
+                const v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
+                const float block_max = hmax(vselect(s0 > s1, s0, s1));
+                const float mx = block_max > m[r] ? block_max : m[r];
+                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
+                /* probabilities as bf16 key pairs (as PyTorch's flash kernel rounds them) */
+                _mm512_store_si512(ppair[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+                m[r] = mx;
+                l[r] = l[r] * alpha[r] + hsum(p0 + p1);
+            }
+            /* acc = acc·alpha + P·V for these RB rows, per 32 dims: 2·RB chains over key pairs */
+            for (int64_t c = 0; c < d / 32; c++) {
+                __m512 a[RB][2];
+                for (int rr = 0; rr < RB; rr++) {
+                    const __m512 scale = _mm512_set1_ps(alpha[r0 + rr]);
+                    a[rr][0] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * c]), scale);
+                    a[rr][1] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * c + 16]), scale);
+                }
+                for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
+                    const __m512bh lo = (__m512bh)vp[tp][c][0], hi = (__m512bh)vp[tp][c][1];
                     for (int rr = 0; rr < RB; rr++) {
-                        const float pt = pf[t * 32 + r0 + rr];
-                        a[rr][0] += pt * va;
-                        a[rr][1] += pt * vc;
+                        const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)ppair[r0 + rr][tp]);
+                        a[rr][0] = _mm512_dpbf16_ps(a[rr][0], pb, lo);
+                        a[rr][1] = _mm512_dpbf16_ps(a[rr][1], pb, hi);
                     }
                 }
                 for (int rr = 0; rr < RB; rr++) {
-                    *(v16 *)&acc[r0 + rr][c] = a[rr][0];
-                    *(v16 *)&acc[r0 + rr][c + 16] = a[rr][1];
+                    _mm512_store_ps(&acc[r0 + rr][32 * c], a[rr][0]);
+                    _mm512_store_ps(&acc[r0 + rr][32 * c + 16], a[rr][1]);
                 }
             }
         }
     }
-    const float *mf = (const float *)m, *lf = (const float *)l;
+    /* acc holds each 32-dim chunk as [lo | hi] with lo lane 4L+i = dim 8L+i, hi = 8L+4+i */
     for (int64_t r = 0; r < nq; r++) {
-        const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-        const int64_t at = (b * 2 + part) * h + head;
-        memcpy(part_acc + at * d, acc[r], (size_t)d * sizeof(float));
-        part_m[at] = mf[r];
-        part_l[at] = lf[r];
+        for (int64_t c = 0; c < d / 32; c++) {
+            const __m512 lo = _mm512_load_ps(&acc[r][32 * c]), hi = _mm512_load_ps(&acc[r][32 * c + 16]);
+            const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, 0x44), t1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+            _mm512_store_ps(&acc[r][32 * c], _mm512_shuffle_f32x4(t0, t0, 0xD8));
+            _mm512_store_ps(&acc[r][32 * c + 16], _mm512_shuffle_f32x4(t1, t1, 0xD8));
+        }
     }
+    write_partial(acc, m, l, nq, members, g, h, j, q0, d, part, part_acc, part_m, part_l);
 }
+#endif
 
 /* Returns 0, or -1 when a size is out of range (nothing is written then).
  *
@@ -328,6 +431,14 @@ int radixrt_decode_attention(const void *q, const void *k_buf, const void *v_buf
             }
             int64_t j = item / blocks, q0 = (item % blocks) * QB;
             int64_t nq = rows - q0 < QB ? rows - q0 : QB;
+#ifdef __AVX512BF16__
+            if (is_bf16) {
+                attend_item_bf16(q, k_buf, v_buf, h, kh, d, scaling, slots + seg_slot_start[s],
+                                 seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
+                                 seg_part[s], j, q0, nq, part_acc, part_m, part_l);
+                continue;
+            }
+#endif
             attend_item(q, k_buf, v_buf, is_bf16, h, kh, d, scaling, slots + seg_slot_start[s],
                         seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
                         seg_part[s], j, q0, nq, part_acc, part_m, part_l);

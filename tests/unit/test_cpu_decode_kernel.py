@@ -13,6 +13,7 @@ import radixrt_kernels.cpu_decode_attention as cpu_kernel
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
+from radixrt.model.loader import cache_dir
 
 PREFIX = 40
 
@@ -116,3 +117,20 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
     out, ref, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=None)  # PyTorch's kernels
     assert not isinstance(meta, cpu_kernel.Segments)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("flags", [["-mno-avx512bf16"], ["-mno-avx512f"]])
+def test_kernel_builds_for_cpus_without_avx512_bf16(flags: list[str], monkeypatch, tmp_path) -> None:
+    """The portable paths (no AVX512-BF16: bf16 converted to float32; no AVX-512 at all), as
+    built on CPUs without those instructions: same results."""
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", [*cpu_kernel.CFLAGS, *flags])
+    lib = cpu_kernel._build_and_load(tmp_path)
+    pool = _pool(2, 64, SPEC, torch.bfloat16)
+    seq_lens = [s for s, _ in SPEC]
+    *_, seg = _decode(pool, seq_lens, 6, use_kernel=True)  # the batch's segments
+    torch.manual_seed(2)
+    q = torch.randn(len(SPEC), 6, 64).bfloat16()
+    want = cpu_kernel.decode_attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0],
+                                       pool.v_buffers[0], seg, 0.125)
+    got = cpu_kernel.decode_attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
