@@ -23,10 +23,16 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #define QB 32 /* query rows per work item */
 #define KB 32 /* keys per block */
 #define DMAX 256
+#define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
 
 typedef uint16_t bf16;
 
@@ -269,6 +275,55 @@ static inline void transpose16(__m512i r[16]) {
     }
 }
 
+/* A block's keys (nk <= KB) transposed as dim pairs: kt[c][half] lane t holds dims 2c, 2c+1
+ * of key half·16 + t (0 past the last key). */
+static inline void key_pairs_transposed(const bf16 *k_buf, const int64_t *slots, int64_t nk,
+                                        int halves, int64_t kh, int64_t j, int64_t d,
+                                        __m512i (*kt)[2]) {
+    for (int half = 0; half < halves; half++) {
+        for (int64_t c0 = 0; c0 < d / 2; c0 += 16) {
+            __m512i r16[16];
+            for (int t = 0; t < 16; t++) {
+                const int64_t key = half * 16 + t;
+                r16[t] = key < nk ? _mm512_loadu_si512(k_buf + (slots[key] * kh + j) * d + 2 * c0)
+                                  : _mm512_setzero_si512();
+            }
+            transpose16(r16);
+            for (int c = 0; c < 16; c++) kt[c0 + c][half] = r16[c];
+        }
+    }
+}
+
+/* A block's values as key pairs: vp[tp][c][0/1] interleaves keys 2tp, 2tp+1 over dims
+ * c·32 .. c·32+31 (unpack lo / hi: 128-bit lane L holds dims 8L .. 8L+3 / 8L+4 .. 8L+7).
+ * Pairs past the last key are 0 (an odd last key pairs with 0). */
+static inline void value_pairs(const void *v_buf, const int64_t *slots, int64_t nk, int64_t kh,
+                               int64_t j, int64_t d, __m512i (*vp)[DMAX / 32][2]) {
+    for (int64_t tp = 0; tp < KB / 2; tp++) {
+        const bf16 *va = 2 * tp < nk ? (const bf16 *)v_buf + (slots[2 * tp] * kh + j) * d : NULL;
+        const bf16 *vb = 2 * tp + 1 < nk ? (const bf16 *)v_buf + (slots[2 * tp + 1] * kh + j) * d : NULL;
+        for (int64_t c = 0; c < d / 32; c++) {
+            const __m512i a = va ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
+            const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
+            vp[tp][c][0] = _mm512_unpacklo_epi16(a, b);
+            vp[tp][c][1] = _mm512_unpackhi_epi16(a, b);
+        }
+    }
+}
+
+/* acc rows hold each 32-dim chunk as [lo | hi] (lo lane 4L+i = dim 8L+i, hi = 8L+4+i): back to
+ * dim order. */
+static inline void unpermute(float (*acc)[DMAX], int64_t nq, int64_t d) {
+    for (int64_t r = 0; r < nq; r++) {
+        for (int64_t c = 0; c < d / 32; c++) {
+            const __m512 lo = _mm512_load_ps(&acc[r][32 * c]), hi = _mm512_load_ps(&acc[r][32 * c + 16]);
+            const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, 0x44), t1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
+            _mm512_store_ps(&acc[r][32 * c], _mm512_shuffle_f32x4(t0, t0, 0xD8));
+            _mm512_store_ps(&acc[r][32 * c + 16], _mm512_shuffle_f32x4(t1, t1, 0xD8));
+        }
+    }
+}
+
 /* attend_item for bfloat16 with AVX512-BF16 dot products: the keys are the vector lanes of
  * the scores (a block's keys transposed as dim pairs: kt[c][half] holds dims 2c, 2c+1 of keys
  * half·16 .. half·16+15), each query row's dim pair is broadcast, and keys are read in place
@@ -309,31 +364,8 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
                 __builtin_prefetch((const char *)v_buf + off * 2 + byte);
             }
         }
-        for (int half = 0; half < halves; half++) {
-            for (int64_t c0 = 0; c0 < np; c0 += 16) {
-                __m512i r16[16];
-                for (int t = 0; t < 16; t++) {
-                    const int64_t key = half * 16 + t;
-                    r16[t] = key < nk ? _mm512_loadu_si512(k_buf + (slots[k0 + key] * kh + j) * d + 2 * c0)
-                                      : _mm512_setzero_si512();
-                }
-                transpose16(r16);
-                for (int c = 0; c < 16; c++) kt[c0 + c][half] = r16[c];
-            }
-        }
-        /* values as key pairs: vp[tp][c][0/1] interleaves keys 2tp, 2tp+1 over dims c·32 ...
-         * (unpack lo / hi: each 128-bit lane holds dims 8L .. 8L+3 / 8L+4 .. 8L+7) */
-        for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
-            const bf16 *va = (const bf16 *)v_buf + (slots[k0 + 2 * tp] * kh + j) * d;
-            const bf16 *vb = 2 * tp + 1 < nk ? (const bf16 *)v_buf + (slots[k0 + 2 * tp + 1] * kh + j) * d
-                                             : NULL;
-            for (int64_t c = 0; c < d / 32; c++) {
-                const __m512i a = _mm512_loadu_si512(va + 32 * c);
-                const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
-                vp[tp][c][0] = _mm512_unpacklo_epi16(a, b);
-                vp[tp][c][1] = _mm512_unpackhi_epi16(a, b);
-            }
-        }
+        key_pairs_transposed(k_buf, slots + k0, nk, halves, kh, j, d, kt);
+        value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
         v16 pad[2]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
@@ -382,15 +414,125 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
             }
         }
     }
-    /* acc holds each 32-dim chunk as [lo | hi] with lo lane 4L+i = dim 8L+i, hi = 8L+4+i */
-    for (int64_t r = 0; r < nq; r++) {
-        for (int64_t c = 0; c < d / 32; c++) {
-            const __m512 lo = _mm512_load_ps(&acc[r][32 * c]), hi = _mm512_load_ps(&acc[r][32 * c + 16]);
-            const __m512 t0 = _mm512_shuffle_f32x4(lo, hi, 0x44), t1 = _mm512_shuffle_f32x4(lo, hi, 0xEE);
-            _mm512_store_ps(&acc[r][32 * c], _mm512_shuffle_f32x4(t0, t0, 0xD8));
-            _mm512_store_ps(&acc[r][32 * c + 16], _mm512_shuffle_f32x4(t1, t1, 0xD8));
+    unpermute(acc, nq, d);
+    write_partial(acc, m, l, nq, members, g, h, j, q0, d, part, part_acc, part_m, part_l);
+}
+#endif
+
+
+#ifdef HAVE_AMX
+/* Tile registers: 0 scores (C), 1 a q chunk (A), 2 a key chunk (B), 3 probabilities (A),
+ * 4 a value chunk (B), 5 an output chunk (C); all 16 rows × 64 bytes. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static int amx_ready = -1; /* -1 unknown, 0 refused by the kernel, 1 granted */
+
+static int amx_permitted(void) {
+    if (amx_ready < 0) {
+        /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux hands out AMX state on request */
+        amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    }
+    return amx_ready;
+}
+
+static void amx_configure(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 6; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* attend_item for bfloat16 with AMX tiles, for items with many query rows (a shared prefix):
+ * per block of 32 keys and 16 query rows, Q·Kᵀ is d/32 tile products per 16 keys, the online
+ * softmax runs on the stored scores with AVX-512, and P·V is one tile product per 16 dims.
+ * Same layouts as attend_item_bf16 (keys transposed as dim pairs, values as key pairs). */
+static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf, int64_t h,
+                            int64_t kh, int64_t d, float scaling, const int64_t *slots,
+                            int64_t n_keys, const int64_t *members, int64_t part, int64_t j,
+                            int64_t q0, int64_t nq, float *part_acc, float *part_m,
+                            float *part_l) {
+    const int64_t g = h / kh;
+    const int64_t mtiles = (nq + 15) / 16;
+    bf16 qb[QB][DMAX] __attribute__((aligned(64)));
+    float acc[QB][DMAX] __attribute__((aligned(64)));
+    __m512i kt[DMAX / 2][2];
+    __m512i vp[KB / 2][DMAX / 32][2];
+    float sc[QB][KB] __attribute__((aligned(64)));
+    uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
+    float m[QB], l[QB], alpha[QB];
+
+    for (int64_t r = 0; r < 16 * mtiles; r++) {
+        if (r < nq) {
+            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
+            memcpy(qb[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
+        } else {
+            memset(qb[r], 0, (size_t)d * sizeof(bf16));
+        }
+        for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+    for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
+        const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
+        for (int64_t t = k0 + KB; t < n_keys && t < k0 + 2 * KB; t++) {
+            const int64_t off = (slots[t] * kh + j) * d;
+            for (int64_t byte = 0; byte < d * 2; byte += 64) {
+                __builtin_prefetch((const char *)(k_buf + off) + byte);
+                __builtin_prefetch((const char *)v_buf + off * 2 + byte);
+            }
+        }
+        key_pairs_transposed(k_buf, slots + k0, nk, 2, kh, j, d, kt);
+        value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
+        v16 pad[2];
+        for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
+        for (int64_t mt = 0; mt < mtiles; mt++) {
+            const int64_t r0 = 16 * mt;
+            for (int half = 0; half < 2; half++) {
+                _tile_zero(0);
+                for (int64_t c = 0; c < d / 32; c++) {
+                    _tile_loadd(1, &qb[r0][32 * c], sizeof qb[0]);
+                    _tile_loadd(2, &kt[16 * c][half], sizeof kt[0]);
+                    _tile_dpbf16ps(0, 1, 2);
+                }
+                _tile_stored(0, &sc[r0][16 * half], sizeof sc[0]);
+            }
+            for (int64_t r = r0; r < r0 + 16; r++) {
+                const v16 s0 = *(v16 *)&sc[r][0] * scaling + pad[0];
+                const v16 s1 = *(v16 *)&sc[r][16] * scaling + pad[1];
+                const float block_max = hmax(vselect(s0 > s1, s0, s1));
+                const float mx = block_max > m[r] ? block_max : m[r];
+                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
+                const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
+                _mm512_store_si512(ppair[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+                m[r] = mx;
+                l[r] = l[r] * alpha[r] + hsum(p0 + p1);
+                if (alpha[r] != 1.0f) {
+                    const __m512 scale = _mm512_set1_ps(alpha[r]);
+                    for (int64_t i = 0; i < d; i += 16)
+                        _mm512_store_ps(&acc[r][i], _mm512_mul_ps(_mm512_load_ps(&acc[r][i]), scale));
+                }
+            }
+            _tile_loadd(3, &ppair[r0][0], sizeof ppair[0]);
+            for (int64_t c = 0; c < d / 32; c++) {
+                for (int lohi = 0; lohi < 2; lohi++) {
+                    float *out = &acc[r0][32 * c + 16 * lohi];
+                    _tile_loadd(5, out, sizeof acc[0]);
+                    _tile_loadd(4, &vp[0][c][lohi], sizeof vp[0]);
+                    _tile_dpbf16ps(5, 3, 4);
+                    _tile_stored(5, out, sizeof acc[0]);
+                }
+            }
         }
     }
+    unpermute(acc, nq, d);
     write_partial(acc, m, l, nq, members, g, h, j, q0, d, part, part_acc, part_m, part_l);
 }
 #endif
@@ -416,8 +558,14 @@ int radixrt_decode_attention(const void *q, const void *k_buf, const void *v_buf
         items += kh * ((rows + QB - 1) / QB);
     }
     int64_t next = 0;
+#ifdef HAVE_AMX
+    const int use_amx = is_bf16 && amx_permitted();
+#endif
 #pragma omp parallel num_threads(num_threads)
     {
+#ifdef HAVE_AMX
+        int configured = 0;
+#endif
         for (;;) {
             int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (item >= items) break;
@@ -431,6 +579,18 @@ int radixrt_decode_attention(const void *q, const void *k_buf, const void *v_buf
             }
             int64_t j = item / blocks, q0 = (item % blocks) * QB;
             int64_t nq = rows - q0 < QB ? rows - q0 : QB;
+#ifdef HAVE_AMX
+            if (is_bf16 && use_amx && nq >= AMX_MIN_ROWS) {
+                if (!configured) {
+                    amx_configure();
+                    configured = 1;
+                }
+                attend_item_amx(q, k_buf, v_buf, h, kh, d, scaling, slots + seg_slot_start[s],
+                                seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
+                                seg_part[s], j, q0, nq, part_acc, part_m, part_l);
+                continue;
+            }
+#endif
 #ifdef __AVX512BF16__
             if (is_bf16) {
                 attend_item_bf16(q, k_buf, v_buf, h, kh, d, scaling, slots + seg_slot_start[s],
@@ -443,6 +603,9 @@ int radixrt_decode_attention(const void *q, const void *k_buf, const void *v_buf
                         seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
                         seg_part[s], j, q0, nq, part_acc, part_m, part_l);
         }
+#ifdef HAVE_AMX
+        if (configured) _tile_release();
+#endif
     }
     /* Merge the parts of every (request, head). */
 #pragma omp parallel for num_threads(num_threads)
