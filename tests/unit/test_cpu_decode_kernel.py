@@ -74,16 +74,19 @@ def test_kernel_matches_reference(dtype: torch.dtype, tol: float, kh: int, h: in
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-def test_kernel_large_group_and_single_request() -> None:
-    # 13 requests × 3 query heads per KV head = 39 rows: more than one block of 32 query rows.
-    spec = [(PREFIX + 1 + i, 0) for i in range(13)]
-    pool = _pool(2, 64, spec, torch.float32)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_kernel_large_group_and_single_request(dtype: torch.dtype, tol: float) -> None:
+    # 13 requests × 3 query heads per KV head = 39 rows: a block of 32 query rows (two AMX row
+    # tiles in bf16) and one of 7; shared prefix and tails of 70+ keys: odd block ends.
+    spec = [(PREFIX + 1 + 3 * i, 0) for i in range(13)]
+    spec[0] = (PREFIX + 1 + 90, 0)
+    pool = _pool(2, 64, spec, dtype)
     out, ref, meta = _decode(pool, [s for s, _ in spec], 6, use_kernel=True)
     assert meta.num_parts.tolist() == [2] * 13
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    pool = _pool(2, 64, [(3, None)], torch.float32)  # one request, three keys
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    pool = _pool(2, 64, [(3, None)], dtype)  # one request, three keys
     out, ref, _ = _decode(pool, [3], 6, use_kernel=True)
-    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
 def test_kernel_agrees_with_pytorch_kernels() -> None:
@@ -119,10 +122,10 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("flags", [["-mno-avx512bf16"], ["-mno-avx512f"]])
-def test_kernel_builds_for_cpus_without_avx512_bf16(flags: list[str], monkeypatch, tmp_path) -> None:
-    """The portable paths (no AVX512-BF16: bf16 converted to float32; no AVX-512 at all), as
-    built on CPUs without those instructions: same results."""
+@pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
+def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tmp_path) -> None:
+    """The other paths, as built on CPUs without AMX (AVX512-BF16 for every item), without
+    AVX512-BF16 (bf16 converted to float32) or without AVX-512 at all: same results."""
     monkeypatch.setattr(cpu_kernel, "CFLAGS", [*cpu_kernel.CFLAGS, *flags])
     lib = cpu_kernel._build_and_load(tmp_path)
     pool = _pool(2, 64, SPEC, torch.bfloat16)
