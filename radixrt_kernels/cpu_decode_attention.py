@@ -118,26 +118,40 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     fn = lib.radixrt_decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float,
-                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int]
+                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
     fn.restype = ctypes.c_int
     return lib
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                     seg: Segments, scaling: float, out: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, D], k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [B, H, D]."""
+                     seg: Segments, scaling: float, new_kv: tuple[torch.Tensor, torch.Tensor,
+                                                           torch.Tensor] | None = None) -> torch.Tensor:
+    """q [B, H, D], k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [B, H, D].
+
+    ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the step's new K/V, written into the buffers
+    at those slots first (one call instead of a store and an attention)."""
     b, h, d = q.shape
     kh = k_buf.shape[1]
     if not (q.is_contiguous() and k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError("decode_attention: q, k_buf and v_buf must be contiguous")
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     acc = torch.empty(b, 2, h, d, dtype=torch.float32)
     ml = torch.empty(2, b, 2, h, dtype=torch.float32)
+    new_k = new_v = new_slots = None
+    if new_kv is not None:
+        new_k, new_v, new_slots = new_kv
+        if not (new_k.dtype == new_v.dtype == k_buf.dtype and new_k.is_contiguous() and new_v.is_contiguous()
+                and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
+                and new_slots.dtype == torch.int64 and new_slots.is_contiguous()):
+            raise ValueError("decode_attention: new k/v must be contiguous [n, KH, D] in the buffers' dtype, "
+                             "their slots contiguous int64 [n]")
     rc = lib.radixrt_decode_attention(
         q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
         b, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(), seg.slot_start.data_ptr(),
         seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(), seg.num_parts.data_ptr(),
-        acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads())
+        acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads(),
+        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
+        None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())
     if rc != 0:
         raise ValueError(f"decode_attention: unsupported shape (H {h}, KH {kh}, D {d})")
     return out

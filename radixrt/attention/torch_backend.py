@@ -112,12 +112,14 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 batch: ForwardBatch, scaling: float) -> torch.Tensor:
-        self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         meta = batch.attn_metadata
-        if isinstance(meta, cpu_kernel.Segments):
-            return cpu_kernel.decode_attention(self.kernel, q.to(k_buf.dtype).contiguous(), k_buf, v_buf,
-                                               meta, scaling).to(q.dtype)
+        if isinstance(meta, cpu_kernel.Segments):  # the kernel stores the new K/V itself
+            dt = k_buf.dtype
+            new_kv = (k.to(dt).contiguous(), v.to(dt).contiguous(), batch.out_cache_loc)
+            return cpu_kernel.decode_attention(self.kernel, q.to(dt).contiguous(), k_buf, v_buf, meta,
+                                               scaling, new_kv).to(q.dtype)
+        self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         if isinstance(meta, _CascadeMeta):
             return _cascade_decode(q, k_buf, v_buf, meta, scaling)
         if isinstance(meta, _DecodeMeta):

@@ -542,14 +542,23 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
  * seg_slot_start [S + 1]: segment s's slots are slots[seg_slot_start[s] .. seg_slot_start[s+1]);
  * seg_member_start [S + 1]: its requests are members[seg_member_start[s] .. [s+1]);
  * seg_part [S]: the part (0 or 1) its results go to; num_parts [B]: 1 or 2 per request.
- * part_acc [B, 2, H, D], part_m and part_l [B, 2, H]: float32 scratch. */
-int radixrt_decode_attention(const void *q, const void *k_buf, const void *v_buf, void *out,
+ * part_acc [B, 2, H, D], part_m and part_l [B, 2, H]: float32 scratch.
+ * new_k, new_v [n_new, KH, D]: written to rows new_slots [n_new] of k_buf, v_buf first. */
+int radixrt_decode_attention(const void *q, void *k_buf, void *v_buf, void *out,
                              int is_bf16, int64_t b, int64_t h, int64_t kh, int64_t d, float scaling,
                              int64_t num_segments, const int64_t *slots, const int64_t *seg_slot_start,
                              const int64_t *members, const int64_t *seg_member_start,
                              const int64_t *seg_part, const int64_t *num_parts,
-                             float *part_acc, float *part_m, float *part_l, int num_threads) {
+                             float *part_acc, float *part_m, float *part_l, int num_threads,
+                             const void *new_k, const void *new_v, const int64_t *new_slots,
+                             int64_t n_new) {
     if (d > DMAX || d <= 0 || d % DC != 0 || kh <= 0 || h % kh != 0 || num_threads < 1) return -1;
+    /* First the step's new K/V rows into their slots (the new token attends to itself). */
+    const size_t row_bytes = (size_t)(kh * d) * (is_bf16 ? 2 : 4);
+    for (int64_t i = 0; i < n_new; i++) {
+        memcpy((char *)k_buf + new_slots[i] * row_bytes, (const char *)new_k + i * row_bytes, row_bytes);
+        memcpy((char *)v_buf + new_slots[i] * row_bytes, (const char *)new_v + i * row_bytes, row_bytes);
+    }
     const int64_t g = h / kh;
     /* Work items: per segment, KH × ceil(members·G / QB). */
     int64_t items = 0;
