@@ -23,6 +23,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -87,12 +88,15 @@ def _torch_libgomp() -> str:
     raise RuntimeError("PyTorch's OpenMP runtime is not libgomp")
 
 
-def _cpu_model() -> str:
+def _cpu_features() -> str:
+    """The CPU's model and feature flags: what -march=native compiles for (a library built on
+    another CPU could hold instructions this one lacks)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return next((ln for ln in f if ln.startswith(("model name", "flags"))), "")
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(dict.fromkeys(lines))  # first core's lines, once each
     except OSError:
-        return ""
+        return platform.processor()
 
 
 def _build_and_load(folder: Path) -> ctypes.CDLL:
@@ -102,7 +106,7 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), cc, version, gomp,
-                                    _cpu_model()]).encode()).hexdigest()[:16]
+                                    _cpu_features()]).encode()).hexdigest()[:16]
     target = folder / f"decode_attention-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
