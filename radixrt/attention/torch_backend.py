@@ -28,6 +28,11 @@ Output dtype = q dtype.
   outside every group has an empty shared part (lse -inf, weight 0).
 - Decode, no qualifying group: the batch is padded to its longest sequence
   (pad slot 0) and masked, one SDPA.
+- Decode on the CPU with the C kernel (``radixrt_kernels.cpu_decode_attention``,
+  fp32/bf16, head_dim a multiple of 32), instead of all the above: the same
+  groups become segments (each shared prefix, then every request's private
+  keys) that one call per layer attends to, reading K/V in place; it also
+  stores the step's new K/V. Without it (no C compiler), PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -201,48 +206,60 @@ def _extend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tens
 
 # ---- decode metadata (once per step) -------------------------------------------------------
 
-def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
-                     kh: int, dtype: torch.dtype) -> _DecodeMeta | _CascadeMeta:
+@dataclass
+class _StepRows:
+    """A decode step's KV rows and its groups of requests sharing a prefix."""
+    rows: torch.Tensor         # int64 [B, Lmax]: each request's slots, padded with -1
+    lens: torch.Tensor         # int64 [B]
+    valid: torch.Tensor        # bool [B, Lmax]: slot positions within each request
+    groups: list[torch.Tensor]  # NG × int64 [n_g]: the requests of each qualifying group
+    prefix_lens: torch.Tensor  # int64 [NG]: c_g, the length of each group's shared prefix
+    start: torch.Tensor        # int64 [B] c_b: first private position, 0 outside groups
+
+
+def _step_rows(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int]) -> _StepRows:
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=table.device)  # [B]
     lmax = max(seq_lens)
     valid = torch.arange(lmax, device=table.device)[None, :] < lens[:, None]
     rows = torch.where(valid, table[:, :lmax].index_select(0, req_rows), -1)  # [B, Lmax], pad -1
     groups, prefix_lens = _shared_groups(rows, lens)
-    if groups:
-        start = torch.zeros_like(lens)  # [B] c_b: first private position, 0 outside groups
-        for members, c in zip(groups, prefix_lens.tolist()):
-            start.index_fill_(0, members, c)
-        b, width = len(seq_lens), int((lens - start).max())  # P: longest private tail
-        if TAIL_COST * b * width + PREFIX_COST * int(prefix_lens.sum()) < b * lmax:
-            return _cascade_metadata(rows, lens, start, width, groups, prefix_lens, kh, dtype)
-    return _DecodeMeta(rows.clamp(min=0).reshape(-1), lmax, valid[:, None, None, :])
+    start = torch.zeros_like(lens)
+    for members, c in zip(groups, prefix_lens.tolist()):
+        start.index_fill_(0, members, c)
+    return _StepRows(rows, lens, valid, groups, prefix_lens, start)
+
+
+def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
+                     kh: int, dtype: torch.dtype) -> _DecodeMeta | _CascadeMeta:
+    st = _step_rows(table, req_rows, seq_lens)
+    lmax = st.rows.shape[1]
+    if st.groups:
+        b, width = len(seq_lens), int((st.lens - st.start).max())  # P: longest private tail
+        if TAIL_COST * b * width + PREFIX_COST * int(st.prefix_lens.sum()) < b * lmax:
+            return _cascade_metadata(st.rows, st.lens, st.start, width, st.groups, st.prefix_lens, kh,
+                                     dtype)
+    return _DecodeMeta(st.rows.clamp(min=0).reshape(-1), lmax, st.valid[:, None, None, :])
 
 
 def _kernel_metadata(table: torch.Tensor, req_rows: torch.Tensor,
                      seq_lens: list[int]) -> cpu_kernel.Segments:
     """The C kernel's segments: each qualifying group's shared prefix (part 0 of its requests),
     then every request's private keys (part 1 in a group, else part 0: all its keys)."""
-    lens = torch.tensor(seq_lens, dtype=torch.int64)  # [B]
-    lmax = max(seq_lens)
-    pos = torch.arange(lmax)[None, :]
-    rows = torch.where(pos < lens[:, None], table[:, :lmax].index_select(0, req_rows), -1)
-    groups, prefix_lens = _shared_groups(rows, lens)
-    start = torch.zeros_like(lens)  # [B] first private position
-    for members, c in zip(groups, prefix_lens.tolist()):
-        start.index_fill_(0, members, c)
+    st = _step_rows(table, req_rows, seq_lens)
     b = len(seq_lens)
-    prefix_slots = [rows[members[0], :c] for members, c in zip(groups, prefix_lens.tolist())]
-    tail_slots = rows[(pos >= start[:, None]) & (pos < lens[:, None])]  # request by request
-    sizes = torch.cat([prefix_lens, lens - start])
+    pos = torch.arange(st.rows.shape[1], device=table.device)[None, :]
+    prefix_slots = [st.rows[members[0], :c] for members, c in zip(st.groups, st.prefix_lens.tolist())]
+    tail_slots = st.rows[(pos >= st.start[:, None]) & st.valid]  # request by request
     zero = torch.zeros(1, dtype=torch.int64)
-    member_sizes = torch.tensor([m.numel() for m in groups] + [1] * b, dtype=torch.int64)
-    in_group = (start > 0).long()
+    sizes = torch.cat([st.prefix_lens, st.lens - st.start])
+    member_sizes = torch.tensor([m.numel() for m in st.groups] + [1] * b, dtype=torch.int64)
+    in_group = (st.start > 0).long()
     return cpu_kernel.Segments(
         slots=torch.cat([*prefix_slots, tail_slots]),
         slot_start=torch.cat([zero, sizes.cumsum(0)]),
-        members=torch.cat([*groups, torch.arange(b)]),
+        members=torch.cat([*st.groups, torch.arange(b)]),
         member_start=torch.cat([zero, member_sizes.cumsum(0)]),
-        part=torch.cat([torch.zeros(len(groups), dtype=torch.int64), in_group]),
+        part=torch.cat([torch.zeros(len(st.groups), dtype=torch.int64), in_group]),
         num_parts=in_group + 1)
 
 
