@@ -245,14 +245,17 @@ class Scheduler:
         if not to_sample:
             return finished
         try:
-            out = self.sampler.sample(logits[rows], [r.params for r in to_sample],
+            every = len(rows) == logits.shape[0]  # a decode step: no copy of [B, vocab] logits
+            out = self.sampler.sample(logits if every else logits[rows], [r.params for r in to_sample],
                                       [r.generator for r in to_sample])
         except Exception as e:  # their KV is computed and good; only this step's tokens are lost
             return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
+        token_ids = out.token_ids.tolist()
+        logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         for j, req in enumerate(to_sample):
-            req.output_ids.append(int(out.token_ids[j]))
-            if out.logprobs is not None:
-                req.output_logprobs.append(float(out.logprobs[j]))
+            req.output_ids.append(token_ids[j])
+            if logprobs is not None:
+                req.output_logprobs.append(logprobs[j])
             self.stats["output_tokens"] += 1
             try:
                 reason = self._finish_reason(req)
