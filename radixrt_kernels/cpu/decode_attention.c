@@ -324,6 +324,51 @@ static inline void unpermute(float (*acc)[DMAX], int64_t nq, int64_t d) {
     }
 }
 
+/* An item's bf16 query rows into qb (rows nq .. rows-1: zeros), and its running state. */
+static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, int64_t h, int64_t j,
+                              int64_t q0, int64_t nq, int64_t rows, int64_t d, bf16 (*qb)[DMAX],
+                              float (*acc)[DMAX], float *m, float *l) {
+    for (int64_t r = 0; r < rows; r++) {
+        if (r < nq) {
+            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
+            memcpy(qb[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
+        } else {
+            memset(qb[r], 0, (size_t)d * sizeof(bf16));
+        }
+        for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+    }
+}
+
+/* Prefetch the K/V rows of the block of keys starting at `from` (scattered slots: no hardware
+ * prefetcher follows them). */
+static inline void prefetch_block(const bf16 *k_buf, const void *v_buf, const int64_t *slots,
+                                  int64_t from, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
+    for (int64_t t = from; t < n_keys && t < from + KB; t++) {
+        const int64_t off = (slots[t] * kh + j) * d;
+        for (int64_t byte = 0; byte < d * 2; byte += 64) {
+            __builtin_prefetch((const char *)(k_buf + off) + byte);
+            __builtin_prefetch((const char *)v_buf + off * 2 + byte);
+        }
+    }
+}
+
+/* One query row's online-softmax step over a block of 32 scores (s0: keys 0-15, s1: 16-31; -inf
+ * on padding): updates its running max *m and sum *l, writes the probabilities as bf16 key
+ * pairs (rounded as PyTorch's flash kernel rounds them) and returns the factor by which the
+ * row's output so far must be scaled. */
+static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *ppair) {
+    const float block_max = hmax(vselect(s0 > s1, s0, s1));
+    const float mx = block_max > *m ? block_max : *m;
+    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - mx);
+    const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
+    _mm512_store_si512(ppair, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+    *m = mx;
+    *l = *l * alpha + hsum(p0 + p1);
+    return alpha;
+}
+
 /* attend_item for bfloat16 with AVX512-BF16 dot products: the keys are the vector lanes of
  * the scores (a block's keys transposed as dim pairs: kt[c][half] holds dims 2c, 2c+1 of keys
  * half·16 .. half·16+15), each query row's dim pair is broadcast, and keys are read in place
@@ -342,28 +387,11 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB], alpha[QB];
 
-    for (int64_t r = 0; r < rows; r++) {
-        if (r < nq) {
-            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-            memcpy(qpair[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
-        } else {
-            memset(qpair[r], 0, (size_t)np * sizeof(uint32_t));
-        }
-        for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    start_rows(q, members, g, h, j, q0, nq, rows, d, (bf16 (*)[DMAX])qpair, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         const int halves = nk > 16 ? 2 : 1;
-        /* prefetch the next block's rows (scattered slots: no hardware prefetcher follows them) */
-        for (int64_t t = k0 + KB; t < n_keys && t < k0 + 2 * KB; t++) {
-            const int64_t off = (slots[t] * kh + j) * d;
-            for (int64_t byte = 0; byte < d * 2; byte += 64) {
-                __builtin_prefetch((const char *)(k_buf + off) + byte);
-                __builtin_prefetch((const char *)v_buf + off * 2 + byte);
-            }
-        }
+        prefetch_block(k_buf, v_buf, slots, k0 + KB, n_keys, kh, j, d);
         key_pairs_transposed(k_buf, slots + k0, nk, halves, kh, j, d, kt);
         value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
         v16 pad[2]; /* 0 on keys, -inf past the last key */
@@ -382,14 +410,7 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
                 const int64_t r = r0 + rr;
                 const v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
                 const v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
-                const float block_max = hmax(vselect(s0 > s1, s0, s1));
-                const float mx = block_max > m[r] ? block_max : m[r];
-                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
-                /* probabilities as bf16 key pairs (as PyTorch's flash kernel rounds them) */
-                _mm512_store_si512(ppair[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
-                m[r] = mx;
-                l[r] = l[r] * alpha[r] + hsum(p0 + p1);
+                alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
             }
             /* acc = acc·alpha + P·V for these RB rows, per 32 dims: 2·RB chains over key pairs */
             for (int64_t c = 0; c < d / 32; c++) {
@@ -469,26 +490,10 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB], alpha[QB];
 
-    for (int64_t r = 0; r < 16 * mtiles; r++) {
-        if (r < nq) {
-            const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-            memcpy(qb[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
-        } else {
-            memset(qb[r], 0, (size_t)d * sizeof(bf16));
-        }
-        for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
-        m[r] = -INFINITY;
-        l[r] = 0.0f;
-    }
+    start_rows(q, members, g, h, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
-        for (int64_t t = k0 + KB; t < n_keys && t < k0 + 2 * KB; t++) {
-            const int64_t off = (slots[t] * kh + j) * d;
-            for (int64_t byte = 0; byte < d * 2; byte += 64) {
-                __builtin_prefetch((const char *)(k_buf + off) + byte);
-                __builtin_prefetch((const char *)v_buf + off * 2 + byte);
-            }
-        }
+        prefetch_block(k_buf, v_buf, slots, k0 + KB, n_keys, kh, j, d);
         key_pairs_transposed(k_buf, slots + k0, nk, 2, kh, j, d, kt);
         value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
         v16 pad[2];
@@ -507,13 +512,7 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
             for (int64_t r = r0; r < r0 + 16; r++) {
                 const v16 s0 = *(v16 *)&sc[r][0] * scaling + pad[0];
                 const v16 s1 = *(v16 *)&sc[r][16] * scaling + pad[1];
-                const float block_max = hmax(vselect(s0 > s1, s0, s1));
-                const float mx = block_max > m[r] ? block_max : m[r];
-                alpha[r] = m[r] == -INFINITY ? 0.0f : expf(m[r] - mx);
-                const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
-                _mm512_store_si512(ppair[r], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
-                m[r] = mx;
-                l[r] = l[r] * alpha[r] + hsum(p0 + p1);
+                alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
                 if (alpha[r] != 1.0f) {
                     const __m512 scale = _mm512_set1_ps(alpha[r]);
                     for (int64_t i = 0; i < d; i += 16)
