@@ -13,9 +13,19 @@
  * of KV head j are heads j*G .. j*G+G-1 (G = H / KH), as in PyTorch's GQA.
  * Accumulation is float32 with an online softmax (flash decoding).
  *
+ * The step's new K/V rows are written into their slots first (one call per
+ * layer stores and attends).
+ *
  * Work items are (segment, KV head, block of at most QB query rows); threads
  * of the caller's OpenMP runtime take them from a shared counter (PyTorch's
  * libgomp: the library is linked against it, so no second thread pool runs).
+ * Per item, by what the CPU has (the build is -march=native):
+ * - attend_item_amx: bf16, items of >= AMX_MIN_ROWS query rows (a shared
+ *   prefix), with AMX tile products;
+ * - attend_item_bf16: other bf16 items, with AVX512-BF16 dot products and the
+ *   keys as vector lanes (a private tail has only G query rows);
+ * - attend_item: float32, and bf16 without AVX512-BF16 (converted to float32),
+ *   query rows as vector lanes, written with GCC vector extensions.
  */
 #include <math.h>
 #include <stdint.h>
