@@ -58,15 +58,16 @@ def why_unavailable() -> str | None:
     return _why
 
 
-def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    """True if the kernel takes these tensors (CPU, float32 or bfloat16, a head_dim it handles)."""
-    d = q.shape[-1]
-    return (q.device.type == "cpu" and q.dtype in DTYPES and k_buf.dtype == q.dtype
-            and d % DIM_MULTIPLE == 0 and d <= MAX_DIM)
+def supports(k_buf: torch.Tensor) -> bool:
+    """True if the kernel takes this KV buffer [N, KH, D] (CPU, float32 or bfloat16, a head_dim
+    it handles); queries are cast to its dtype."""
+    d = k_buf.shape[-1]
+    return k_buf.device.type == "cpu" and k_buf.dtype in DTYPES and d % DIM_MULTIPLE == 0 and d <= MAX_DIM
 
 
 def load(cache_dir: str) -> ctypes.CDLL | None:
-    """The compiled kernel (built once per source, flags, compiler and CPU), or None."""
+    """The compiled kernel, or None. Built once per source, flags, compiler and CPU (kept in
+    ``cache_dir/kernels``), loaded once per process: later calls return the first answer."""
     global _lib, _why, _tried
     if _tried:
         return _lib

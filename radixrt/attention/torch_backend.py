@@ -106,8 +106,7 @@ class TorchAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
-            k_buf = self.pool.k_buffers[0]
-            if self.kernel is not None and cpu_kernel.supports(k_buf, k_buf):
+            if self.kernel is not None and cpu_kernel.supports(self.pool.k_buffers[0]):
                 batch.attn_metadata = _kernel_metadata(table, batch.req_rows, batch.seq_lens)
                 return
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
