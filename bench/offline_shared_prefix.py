@@ -8,7 +8,7 @@ system: no row inherits another's allocator settings or heap; the old
 single-process order is ``--same-process``). Every row gets one untimed warm-up
 (radixrt: the whole workload, then a cache flush; transformers: its first
 batch), then ``--repeats`` timed runs, best reported (all are in the JSON:
-this kind of machine drifts 10-20 % between runs). ``decode_kernel`` says whether
+this kind of machine drifts 10-20 % between runs). ``decode_attention`` says whether
 decode attention ran in the C kernel (radixrt_kernels/cpu) or, without a
 compiler, on PyTorch's kernels. The "+ torch.compile" row
 compiles at start-up (``startup_s``), outside the clock. The "floor" row times
@@ -54,7 +54,9 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     t0 = time.perf_counter()
     eng = Engine(model=None, dtype=dtype, **kwargs)
     startup = time.perf_counter() - t0
-    decode_kernel = getattr(eng.runner.attn_backend, "kernel", None) is not None
+    backend = eng.runner.attn_backend
+    decode_attention = ("C kernel" if getattr(backend, "kernel", None) is not None
+                        else "PyTorch kernels" if hasattr(backend, "kernel") else type(backend).__name__)
     sp = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
     eng.generate(input_ids=prompts, sampling_params=sp)
     runs = []
@@ -75,7 +77,8 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
             "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
             "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0),
-            "runs_s": [r[0] for r in runs], "startup_s": startup, "decode_kernel": decode_kernel,
+            "runs_s": [r[0] for r in runs], "startup_s": startup,
+            "decode_attention": decode_attention,
             **{k: after.get(k, 0.0) - before.get(k, 0.0)
                for k in ("prefill_forward_s", "decode_forward_s", "decode_steps")}}
 
@@ -231,8 +234,7 @@ def main() -> None:
               f"{r['decode_forward_s']:.2f} s ({r['decode_steps']:.0f} steps, "
               f"{1e3 * r['decode_forward_s'] / steps:.1f} ms each), outside forwards "
               f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s; start-up "
-              f"{r['startup_s']:.1f} s; decode attention: "
-              f"{'C kernel' if r['decode_kernel'] else 'PyTorch kernels'}")
+              f"{r['startup_s']:.1f} s; decode attention: {r['decode_attention']}")
     base = rows[-1]["output_tok_s"] if not args.skip_transformers else None
     if base:
         ups = ", ".join(f"{r['row']} {r['output_tok_s'] / base:.1f}x" for r in radixrt_rows
