@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_decode_attention as cpu_kernel
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
@@ -98,7 +99,6 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(pool)
         self.kernel = None
         if use_kernel is not False and pool.device.type == "cpu":
-            from radixrt.model.loader import cache_dir
             self.kernel = cpu_kernel.load(cache_dir())
             if use_kernel and self.kernel is None:
                 raise RuntimeError(f"the CPU decode kernel is unavailable: {cpu_kernel.why_unavailable()}")

@@ -153,11 +153,11 @@ static inline __attribute__((always_inline)) void scores(const int nv, const v16
     }
 }
 
-/* acc[r] = acc[r]·alpha[r] + Σ_t p(r, t)·vf[t] for rows [0, rows) (a multiple of RB), where
- * p(r, t) = p[r·pr + t·pt]: per chunk of DC dims, RB rows at a time (2·RB vector chains). */
-static inline void pv_update(float (*acc)[DMAX], const float *p, int64_t pr, int64_t pt,
-                             const float *alpha, const float (*vf)[DMAX], int64_t nk, int64_t d,
-                             int64_t rows) {
+/* acc[r] = acc[r]·alpha[r] + Σ_t p[t][r]·vf[t] for rows [0, rows) (a multiple of RB), with p
+ * key-major as the scores are (32 row lanes per key): per chunk of DC dims, RB rows at a time
+ * (2·RB vector chains). */
+static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const float *alpha,
+                             const float (*vf)[DMAX], int64_t nk, int64_t d, int64_t rows) {
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
         for (int64_t c = 0; c < d; c += DC) {
             v16 a[RB][2];
@@ -169,7 +169,7 @@ static inline void pv_update(float (*acc)[DMAX], const float *p, int64_t pr, int
             for (int64_t t = 0; t < nk; t++) {
                 const v16 va = *(const v16 *)&vf[t][c], vc = *(const v16 *)&vf[t][c + 16];
                 for (int rr = 0; rr < RB; rr++) {
-                    const float w = p[(r0 + rr) * pr + t * pt];
+                    const float w = p[t][r0 + rr];
                     a[rr][0] += w * va;
                     a[rr][1] += w * vc;
                 }
@@ -253,7 +253,7 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
             m[v] = mx;
             l[v] = l[v] * alpha[v] + sum;
         }
-        pv_update(acc, (const float *)st, 1, 32, (const float *)alpha, vf, nk, d, rb_end);
+        pv_update(acc, (const float (*)[32])st, (const float *)alpha, vf, nk, d, rb_end);
     }
     write_partial(acc, (const float *)m, (const float *)l, nq, members, g, h, j, q0, d, part,
                   part_acc, part_m, part_l);
