@@ -28,11 +28,12 @@ Output dtype = q dtype.
   outside every group has an empty shared part (lse -inf, weight 0).
 - Decode, no qualifying group: the batch is padded to its longest sequence
   (pad slot 0) and masked, one SDPA.
-- Decode on the CPU with the C kernel (``radixrt_kernels.cpu_decode_attention``,
-  fp32/bf16, head_dim a multiple of 32), instead of all the above: the same
-  groups become segments (each shared prefix, then every request's private
-  keys) that one call per layer attends to, reading K/V in place; it also
-  stores the step's new K/V. Without it (no C compiler), PyTorch's kernels.
+- On the CPU with the C kernel (``radixrt_kernels.cpu_attention``, fp32/bf16,
+  head_dim a multiple of 32), instead of all the above, one call per layer
+  that reads K/V in place and also stores the forward's new K/V. Decode: the
+  same groups become segments (each shared prefix, then every request's
+  private keys). Extend: each request's whole sequence is one causal segment
+  for its new tokens. Without it (no C compiler), PyTorch's kernels.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ import torch.nn.functional as F
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_decode_attention as cpu_kernel
+from radixrt_kernels import cpu_attention as cpu_kernel
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
 MIN_GROUP_SIZE = 2
@@ -92,7 +93,7 @@ class _CascadeMeta:
 
 
 class TorchAttentionBackend(AttentionBackend):
-    """``use_kernel``: decode through the C kernel when it builds and takes the pool's dtype
+    """``use_kernel``: attention through the C kernel when it builds and takes the pool's dtype
     (None: whenever it can; False: never, PyTorch's kernels only)."""
 
     def __init__(self, pool, use_kernel: bool | None = None) -> None:
@@ -101,16 +102,21 @@ class TorchAttentionBackend(AttentionBackend):
         if use_kernel is not False and pool.device.type == "cpu":
             self.kernel = cpu_kernel.load(cache_dir())
             if use_kernel and self.kernel is None:
-                raise RuntimeError(f"the CPU decode kernel is unavailable: {cpu_kernel.why_unavailable()}")
+                raise RuntimeError(f"the CPU attention kernel is unavailable: {cpu_kernel.why_unavailable()}")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
+        kernel = self.kernel is not None and cpu_kernel.supports(self.pool.k_buffers[0])
         if batch.mode is ForwardMode.DECODE:
-            if self.kernel is not None and cpu_kernel.supports(self.pool.k_buffers[0]):
+            if kernel:
                 batch.attn_metadata = _kernel_metadata(table, batch.req_rows, batch.seq_lens)
                 return
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
                                                    self.pool.kv_heads, self.pool.dtype)
+            return
+        if kernel:
+            batch.attn_metadata = _kernel_extend_metadata(table, batch.req_rows, batch.seq_lens,
+                                                          batch.extend_lens)
             return
         batch.attn_metadata = _extend_metadata(table, batch.req_rows, batch.seq_lens, batch.extend_lens)
 
@@ -121,7 +127,7 @@ class TorchAttentionBackend(AttentionBackend):
         if isinstance(meta, cpu_kernel.Segments):  # the kernel stores the new K/V itself
             dt = k_buf.dtype
             new_kv = (k.to(dt).contiguous(), v.to(dt).contiguous(), batch.out_cache_loc)
-            return cpu_kernel.decode_attention(self.kernel, q.to(dt).contiguous(), k_buf, v_buf, meta,
+            return cpu_kernel.attention(self.kernel, q.to(dt).contiguous(), k_buf, v_buf, meta,
                                                scaling, new_kv).to(q.dtype)
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         if isinstance(meta, _CascadeMeta):
@@ -159,6 +165,26 @@ def _extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
                      for same in groups.values() for slots, tokens in same]
     every = torch.cat([t for t, _ in prefix_groups]) if prefix_groups else None
     return _ExtendMeta(runs, prefix_groups, every)
+
+
+def _kernel_extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
+                            extend_lens: list[int]) -> cpu_kernel.Segments:
+    """The C kernel's segments for an extend: per request its whole sequence (cached prefix and
+    new tokens), causal, with its new tokens as members."""
+    dev = table.device
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+    valid = torch.arange(max(seq_lens), device=dev)[None, :] < lens[:, None]
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    ext = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
+    t, s = int(ext.sum()), len(seq_lens)
+    return cpu_kernel.Segments(
+        slots=table[:, :valid.shape[1]].index_select(0, req_rows)[valid],  # request by request
+        slot_start=torch.cat([zero, lens.cumsum(0)]),
+        members=torch.arange(t, device=dev),
+        member_start=torch.cat([zero, ext.cumsum(0)]),
+        part=torch.zeros(s, dtype=torch.int64, device=dev),
+        num_parts=torch.ones(t, dtype=torch.int64, device=dev),
+        causal=torch.ones(s, dtype=torch.int64, device=dev))
 
 
 def _as_run(slots: torch.Tensor) -> torch.Tensor | tuple[int, int]:

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import radixrt_kernels.cpu_decode_attention as cpu_kernel
+import radixrt_kernels.cpu_attention as cpu_kernel
 from radixrt import SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "

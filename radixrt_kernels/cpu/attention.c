@@ -1,14 +1,21 @@
-/* Decode attention on the CPU over K/V read through slot indices, cascade-aware.
+/* Attention on the CPU over K/V read through slot indices (decode and extend),
+ * cascade-aware.
  *
- * One query token per request. The keys of a request are split into segments:
- * a segment is a list of slots and the requests that attend to all of it (a
- * prefix shared through the radix cache is one segment for all its requests;
- * each request's private tail is a segment of its own). A request attends to at
- * most two segments (part 0 and part 1); their results are merged by their
- * log-sum-exps at the end, so a shared prefix is read once for all the
- * requests that share it, straight from the KV buffers, with no gathered copy.
+ * The query tokens are the rows of q. Their keys are split into segments: a
+ * segment is a list of slots and the query tokens (its members) that attend to
+ * it. In decode (one token per request) a prefix shared through the radix cache
+ * is one segment for all its requests and each request's private tail is a
+ * segment of its own. A token attends to at most two segments (part 0 and part
+ * 1); their results are merged by their log-sum-exps at the end, so a shared
+ * prefix is read once for all the requests that share it, straight from the KV
+ * buffers, with no gathered copy. A token with one part is written out by its
+ * work item directly.
  *
- * Layout: q and out [B, H, D]; k_buf and v_buf [N, KH, D] (row = slot); all
+ * A causal segment (extend: a request's whole sequence, its new tokens the
+ * members) ends with its members' own keys, in order: member i of n sees the
+ * keys [0, n_keys - n + i + 1).
+ *
+ * Layout: q and out [T, H, D]; k_buf and v_buf [N, KH, D] (row = slot); all
  * contiguous, float32 or bfloat16 (the same dtype for all). The H query heads
  * of KV head j are heads j*G .. j*G+G-1 (G = H / KH), as in PyTorch's GQA.
  * Accumulation is float32 with an online softmax (flash decoding).
@@ -16,12 +23,13 @@
  * The step's new K/V rows are written into their slots first (one call per
  * layer stores and attends).
  *
- * Work items are (segment, KV head, block of at most QB query rows); threads
+ * Work items are (segment, KV head, block of at most QB query rows; in a causal
+ * segment the last block, the one with the most keys, first); threads
  * of the caller's OpenMP runtime take them from a shared counter (PyTorch's
  * libgomp: the library is linked against it, so no second thread pool runs).
  * Per item, by what the CPU has (the build is -march=native):
  * - attend_item_amx: bf16, items of >= AMX_MIN_ROWS query rows (a shared
- *   prefix), with AMX tile products;
+ *   prefix, an extend), with AMX tile products;
  * - attend_item_bf16: other bf16 items, with AVX512-BF16 dot products and the
  *   keys as vector lanes (a private tail has only G query rows);
  * - attend_item: float32, and bf16 without AVX512-BF16 (converted to float32),
@@ -30,6 +38,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "common.h"
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -44,76 +54,8 @@
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
 
-typedef uint16_t bf16;
-
-static inline float bf16_to_f32(bf16 x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline bf16 f32_to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40u); /* NaN stays NaN */
-    bits += 0x7fffu + ((bits >> 16) & 1u);                                  /* round to nearest even */
-    return (bf16)(bits >> 16);
-}
-
-typedef float v16 __attribute__((vector_size(64)));                /* 16 float32 lanes */
-typedef int32_t v16i __attribute__((vector_size(64)));
 #define RB 4  /* query rows computed together (independent accumulator chains) */
 #define DC 32 /* head dims per accumulator chunk in P·V (two vectors) */
-
-/* mask ? a : b per lane (mask lanes all ones or all zeros, as comparisons give) */
-static inline v16 vselect(v16i mask, v16 a, v16 b) {
-    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
-}
-
-/* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0): x = n·ln2 + r,
- * |r| <= ln2 (n truncated toward zero), e^r by its degree-7 Taylor polynomial, 2^n by exponent. */
-static inline v16 vexp(v16 x) {
-    const v16i lo = x < -87.3f;
-    const v16 zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
-    x = vselect(lo, floor, vselect(x > 88.0f, ceiling, x));
-    const v16i n = __builtin_convertvector(x * 1.44269504088896341f, v16i);
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-    v16 p = zero + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    p = (v16)((v16i)p + (n << 23));
-    return vselect(lo, zero, p);
-}
-
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef int32_t v4i __attribute__((vector_size(16)));
-
-/* Horizontal max and sum of the 16 lanes, as trees (a chain of 15 would be latency-bound). */
-static inline float hmax(v16 x) {
-    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
-    const v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v8 c = (v8)(((v8i)a & (a > b)) | ((v8i)b & ~(a > b)));
-    const v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
-    const v4 f = (v4)(((v4i)d & (d > e)) | ((v4i)e & ~(d > e)));
-    const float g = f[0] > f[1] ? f[0] : f[1], h = f[2] > f[3] ? f[2] : f[3];
-    return g > h ? g : h;
-}
-
-static inline float hsum(v16 x) {
-    const v8 c = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
-               + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const v4 f = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
-    return (f[0] + f[2]) + (f[1] + f[3]);
-}
 
 /* Row `row` (D values) of a buffer as float32. */
 static inline void load_row(const void *buf, int64_t row, int64_t d, int is_bf16, float *dst) {
@@ -182,30 +124,77 @@ static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const flo
     }
 }
 
-/* Write rows [0, nq) of an item's state (acc, m, l) into the partial buffers at its part. */
-static inline void write_partial(float (*acc)[DMAX], const float *m, const float *l, int64_t nq,
-                                 const int64_t *members, int64_t g, int64_t h, int64_t j, int64_t q0,
-                                 int64_t d, int64_t part, float *part_acc, float *part_m,
-                                 float *part_l) {
-    for (int64_t r = 0; r < nq; r++) {
-        const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-        const int64_t at = (b * 2 + part) * h + head;
-        memcpy(part_acc + at * d, acc[r], (size_t)d * sizeof(float));
-        part_m[at] = m[r];
-        part_l[at] = l[r];
+/* What every work item of a call shares. */
+struct call {
+    const void *q, *k_buf, *v_buf;
+    void *out;
+    int is_bf16;
+    int64_t h, kh, g, d;
+    float scaling;
+    const int64_t *num_parts;          /* [T] */
+    float *part_acc, *part_m, *part_l; /* [T, 2, H, D], [T, 2, H], [T, 2, H] */
+};
+
+/* A work item: rows [q0, q0 + nq) (nq <= QB) of a segment's queries on KV head j. Query row r
+ * is member r / G of the segment, head j*G + r % G. */
+struct item {
+    const int64_t *slots, *members;
+    int64_t n_keys;      /* keys read: the segment's, in a causal segment up to the last row's limit */
+    int64_t causal_from; /* -1, or (causal) row r sees the keys [0, causal_from + (q0 + r) / G + 1) */
+    int64_t part, j, q0, nq;
+};
+
+/* The number of keys row r of the item sees (rows past nq: as row nq - 1). */
+static inline int64_t row_limit(const struct item *it, int64_t g, int64_t r) {
+    if (it->causal_from < 0) return it->n_keys;
+    return it->causal_from + (it->q0 + (r < it->nq ? r : it->nq - 1)) / g + 1;
+}
+
+/* -inf on the scores of a block's keys at or past `left` (s0: keys 0-15, s1: 16-31). */
+static inline void mask_from(v16 *s0, v16 *s1, int64_t left) {
+    if (left >= KB) return;
+    const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16 lf = (v16){0} + (float)left, ninf = (v16){0} - INFINITY;
+    *s0 = vselect(iota < lf, *s0, ninf);
+    *s1 = vselect(iota + 16.0f < lf, *s1, ninf);
+}
+
+/* Output row `row` of [T·H, D] = a·inv, in the call's dtype. */
+static inline void store_out(const struct call *c, int64_t row, const float *a, float inv) {
+    if (c->is_bf16) {
+        bf16 *dst = (bf16 *)c->out + row * c->d;
+        for (int64_t i = 0; i < c->d; i++) dst[i] = f32_to_bf16(a[i] * inv);
+    } else {
+        float *dst = (float *)c->out + row * c->d;
+        for (int64_t i = 0; i < c->d; i++) dst[i] = a[i] * inv;
     }
 }
 
-/* One work item: rows [q0, q0 + nq) (nq <= QB) of a segment's queries on KV head j. Query
- * row r is member r / G of the segment, head j*G + r % G; rows are the vector lanes of the
- * scores (q transposed once per item, so keys need no transposing). Writes each row's
- * unnormalised output (acc), running max (m) and sum (l) into the partial buffers at its part. */
-static void attend_item(const void *q, const void *k_buf, const void *v_buf, int is_bf16,
-                        int64_t h, int64_t kh, int64_t d, float scaling,
-                        const int64_t *slots, int64_t n_keys, const int64_t *members,
-                        int64_t part, int64_t j, int64_t q0, int64_t nq,
-                        float *part_acc, float *part_m, float *part_l) {
-    const int64_t g = h / kh;
+/* Rows [0, nq) of an item's state (acc, m, l): a token with one part is written out
+ * normalised; otherwise its part goes into the partial buffers, merged at the end. */
+static inline void write_rows(const struct call *c, const struct item *it, float (*acc)[DMAX],
+                              const float *m, const float *l) {
+    for (int64_t r = 0; r < it->nq; r++) {
+        const int64_t b = it->members[(it->q0 + r) / c->g], head = it->j * c->g + (it->q0 + r) % c->g;
+        if (c->num_parts[b] == 1) {
+            store_out(c, b * c->h + head, acc[r], l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+            continue;
+        }
+        const int64_t at = (b * 2 + it->part) * c->h + head;
+        memcpy(c->part_acc + at * c->d, acc[r], (size_t)c->d * sizeof(float));
+        c->part_m[at] = m[r];
+        c->part_l[at] = l[r];
+    }
+}
+
+/* A work item with the item's query rows as the vector lanes of the scores (q transposed once
+ * per item, so keys need no transposing), float32 math. */
+static void attend_item(const struct call *c, const struct item *it) {
+    const void *q = c->q, *k_buf = c->k_buf, *v_buf = c->v_buf;
+    const int is_bf16 = c->is_bf16;
+    const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
+    const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
+    const float scaling = c->scaling;
     const int nv = nq > 16 ? 2 : 1;
     v16 qt[DMAX][2];                                /* q transposed: qt[dim][rows], scaled */
     float acc[QB][DMAX] __attribute__((aligned(64)));
@@ -214,7 +203,10 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
     v16 st[KB][2];                                  /* scores, then probabilities: [key][rows] */
     v16 m[2], l[2];
     float row[DMAX] __attribute__((aligned(64)));
+    v16 lim[2]; /* each row's number of keys */
 
+    for (int64_t r = 0; r < QB; r++) lim[r / 16][r % 16] = (float)row_limit(it, g, r);
+    const int64_t first_limit = row_limit(it, g, 0); /* blocks past it need masking */
     for (int64_t i = 0; i < d; i++) qt[i][0] = qt[i][1] = (v16){0};
     for (int64_t r = 0; r < nq; r++) {
         const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
@@ -239,6 +231,11 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
             scores(1, qt, kf, nk, d, st);
         else
             scores(2, qt, kf, nk, d, st);
+        if (k0 + nk > first_limit) { /* causal: -inf on the keys past each row's limit */
+            for (int64_t t = 0; t < nk; t++)
+                for (int v = 0; v < nv; v++)
+                    st[t][v] = vselect(lim[v] > (float)(k0 + t), st[t][v], (v16){0} - INFINITY);
+        }
         /* online softmax, lane by lane (a lane is a query row) */
         v16 alpha[2];
         for (int v = 0; v < nv; v++) {
@@ -255,8 +252,7 @@ static void attend_item(const void *q, const void *k_buf, const void *v_buf, int
         }
         pv_update(acc, (const float (*)[32])st, (const float *)alpha, vf, nk, d, rb_end);
     }
-    write_partial(acc, (const float *)m, (const float *)l, nq, members, g, h, j, q0, d, part,
-                  part_acc, part_m, part_l);
+    write_rows(c, it, acc, (const float *)m, (const float *)l);
 }
 
 #ifdef __AVX512BF16__
@@ -383,12 +379,13 @@ static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *
  * the scores (a block's keys transposed as dim pairs: kt[c][half] holds dims 2c, 2c+1 of keys
  * half·16 .. half·16+15), each query row's dim pair is broadcast, and keys are read in place
  * from the KV buffer. Few query rows (a private tail: G rows) waste no lanes this way. */
-static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf, int64_t h,
-                             int64_t kh, int64_t d, float scaling, const int64_t *slots,
-                             int64_t n_keys, const int64_t *members, int64_t part, int64_t j,
-                             int64_t q0, int64_t nq, float *part_acc, float *part_m,
-                             float *part_l) {
-    const int64_t g = h / kh, np = d / 2;
+static void attend_item_bf16(const struct call *c, const struct item *it) {
+    const bf16 *q = c->q, *k_buf = c->k_buf;
+    const void *v_buf = c->v_buf;
+    const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
+    const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
+    const float scaling = c->scaling;
+    const int64_t np = d / 2;
     const int64_t rows = (nq + RB - 1) / RB * RB;
     uint32_t qpair[QB][DMAX / 2];
     float acc[QB][DMAX] __attribute__((aligned(64)));
@@ -409,29 +406,30 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
             __m512 sc[RB][2];
             for (int rr = 0; rr < RB; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
-            for (int64_t c = 0; c < np; c++) {
+            for (int64_t cp = 0; cp < np; cp++) {
                 for (int rr = 0; rr < RB; rr++) {
-                    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][c]);
+                    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
                     for (int hf = 0; hf < halves; hf++)
-                        sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[c][hf]);
+                        sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[cp][hf]);
                 }
             }
             for (int rr = 0; rr < RB; rr++) {
                 const int64_t r = r0 + rr;
-                const v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
-                const v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
+                v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
+                v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
+                mask_from(&s0, &s1, row_limit(it, g, r) - k0);
                 alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
             }
             /* acc = acc·alpha + P·V for these RB rows, per 32 dims: 2·RB chains over key pairs */
-            for (int64_t c = 0; c < d / 32; c++) {
+            for (int64_t dc = 0; dc < d / 32; dc++) {
                 __m512 a[RB][2];
                 for (int rr = 0; rr < RB; rr++) {
                     const __m512 scale = _mm512_set1_ps(alpha[r0 + rr]);
-                    a[rr][0] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * c]), scale);
-                    a[rr][1] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * c + 16]), scale);
+                    a[rr][0] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc]), scale);
+                    a[rr][1] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc + 16]), scale);
                 }
                 for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
-                    const __m512bh lo = (__m512bh)vp[tp][c][0], hi = (__m512bh)vp[tp][c][1];
+                    const __m512bh lo = (__m512bh)vp[tp][dc][0], hi = (__m512bh)vp[tp][dc][1];
                     for (int rr = 0; rr < RB; rr++) {
                         const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)ppair[r0 + rr][tp]);
                         a[rr][0] = _mm512_dpbf16_ps(a[rr][0], pb, lo);
@@ -439,14 +437,14 @@ static void attend_item_bf16(const bf16 *q, const bf16 *k_buf, const void *v_buf
                     }
                 }
                 for (int rr = 0; rr < RB; rr++) {
-                    _mm512_store_ps(&acc[r0 + rr][32 * c], a[rr][0]);
-                    _mm512_store_ps(&acc[r0 + rr][32 * c + 16], a[rr][1]);
+                    _mm512_store_ps(&acc[r0 + rr][32 * dc], a[rr][0]);
+                    _mm512_store_ps(&acc[r0 + rr][32 * dc + 16], a[rr][1]);
                 }
             }
         }
     }
     unpermute(acc, nq, d);
-    write_partial(acc, m, l, nq, members, g, h, j, q0, d, part, part_acc, part_m, part_l);
+    write_rows(c, it, acc, m, l);
 }
 #endif
 
@@ -485,12 +483,12 @@ static void amx_configure(void) {
  * per block of 32 keys and 16 query rows, Q·Kᵀ is d/32 tile products per 16 keys, the online
  * softmax runs on the stored scores with AVX-512, and P·V is one tile product per 16 dims.
  * Same layouts as attend_item_bf16 (keys transposed as dim pairs, values as key pairs). */
-static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf, int64_t h,
-                            int64_t kh, int64_t d, float scaling, const int64_t *slots,
-                            int64_t n_keys, const int64_t *members, int64_t part, int64_t j,
-                            int64_t q0, int64_t nq, float *part_acc, float *part_m,
-                            float *part_l) {
-    const int64_t g = h / kh;
+static void attend_item_amx(const struct call *c, const struct item *it) {
+    const bf16 *q = c->q, *k_buf = c->k_buf;
+    const void *v_buf = c->v_buf;
+    const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
+    const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
+    const float scaling = c->scaling;
     const int64_t mtiles = (nq + 15) / 16;
     bf16 qb[QB][DMAX] __attribute__((aligned(64)));
     float acc[QB][DMAX] __attribute__((aligned(64)));
@@ -512,16 +510,17 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
             const int64_t r0 = 16 * mt;
             for (int half = 0; half < 2; half++) {
                 _tile_zero(0);
-                for (int64_t c = 0; c < d / 32; c++) {
-                    _tile_loadd(1, &qb[r0][32 * c], sizeof qb[0]);
-                    _tile_loadd(2, &kt[16 * c][half], sizeof kt[0]);
+                for (int64_t dc = 0; dc < d / 32; dc++) {
+                    _tile_loadd(1, &qb[r0][32 * dc], sizeof qb[0]);
+                    _tile_loadd(2, &kt[16 * dc][half], sizeof kt[0]);
                     _tile_dpbf16ps(0, 1, 2);
                 }
                 _tile_stored(0, &sc[r0][16 * half], sizeof sc[0]);
             }
             for (int64_t r = r0; r < r0 + 16; r++) {
-                const v16 s0 = *(v16 *)&sc[r][0] * scaling + pad[0];
-                const v16 s1 = *(v16 *)&sc[r][16] * scaling + pad[1];
+                v16 s0 = *(v16 *)&sc[r][0] * scaling + pad[0];
+                v16 s1 = *(v16 *)&sc[r][16] * scaling + pad[1];
+                mask_from(&s0, &s1, row_limit(it, g, r) - k0);
                 alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
                 if (alpha[r] != 1.0f) {
                     const __m512 scale = _mm512_set1_ps(alpha[r]);
@@ -530,11 +529,11 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
                 }
             }
             _tile_loadd(3, &ppair[r0][0], sizeof ppair[0]);
-            for (int64_t c = 0; c < d / 32; c++) {
+            for (int64_t dc = 0; dc < d / 32; dc++) {
                 for (int lohi = 0; lohi < 2; lohi++) {
-                    float *out = &acc[r0][32 * c + 16 * lohi];
+                    float *out = &acc[r0][32 * dc + 16 * lohi];
                     _tile_loadd(5, out, sizeof acc[0]);
-                    _tile_loadd(4, &vp[0][c][lohi], sizeof vp[0]);
+                    _tile_loadd(4, &vp[0][dc][lohi], sizeof vp[0]);
                     _tile_dpbf16ps(5, 3, 4);
                     _tile_stored(5, out, sizeof acc[0]);
                 }
@@ -542,33 +541,37 @@ static void attend_item_amx(const bf16 *q, const bf16 *k_buf, const void *v_buf,
         }
     }
     unpermute(acc, nq, d);
-    write_partial(acc, m, l, nq, members, g, h, j, q0, d, part, part_acc, part_m, part_l);
+    write_rows(c, it, acc, m, l);
 }
 #endif
 
 /* Returns 0, or -1 when a size is out of range (nothing is written then).
  *
+ * q and out [T, H, D]: the query tokens.
  * seg_slot_start [S + 1]: segment s's slots are slots[seg_slot_start[s] .. seg_slot_start[s+1]);
- * seg_member_start [S + 1]: its requests are members[seg_member_start[s] .. [s+1]);
- * seg_part [S]: the part (0 or 1) its results go to; num_parts [B]: 1 or 2 per request.
- * part_acc [B, 2, H, D], part_m and part_l [B, 2, H]: float32 scratch.
+ * seg_member_start [S + 1]: its query tokens are members[seg_member_start[s] .. [s+1]);
+ * seg_part [S]: the part (0 or 1) its results go to; seg_causal [S] (NULL: none): 1 if causal;
+ * num_parts [T]: 1 or 2 per token.
+ * part_acc [T, 2, H, D], part_m and part_l [T, 2, H]: float32 scratch (touched only for tokens
+ * with two parts).
  * new_k, new_v [n_new, KH, D]: written to rows new_slots [n_new] of k_buf, v_buf first. */
-int radixrt_decode_attention(const void *q, void *k_buf, void *v_buf, void *out,
-                             int is_bf16, int64_t b, int64_t h, int64_t kh, int64_t d, float scaling,
-                             int64_t num_segments, const int64_t *slots, const int64_t *seg_slot_start,
-                             const int64_t *members, const int64_t *seg_member_start,
-                             const int64_t *seg_part, const int64_t *num_parts,
-                             float *part_acc, float *part_m, float *part_l, int num_threads,
-                             const void *new_k, const void *new_v, const int64_t *new_slots,
-                             int64_t n_new) {
+int radixrt_attention(const void *q, void *k_buf, void *v_buf, void *out, int is_bf16, int64_t t,
+                      int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
+                      const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
+                      const int64_t *seg_member_start, const int64_t *seg_part,
+                      const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
+                      float *part_m, float *part_l, int num_threads, const void *new_k,
+                      const void *new_v, const int64_t *new_slots, int64_t n_new) {
     if (d > DMAX || d <= 0 || d % DC != 0 || kh <= 0 || h % kh != 0 || num_threads < 1) return -1;
-    /* First the step's new K/V rows into their slots (the new token attends to itself). */
+    /* First the step's new K/V rows into their slots (a new token attends to itself). */
     const size_t row_bytes = (size_t)(kh * d) * (is_bf16 ? 2 : 4);
     for (int64_t i = 0; i < n_new; i++) {
         memcpy((char *)k_buf + new_slots[i] * row_bytes, (const char *)new_k + i * row_bytes, row_bytes);
         memcpy((char *)v_buf + new_slots[i] * row_bytes, (const char *)new_v + i * row_bytes, row_bytes);
     }
-    const int64_t g = h / kh;
+    const struct call call = {q, k_buf, v_buf, out, is_bf16, h, kh, h / kh, d, scaling, num_parts,
+                              part_acc, part_m, part_l};
+    const int64_t g = call.g;
     /* Work items: per segment, KH × ceil(members·G / QB). */
     int64_t items = 0;
     for (int64_t s = 0; s < num_segments; s++) {
@@ -587,7 +590,7 @@ int radixrt_decode_attention(const void *q, void *k_buf, void *v_buf, void *out,
         for (;;) {
             int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
             if (item >= items) break;
-            /* find the item's segment (segments are few: a linear walk) */
+            /* find the item's segment (a linear walk) */
             int64_t s = 0, rows = 0, blocks = 0;
             for (;; s++) {
                 rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
@@ -595,58 +598,51 @@ int radixrt_decode_attention(const void *q, void *k_buf, void *v_buf, void *out,
                 if (item < kh * blocks) break;
                 item -= kh * blocks;
             }
-            int64_t j = item / blocks, q0 = (item % blocks) * QB;
-            int64_t nq = rows - q0 < QB ? rows - q0 : QB;
+            const int causal = seg_causal != NULL && seg_causal[s];
+            const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
+            struct item it = {slots + seg_slot_start[s], members + seg_member_start[s],
+                              seg_slot_start[s + 1] - seg_slot_start[s], -1, seg_part[s],
+                              item / blocks, block * QB, 0};
+            it.nq = rows - it.q0 < QB ? rows - it.q0 : QB;
+            if (causal) {
+                it.causal_from = it.n_keys - rows / g;
+                it.n_keys = row_limit(&it, g, it.nq - 1);
+            }
 #ifdef HAVE_AMX
-            if (is_bf16 && use_amx && nq >= AMX_MIN_ROWS) {
+            if (is_bf16 && use_amx && it.nq >= AMX_MIN_ROWS) {
                 if (!configured) {
                     amx_configure();
                     configured = 1;
                 }
-                attend_item_amx(q, k_buf, v_buf, h, kh, d, scaling, slots + seg_slot_start[s],
-                                seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
-                                seg_part[s], j, q0, nq, part_acc, part_m, part_l);
+                attend_item_amx(&call, &it);
                 continue;
             }
 #endif
 #ifdef __AVX512BF16__
             if (is_bf16) {
-                attend_item_bf16(q, k_buf, v_buf, h, kh, d, scaling, slots + seg_slot_start[s],
-                                 seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
-                                 seg_part[s], j, q0, nq, part_acc, part_m, part_l);
+                attend_item_bf16(&call, &it);
                 continue;
             }
 #endif
-            attend_item(q, k_buf, v_buf, is_bf16, h, kh, d, scaling, slots + seg_slot_start[s],
-                        seg_slot_start[s + 1] - seg_slot_start[s], members + seg_member_start[s],
-                        seg_part[s], j, q0, nq, part_acc, part_m, part_l);
+            attend_item(&call, &it);
         }
 #ifdef HAVE_AMX
         if (configured) _tile_release();
 #endif
     }
-    /* Merge the parts of every (request, head). */
+    /* Merge the two parts of every (token, head) that has two. */
 #pragma omp parallel for num_threads(num_threads)
-    for (int64_t bh = 0; bh < b * h; bh++) {
-        int64_t req = bh / h, head = bh % h;
-        int64_t a0 = (req * 2) * h + head, a1 = (req * 2 + 1) * h + head;
-        float w0 = 1.0f, w1 = 0.0f, m = part_m[a0], total = part_l[a0];
-        if (num_parts[req] == 2) {
-            float mx = part_m[a1] > m ? part_m[a1] : m;
-            w0 = expf(m - mx);
-            w1 = expf(part_m[a1] - mx);
-            total = part_l[a0] * w0 + part_l[a1] * w1;
-        }
-        float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t th = 0; th < t * h; th++) {
+        const int64_t tok = th / h, head = th % h;
+        if (num_parts[tok] != 2) continue;
+        const int64_t a0 = (tok * 2) * h + head, a1 = (tok * 2 + 1) * h + head;
+        const float mx = part_m[a1] > part_m[a0] ? part_m[a1] : part_m[a0];
+        const float w0 = expf(part_m[a0] - mx), w1 = expf(part_m[a1] - mx);
+        const float total = part_l[a0] * w0 + part_l[a1] * w1;
         const float *o0 = part_acc + a0 * d, *o1 = part_acc + a1 * d;
-        if (is_bf16) {
-            bf16 *dst = (bf16 *)out + bh * d;
-            for (int64_t i = 0; i < d; i++)
-                dst[i] = f32_to_bf16((w0 * o0[i] + (w1 != 0.0f ? w1 * o1[i] : 0.0f)) * inv);
-        } else {
-            float *dst = (float *)out + bh * d;
-            for (int64_t i = 0; i < d; i++) dst[i] = (w0 * o0[i] + (w1 != 0.0f ? w1 * o1[i] : 0.0f)) * inv;
-        }
+        float merged[DMAX];
+        for (int64_t i = 0; i < d; i++) merged[i] = w0 * o0[i] + (w1 != 0.0f ? w1 * o1[i] : 0.0f);
+        store_out(&call, th, merged, total > 0.0f ? 1.0f / total : 0.0f);
     }
     return 0;
 }

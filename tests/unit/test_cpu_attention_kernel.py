@@ -1,6 +1,7 @@
-"""The C decode-attention kernel (radixrt_kernels.cpu_decode_attention) through the torch
-backend, against a float64 per-request reference: shared prefixes read once per group, private
-tails, requests in no group, row blocks over 32 rows, GQA ratios, head dims, fp32 and bf16."""
+"""The C attention kernel (radixrt_kernels.cpu_attention) through the torch backend, against a
+float64 per-request reference. Decode: shared prefixes read once per group, private tails,
+requests in no group, row blocks over 32 rows. Extend: causal segments over cached prefixes and
+new tokens, with row blocks that end inside a key block. GQA ratios, head dims, fp32 and bf16."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-import radixrt_kernels.cpu_decode_attention as cpu_kernel
+import radixrt_kernels.cpu_attention as cpu_kernel
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
@@ -18,7 +19,7 @@ from radixrt.model.loader import cache_dir
 PREFIX = 40
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="no C compiler: the CPU decode kernel cannot be built here")
+                                reason="no C compiler: the CPU attention kernel cannot be built here")
 
 
 def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtype) -> KVPool:
@@ -58,7 +59,36 @@ def _decode(pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool) -> tupl
     return out, torch.stack(ref), batch.attn_metadata
 
 
+def _extend(pool: KVPool, seq_lens: list[int], ext_lens: list[int], h: int,
+            use_kernel: bool) -> tuple[torch.Tensor, ...]:
+    """Each request's last ext_lens tokens are new; the rest is its cached prefix."""
+    d, t = pool.head_dim, sum(ext_lens)
+    rows = torch.arange(len(seq_lens))
+    out_loc = torch.cat([pool.req_to_token[i, n - e:n] for i, (n, e) in enumerate(zip(seq_lens, ext_lens))])
+    q = torch.randn(t, h, d, dtype=pool.dtype)
+    k, v = (torch.randn(t, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
+    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
+                         torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, ext_lens)
+    backend = TorchAttentionBackend(pool, use_kernel=use_kernel)
+    backend.init_forward_metadata(batch)
+    out = backend.forward(q, k, v, 0, batch, d ** -0.5)
+    ref, pos, g = [], 0, h // pool.kv_heads
+    for i, (n, e) in enumerate(zip(seq_lens, ext_lens)):  # after forward: the new K/V is in the pool
+        slots = pool.req_to_token[i, :n]
+        kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
+        vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
+        s = (q[pos:pos + e].double().transpose(0, 1) @ kk.transpose(1, 2)) * d ** -0.5  # [H, e, L]
+        s.masked_fill_(torch.arange(n)[None, :] > torch.arange(n - e, n)[:, None], float("-inf"))
+        ref.append((s.softmax(-1) @ vv).transpose(0, 1))                               # [e, H, D]
+        pos += e
+    return out, torch.cat(ref), batch.attn_metadata
+
+
 SPEC = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (50, 2), (73, 0), (1 + PREFIX, 0)]
+# Extend: (seq_len, prefix id) and new tokens; a prompt without prefix, one new token after a
+# prefix, 37 new tokens (111 query rows per KV head at G 3: blocks of 32 rows ending mid-block).
+EXTEND = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1)]
+EXTEND_LENS = [17, 5, 33, 1, 37]
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -89,6 +119,26 @@ def test_kernel_large_group_and_single_request(dtype: torch.dtype, tol: float) -
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("kh,h,d", [(3, 9, 64), (1, 8, 128), (4, 4, 32)])
+def test_extend_kernel_matches_reference(dtype: torch.dtype, tol: float, kh: int, h: int, d: int) -> None:
+    pool = _pool(kh, d, EXTEND, dtype)
+    out, ref, meta = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, h, use_kernel=True)
+    assert isinstance(meta, cpu_kernel.Segments) and meta.causal.tolist() == [1] * len(EXTEND)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_extend_kernel_agrees_with_pytorch_kernels() -> None:
+    pool = _pool(3, 64, EXTEND, torch.float32)
+    torch.manual_seed(1)
+    kernel, _, _ = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=True)
+    torch.manual_seed(1)
+    plain, _, meta = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=False)
+    assert not isinstance(meta, cpu_kernel.Segments)
+    torch.testing.assert_close(kernel, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_kernel_agrees_with_pytorch_kernels() -> None:
     pool = _pool(2, 64, SPEC, torch.float32)
     torch.manual_seed(1)
@@ -115,7 +165,7 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
     assert cpu_kernel.load(str(tmp_path / "cache")) is None
     assert "no-such-compiler" in cpu_kernel.why_unavailable()
     pool = _pool(2, 64, SPEC, torch.float32)
-    with pytest.raises(RuntimeError, match="CPU decode kernel is unavailable.*no-such-compiler"):
+    with pytest.raises(RuntimeError, match="CPU attention kernel is unavailable.*no-such-compiler"):
         TorchAttentionBackend(pool, use_kernel=True)
     out, ref, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=None)  # PyTorch's kernels
     assert not isinstance(meta, cpu_kernel.Segments)
@@ -133,7 +183,15 @@ def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypa
     *_, seg = _decode(pool, seq_lens, 6, use_kernel=True)  # the batch's segments
     torch.manual_seed(2)
     q = torch.randn(len(SPEC), 6, 64).bfloat16()
-    want = cpu_kernel.decode_attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0],
+    want = cpu_kernel.attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0],
                                        pool.v_buffers[0], seg, 0.125)
-    got = cpu_kernel.decode_attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
+    got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # extend: causal segments (masked per row in every path)
+    pool = _pool(3, 64, EXTEND, torch.bfloat16)
+    *_, seg = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=True)
+    q = torch.randn(sum(EXTEND_LENS), 9, 64).bfloat16()
+    want = cpu_kernel.attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0],
+                                seg, 0.125)
+    got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -1,9 +1,9 @@
-"""Decode attention on the CPU: a C kernel (``cpu/decode_attention.c``), cascade-aware.
+"""Attention on the CPU, decode and extend: a C kernel (``cpu/attention.c``), cascade-aware.
 
 The Triton kernels need a GPU; on the CPU this C kernel reads K/V straight
 from the KV buffers through slot indices (no gathered copy), reads a prefix
-shared by several requests once for all of them, and merges each request's
-parts by their log-sum-exps in the same call. It is compiled on first use with
+shared by several requests once for all of them, and merges each query
+token's parts by their log-sum-exps in the same call. It is compiled on first use with
 the system C compiler (``-O3 -march=native``, OpenMP) into
 ``CACHE_DIR/kernels/`` and loaded with ctypes; it links against the OpenMP
 runtime PyTorch already loaded, so it runs on PyTorch's threads.
@@ -12,10 +12,12 @@ runtime PyTorch already loaded, so it runs on PyTorch's threads.
 (no compiler, or PyTorch not on libgomp); ``why_unavailable()`` says why.
 Callers then fall back to PyTorch's kernels.
 
-Segments: a request's keys are one or two segments; a segment is a list of
-slots plus the requests that attend to all of it (a shared prefix: the
-requests of its group, part 0; a private tail: one request, part 1, or part 0
-when the request has no shared prefix).
+Segments: a query token's keys are one or two segments; a segment is a list
+of slots plus the query tokens (members) that attend to it. In decode a shared
+prefix is one segment for the requests of its group (part 0), a private tail
+one for its request (part 1, or part 0 when the request has no shared prefix).
+In extend a request's whole sequence is one causal segment for its new tokens:
+they are its last keys, and each sees the keys up to itself.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu") / "decode_attention.c"
+SOURCE = Path(__file__).with_name("cpu") / "attention.c"
+HEADER = SOURCE.with_name("common.h")  # included by the source
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
 MAX_DIM = 256      # ... and at most this
@@ -45,13 +48,15 @@ _tried = False
 
 @dataclass
 class Segments:
-    """The decode step's key segments, as the kernel takes them (all int64, on the CPU)."""
+    """A forward's key segments, as the kernel takes them (all int64, on the CPU)."""
     slots: torch.Tensor         # every segment's slots, one after another
     slot_start: torch.Tensor    # [S + 1] offsets into slots
-    members: torch.Tensor       # every segment's requests, one after another
+    members: torch.Tensor       # every segment's query tokens (rows of q), one after another
     member_start: torch.Tensor  # [S + 1] offsets into members
     part: torch.Tensor          # [S] 0 or 1: where a member's result for this segment goes
-    num_parts: torch.Tensor     # [B] 1 or 2
+    num_parts: torch.Tensor     # [T] 1 or 2 per query token
+    causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
+    # and each sees the keys up to itself (None: no causal segment)
 
 
 def why_unavailable() -> str | None:
@@ -106,9 +111,9 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(CFLAGS), cc, version, gomp,
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), HEADER.read_text(), " ".join(CFLAGS), cc, version, gomp,
                                     _cpu_features()]).encode()).hexdigest()[:16]
-    target = folder / f"decode_attention-{key}.so"
+    target = folder / f"attention-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
@@ -120,43 +125,44 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
             os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
     lib = ctypes.CDLL(str(target))
-    fn = lib.radixrt_decode_attention
+    fn = lib.radixrt_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float,
-                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
+                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
     fn.restype = ctypes.c_int
     return lib
 
 
-def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                     seg: Segments, scaling: float, new_kv: tuple[torch.Tensor, torch.Tensor,
-                                                           torch.Tensor] | None = None) -> torch.Tensor:
-    """q [B, H, D], k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [B, H, D].
+def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+              seg: Segments, scaling: float, new_kv: tuple[torch.Tensor, torch.Tensor,
+                                                    torch.Tensor] | None = None) -> torch.Tensor:
+    """q [T, H, D] (the query tokens), k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [T, H, D].
 
-    ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the step's new K/V, written into the buffers
-    at those slots first (one call instead of a store and an attention)."""
-    b, h, d = q.shape
+    ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the forward's new K/V, written into the
+    buffers at those slots first (one call instead of a store and an attention)."""
+    t, h, d = q.shape
     kh = k_buf.shape[1]
     if not (q.is_contiguous() and k_buf.is_contiguous() and v_buf.is_contiguous()):
-        raise ValueError("decode_attention: q, k_buf and v_buf must be contiguous")
+        raise ValueError("attention: q, k_buf and v_buf must be contiguous")
     out = torch.empty_like(q)
-    acc = torch.empty(b, 2, h, d, dtype=torch.float32)
-    ml = torch.empty(2, b, 2, h, dtype=torch.float32)
+    acc = torch.empty(t, 2, h, d, dtype=torch.float32)  # touched only for tokens with two parts
+    ml = torch.empty(2, t, 2, h, dtype=torch.float32)
     new_k = new_v = new_slots = None
     if new_kv is not None:
         new_k, new_v, new_slots = new_kv
         if not (new_k.dtype == new_v.dtype == k_buf.dtype and new_k.is_contiguous() and new_v.is_contiguous()
                 and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
                 and new_slots.dtype == torch.int64 and new_slots.is_contiguous()):
-            raise ValueError("decode_attention: new k/v must be contiguous [n, KH, D] in the buffers' dtype, "
+            raise ValueError("attention: new k/v must be contiguous [n, KH, D] in the buffers' dtype, "
                              "their slots contiguous int64 [n]")
-    rc = lib.radixrt_decode_attention(
+    rc = lib.radixrt_attention(
         q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
-        b, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(), seg.slot_start.data_ptr(),
-        seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(), seg.num_parts.data_ptr(),
+        t, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(), seg.slot_start.data_ptr(),
+        seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(),
+        None if seg.causal is None else seg.causal.data_ptr(), seg.num_parts.data_ptr(),
         acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads(),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
         None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())
     if rc != 0:
-        raise ValueError(f"decode_attention: unsupported shape (H {h}, KH {kh}, D {d})")
+        raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
     return out

@@ -1,0 +1,78 @@
+/* What the CPU kernels share: bfloat16 conversions and float32 vectors (GCC vector
+ * extensions: AVX-512 code where the CPU has it, narrower vectors elsewhere). */
+#ifndef RADIXRT_CPU_COMMON_H
+#define RADIXRT_CPU_COMMON_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef uint16_t bf16;
+
+static inline float bf16_to_f32(bf16 x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline bf16 f32_to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (bf16)((bits >> 16) | 0x40u); /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);                                  /* round to nearest even */
+    return (bf16)(bits >> 16);
+}
+
+typedef float v16 __attribute__((vector_size(64)));                /* 16 float32 lanes */
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+/* mask ? a : b per lane (mask lanes all ones or all zeros, as comparisons give) */
+static inline v16 vselect(v16i mask, v16 a, v16 b) {
+    return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
+}
+
+/* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0): x = n·ln2 + r,
+ * |r| <= ln2 (n truncated toward zero), e^r by its degree-7 Taylor polynomial, 2^n by exponent. */
+static inline v16 vexp(v16 x) {
+    const v16i lo = x < -87.3f;
+    const v16 zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
+    x = vselect(lo, floor, vselect(x > 88.0f, ceiling, x));
+    const v16i n = __builtin_convertvector(x * 1.44269504088896341f, v16i);
+    const v16 nf = __builtin_convertvector(n, v16);
+    const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+    v16 p = zero + 1.0f / 5040.0f;
+    p = p * r + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    p = (v16)((v16i)p + (n << 23));
+    return vselect(lo, zero, p);
+}
+
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef int32_t v4i __attribute__((vector_size(16)));
+
+/* Horizontal max and sum of the 16 lanes, as trees (a chain of 15 would be latency-bound). */
+static inline float hmax(v16 x) {
+    const v8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7);
+    const v8 b = __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v8 c = (v8)(((v8i)a & (a > b)) | ((v8i)b & ~(a > b)));
+    const v4 d = __builtin_shufflevector(c, c, 0, 1, 2, 3), e = __builtin_shufflevector(c, c, 4, 5, 6, 7);
+    const v4 f = (v4)(((v4i)d & (d > e)) | ((v4i)e & ~(d > e)));
+    const float g = f[0] > f[1] ? f[0] : f[1], h = f[2] > f[3] ? f[2] : f[3];
+    return g > h ? g : h;
+}
+
+static inline float hsum(v16 x) {
+    const v8 c = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7)
+               + __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
+    const v4 f = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
+    return (f[0] + f[2]) + (f[1] + f[3]);
+}
+
+#endif
