@@ -3,14 +3,9 @@
 The Triton kernels need a GPU; on the CPU this C kernel reads K/V straight
 from the KV buffers through slot indices (no gathered copy), reads a prefix
 shared by several requests once for all of them, and merges each query
-token's parts by their log-sum-exps in the same call. It is compiled on first use with
-the system C compiler (``-O3 -march=native``, OpenMP) into
-``CACHE_DIR/kernels/`` and loaded with ctypes; it links against the OpenMP
-runtime PyTorch already loaded, so it runs on PyTorch's threads.
-
-``load(cache_dir)`` returns the library, or None when it cannot be built
-(no compiler, or PyTorch not on libgomp); ``why_unavailable()`` says why.
-Callers then fall back to PyTorch's kernels.
+token's parts by their log-sum-exps in the same call. It is part of the library
+``radixrt_kernels.cpu_library`` builds on first use; where that library is
+missing, callers fall back to PyTorch's kernels.
 
 Segments: a query token's keys are one or two segments; a segment is a list
 of slots plus the query tokens (members) that attend to it. In decode a shared
@@ -23,27 +18,13 @@ they are its last keys, and each sees the keys up to itself.
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu") / "attention.c"
-HEADER = SOURCE.with_name("common.h")  # included by the source
-CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
 MAX_DIM = 256      # ... and at most this
 DTYPES = (torch.float32, torch.bfloat16)
-
-_lib: ctypes.CDLL | None = None
-_why: str | None = None
-_tried = False
 
 
 @dataclass
@@ -59,78 +40,11 @@ class Segments:
     # and each sees the keys up to itself (None: no causal segment)
 
 
-def why_unavailable() -> str | None:
-    return _why
-
-
 def supports(k_buf: torch.Tensor) -> bool:
     """True if the kernel takes this KV buffer [N, KH, D] (CPU, float32 or bfloat16, a head_dim
     it handles); queries are cast to its dtype."""
     d = k_buf.shape[-1]
     return k_buf.device.type == "cpu" and k_buf.dtype in DTYPES and d % DIM_MULTIPLE == 0 and d <= MAX_DIM
-
-
-def load(cache_dir: str) -> ctypes.CDLL | None:
-    """The compiled kernel, or None. Built once per source, flags, compiler and CPU (kept in
-    ``cache_dir/kernels``), loaded once per process: later calls return the first answer."""
-    global _lib, _why, _tried
-    if _tried:
-        return _lib
-    _tried = True
-    try:
-        _lib = _build_and_load(Path(cache_dir) / "kernels")
-    except Exception as e:  # no compiler, a failed build: PyTorch's kernels do the work instead
-        _why = f"{type(e).__name__}: {e}"
-    return _lib
-
-
-def _torch_libgomp() -> str:
-    """Path of the libgomp PyTorch loaded (linking to it shares its thread pool)."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if "libgomp" in os.path.basename(path) and path.startswith("/"):
-                return path
-    raise RuntimeError("PyTorch's OpenMP runtime is not libgomp")
-
-
-def _cpu_features() -> str:
-    """The CPU's model and feature flags: what -march=native compiles for (a library built on
-    another CPU could hold instructions this one lacks)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(dict.fromkeys(lines))  # first core's lines, once each
-    except OSError:
-        return platform.processor()
-
-
-def _build_and_load(folder: Path) -> ctypes.CDLL:
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
-    if cc is None:
-        raise RuntimeError("no C compiler (gcc or cc) on PATH")
-    gomp = _torch_libgomp()
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), HEADER.read_text(), " ".join(CFLAGS), cc, version, gomp,
-                                    _cpu_features()]).encode()).hexdigest()[:16]
-    target = folder / f"attention-{key}.so"
-    if not target.exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            obj, lib = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            for cmd in ([cc, *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
-                        [cc, "-shared", str(obj), gomp, "-lm", "-o", str(lib)]):
-                done = subprocess.run(cmd, capture_output=True, text=True)
-                if done.returncode != 0:
-                    raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-            os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
-    lib = ctypes.CDLL(str(target))
-    fn = lib.radixrt_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ctypes.c_int, i64, i64, i64, i64, ctypes.c_float,
-                   i64, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ptr, ctypes.c_int, ptr, ptr, ptr, i64]
-    fn.restype = ctypes.c_int
-    return lib
 
 
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,

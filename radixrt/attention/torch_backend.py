@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_attention as cpu_kernel
+from radixrt_kernels import cpu_library
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # → (output, lse)
 MIN_GROUP_SIZE = 2
@@ -100,9 +101,9 @@ class TorchAttentionBackend(AttentionBackend):
         super().__init__(pool)
         self.kernel = None
         if use_kernel is not False and pool.device.type == "cpu":
-            self.kernel = cpu_kernel.load(cache_dir())
+            self.kernel = cpu_library.load(cache_dir())
             if use_kernel and self.kernel is None:
-                raise RuntimeError(f"the CPU attention kernel is unavailable: {cpu_kernel.why_unavailable()}")
+                raise RuntimeError(f"the CPU attention kernel is unavailable: {cpu_library.why_unavailable()}")
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token

@@ -17,6 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from radixrt_kernels import cpu_ops
+
 
 def tp_rank_and_size() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
@@ -224,22 +226,49 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
     return x.new_empty(*x.shape[:-1], out_features)
 
 
+def use_cpu_kernels(model: nn.Module, lib) -> None:
+    """Run the elementwise layers (RMS norm, rotary embedding, SiLU-and-mul) through the CPU
+    kernels' library ``lib`` (``radixrt_kernels.cpu_library``) in eager mode, on float32 and
+    bfloat16 tensors; None: PyTorch's ops."""
+    for m in model.modules():
+        if isinstance(m, (RMSNorm, RotaryEmbedding, SiluAndMul)):
+            m.cpu_lib = lib
+
+
+def _eager_cpu(lib, x: torch.Tensor) -> bool:
+    return lib is not None and cpu_ops.usable(x) and not torch.compiler.is_compiling()
+
+
 class RMSNorm(nn.Module):
-    """RMS norm computed in float32, as Hugging Face's Llama does."""
+    """RMS norm computed in float32, as Hugging Face's Llama does. Given a residual, the norm of
+    x + residual, returned with that sum (the next residual)."""
+    cpu_lib = None  # see use_cpu_kernels
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if _eager_cpu(self.cpu_lib, x) and x.dim() == 2 and self.weight.dtype == x.dtype:
+            if residual is None:
+                return cpu_ops.rms_norm(self.cpu_lib, x, self.weight, self.eps)
+            residual = residual.contiguous()  # receives x + residual
+            return cpu_ops.rms_norm(self.cpu_lib, x, self.weight, self.eps, residual), residual
+        if residual is not None:
+            x = residual = x + residual
         # x·rsqrt(mean(x²) + eps) in float32, fused; back in x's dtype, then the weight.
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype)
+        normed = self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
+        return normed if residual is None else (normed, residual)
 
 
 class SiluAndMul(nn.Module):
+    cpu_lib = None  # see use_cpu_kernels
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _eager_cpu(self.cpu_lib, x) and x.dim() == 2:
+            return cpu_ops.silu_mul(self.cpu_lib, x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -249,7 +278,9 @@ class RotaryEmbedding(nn.Module):
 
     rotate_half(x)·sin, with rotate_half(x) = [-x2, x1], is computed as roll(x, D/2)·sin±
     where sin± is sin with its first half negated: the same products, bit for bit, in one
-    copy instead of a negation and a concatenation."""
+    copy instead of a negation and a concatenation. Through the CPU kernels (see
+    use_cpu_kernels) x is rotated in place: callers pass a tensor of their own."""
+    cpu_lib = None
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:
@@ -266,6 +297,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T]; x [T, N, D] (any number of heads: q and k side by side rotate at once)."""
+        if _eager_cpu(self.cpu_lib, x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return cpu_ops.rope_(self.cpu_lib, x, positions, self.cos, self.sin_signed)
         cos, sin_signed = self._cos_sin(positions, x.dtype)
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 

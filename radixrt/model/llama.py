@@ -75,9 +75,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), batch)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
+                batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it): their sum is the hidden state
+        after this layer, formed by the next norm (the add fused into it)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(positions, h, batch)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -89,11 +97,12 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch | None) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+                batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the last layer's output, the residual before it): the final hidden state is their sum."""
+        h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            h = layer(positions, h, batch)
-        return h
+            h, residual = layer(positions, h, residual, batch)
+        return h, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -121,8 +130,9 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
                batch: ForwardBatch | None = None) -> torch.Tensor:
-        h = self.model(input_ids, positions, batch)
-        return self.lm_head(self.model.norm(h[idx]))
+        h, residual = self.model(input_ids, positions, batch)
+        normed, _ = self.model.norm(h[idx], residual[idx])
+        return self.lm_head(normed)
 
     def enable_torch_compile(self) -> None:
         """Compile ``logits`` with dynamic shapes: a graph serves every batch size (sizes of 1

@@ -12,9 +12,10 @@ from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
 from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory, keep_freed_memory
-from radixrt.model.layers import pack_cpu_weights
+from radixrt.model.layers import pack_cpu_weights, use_cpu_kernels
 from radixrt.model.llama import LlamaForCausalLM
-from radixrt.model.loader import ModelConfig, iter_weights
+from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
+from radixrt_kernels import cpu_library
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30
@@ -84,6 +85,9 @@ class ModelRunner:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
         self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
+        self.cpu_kernels = self.device.type == "cpu" and cpu_library.load(cache_dir()) is not None
+        if self.cpu_kernels:  # the elementwise layers in C (eager mode)
+            use_cpu_kernels(model, cpu_library.load(cache_dir()))
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:

@@ -5,6 +5,9 @@
 
 #include <stdint.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 typedef uint16_t bf16;
 
@@ -25,6 +28,39 @@ static inline bf16 f32_to_bf16(float f) {
 
 typedef float v16 __attribute__((vector_size(64)));                /* 16 float32 lanes */
 typedef int32_t v16i __attribute__((vector_size(64)));
+
+typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 values */
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+/* 16 values at p (float32, or bf16 when is_bf16) as float32. */
+static inline v16 load16(const void *p, int is_bf16) {
+    v16 x;
+    if (is_bf16) {
+        v16h h;
+        memcpy(&h, p, sizeof h);
+        x = (v16)(__builtin_convertvector(h, v16u) << 16);
+    } else {
+        memcpy(&x, p, sizeof x);
+    }
+    return x;
+}
+
+/* x rounded to bf16 precision (nearest even; NaN stays NaN), still as float32. */
+static inline v16 round16(v16 x) {
+    const v16u bits = (v16u)x, nan = (bits & 0x7fffffffu) > 0x7f800000u;
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+    return (v16)((rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan));
+}
+
+/* 16 float32 values to p (rounded to bf16 when is_bf16). */
+static inline void store16(void *p, v16 x, int is_bf16) {
+    if (is_bf16) {
+        const v16h h = __builtin_convertvector((v16u)round16(x) >> 16, v16h);
+        memcpy(p, &h, sizeof h);
+    } else {
+        memcpy(p, &x, sizeof x);
+    }
+}
 
 /* mask ? a : b per lane (mask lanes all ones or all zeros, as comparisons give) */
 static inline v16 vselect(v16i mask, v16 a, v16 b) {
@@ -50,6 +86,17 @@ static inline v16 vexp(v16 x) {
     p = p * r + 1.0f;
     p = (v16)((v16i)p + (n << 23));
     return vselect(lo, zero, p);
+}
+
+/* 1 / d per lane: the 14-bit estimate refined once (within ~1 ulp of a division, at a
+ * fraction of its cost), where the CPU has AVX-512. */
+static inline v16 vrecip(v16 d) {
+#ifdef __AVX512F__
+    const v16 r = (v16)_mm512_rcp14_ps((__m512)d);
+    return r * (2.0f - d * r);
+#else
+    return 1.0f / d;
+#endif
 }
 
 typedef float v8 __attribute__((vector_size(32)));

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-import radixrt_kernels.cpu_attention as cpu_kernel
+import radixrt_kernels.cpu_library as cpu_library
 from radixrt import SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
@@ -46,8 +46,8 @@ def test_greedy_matches_transformers_and_reuses_prefix(arch, engine_factory, req
     want = list(hf_greedy(path, tuple(PROMPTS), NEW))
     assert len({t for o in want for t in o}) > 8, "reference continuation is degenerate"
     eng = engine_factory(path)
-    if shutil.which("gcc") or shutil.which("cc"):  # decode runs through the C kernel
-        assert eng.runner.attn_backend.kernel is not None, cpu_kernel.why_unavailable()
+    if shutil.which("gcc") or shutil.which("cc"):  # attention and elementwise ops run in C
+        assert eng.runner.attn_backend.kernel is not None, cpu_library.why_unavailable()
     first = eng.generate(PROMPTS, GREEDY)
     assert ids_of(first) == want
     assert sum(o.cached_tokens for o in first) > 0, "shared system prompt was not reused in-batch"
@@ -57,10 +57,10 @@ def test_greedy_matches_transformers_and_reuses_prefix(arch, engine_factory, req
     eng.check_memory()
 
 
-def test_greedy_without_the_decode_kernel(tiny_llama, engine_factory, monkeypatch):
-    """PyTorch's decode kernels (the fallback without a C compiler) give the same ids."""
-    monkeypatch.setattr(cpu_kernel, "_tried", True)
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
+def test_greedy_without_the_cpu_kernels(tiny_llama, engine_factory, monkeypatch):
+    """PyTorch's ops (the fallback without a C compiler) give the same ids."""
+    monkeypatch.setattr(cpu_library, "_tried", True)
+    monkeypatch.setattr(cpu_library, "_lib", None)
     want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
     eng = engine_factory(tiny_llama)
     assert eng.runner.attn_backend.kernel is None

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import radixrt_kernels.cpu_attention as cpu_kernel
+import radixrt_kernels.cpu_library as cpu_library
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
@@ -157,13 +158,13 @@ def test_unsupported_head_dim_falls_back() -> None:
 
 
 def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None:
-    monkeypatch.setattr(cpu_kernel, "_tried", False)
-    monkeypatch.setattr(cpu_kernel, "_lib", None)
-    monkeypatch.setattr(cpu_kernel, "_why", None)
+    monkeypatch.setattr(cpu_library, "_tried", False)
+    monkeypatch.setattr(cpu_library, "_lib", None)
+    monkeypatch.setattr(cpu_library, "_why", None)
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path / "cache"))
-    assert cpu_kernel.load(str(tmp_path / "cache")) is None
-    assert "no-such-compiler" in cpu_kernel.why_unavailable()
+    assert cpu_library.load(str(tmp_path / "cache")) is None
+    assert "no-such-compiler" in cpu_library.why_unavailable()
     pool = _pool(2, 64, SPEC, torch.float32)
     with pytest.raises(RuntimeError, match="CPU attention kernel is unavailable.*no-such-compiler"):
         TorchAttentionBackend(pool, use_kernel=True)
@@ -176,14 +177,14 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
 def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tmp_path) -> None:
     """The other paths, as built on CPUs without AMX (AVX512-BF16 for every item), without
     AVX512-BF16 (bf16 converted to float32) or without AVX-512 at all: same results."""
-    monkeypatch.setattr(cpu_kernel, "CFLAGS", [*cpu_kernel.CFLAGS, *flags])
-    lib = cpu_kernel._build_and_load(tmp_path)
+    monkeypatch.setattr(cpu_library, "CFLAGS", [*cpu_library.CFLAGS, *flags])
+    lib = cpu_library._build_and_load(tmp_path)
     pool = _pool(2, 64, SPEC, torch.bfloat16)
     seq_lens = [s for s, _ in SPEC]
     *_, seg = _decode(pool, seq_lens, 6, use_kernel=True)  # the batch's segments
     torch.manual_seed(2)
     q = torch.randn(len(SPEC), 6, 64).bfloat16()
-    want = cpu_kernel.attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0],
+    want = cpu_kernel.attention(cpu_library.load(cache_dir()), q, pool.k_buffers[0],
                                        pool.v_buffers[0], seg, 0.125)
     got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -191,7 +192,7 @@ def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypa
     pool = _pool(3, 64, EXTEND, torch.bfloat16)
     *_, seg = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=True)
     q = torch.randn(sum(EXTEND_LENS), 9, 64).bfloat16()
-    want = cpu_kernel.attention(cpu_kernel.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0],
+    want = cpu_kernel.attention(cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0],
                                 seg, 0.125)
     got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -1,0 +1,181 @@
+/* The model's elementwise steps on the CPU, each one call instead of the several kernels
+ * PyTorch runs for it in eager mode: the residual add with RMS norm, the rotary embedding and
+ * SiLU-and-mul.
+ *
+ * float32 or bfloat16 (is_bf16). Every bfloat16 result is rounded where PyTorch's eager ops
+ * round it (the same ops as Hugging Face's Llama), so the outputs are those of the unfused
+ * ops up to the order of a float32 sum and the last bit of a float32 exp. Rows are split over
+ * the caller's OpenMP threads (PyTorch's libgomp) when there is enough work.
+ *
+ * Each row is done 16 values at a time, then value by value for the rest; the row bodies are
+ * inlined once per dtype (is_bf16 a constant there).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "common.h"
+
+#define NMAX 16384         /* widest row (a stack buffer) */
+#define DMAX 1024          /* widest rotary head_dim */
+#define PARALLEL_MIN 16384 /* elements below which one thread does the whole call */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float load1(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
+INLINE float round1(float x, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(f32_to_bf16(x)) : x;
+}
+
+INLINE void store1(void *p, int64_t i, float x, int is_bf16) {
+    if (is_bf16)
+        ((bf16 *)p)[i] = f32_to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+INLINE v16 round16_to(v16 x, int is_bf16) {
+    return is_bf16 ? round16(x) : x;
+}
+
+/* One row of radixrt_rms_norm. */
+INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *weight, int64_t n,
+                         float eps, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    float s[NMAX] __attribute__((aligned(64)));
+    v16 acc = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        v16 v = load16((const char *)x + i * elem, is_bf16);
+        if (residual != NULL) {
+            v = round16_to(v + load16((const char *)residual + i * elem, is_bf16), is_bf16);
+            store16((char *)residual + i * elem, v, is_bf16);
+        }
+        memcpy(s + i, &v, sizeof v);
+        acc += v * v;
+    }
+    float sq = hsum(acc);
+    for (; i < n; i++) {
+        float v = load1(x, i, is_bf16);
+        if (residual != NULL) {
+            v = round1(v + load1(residual, i, is_bf16), is_bf16);
+            store1(residual, i, v, is_bf16);
+        }
+        s[i] = v;
+        sq += v * v;
+    }
+    const float inv = 1.0f / sqrtf(sq / (float)n + eps);
+    for (i = 0; i + 16 <= n; i += 16) {
+        v16 v;
+        memcpy(&v, s + i, sizeof v);
+        store16((char *)out + i * elem, load16((const char *)weight + i * elem, is_bf16) * round16_to(v * inv, is_bf16),
+                is_bf16);
+    }
+    for (; i < n; i++) store1(out, i, load1(weight, i, is_bf16) * round1(s[i] * inv, is_bf16), is_bf16);
+}
+
+/* out = weight · norm(s), s = x + residual (rounded; written back into residual) when residual
+ * is not NULL, else s = x. norm(s) = s / sqrt(mean(s²) + eps) in float32, rounded; then the
+ * product with the weight, rounded. x rows are x_stride elements apart; residual and out are
+ * contiguous [t, n]; weight [n]. Returns -1 if n is too wide. */
+int radixrt_rms_norm(const void *x, int64_t x_stride, void *residual, void *out, const void *weight,
+                     int64_t t, int64_t n, float eps, int is_bf16, int num_threads) {
+    if (n > NMAX || n <= 0) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if (t * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < t; r++) {
+        const void *xr = (const char *)x + r * x_stride * elem;
+        void *res = residual == NULL ? NULL : (char *)residual + r * n * elem, *o = (char *)out + r * n * elem;
+        if (is_bf16)
+            rms_norm_row(xr, res, o, weight, n, eps, 1);
+        else
+            rms_norm_row(xr, res, o, weight, n, eps, 0);
+    }
+    return 0;
+}
+
+/* One token of radixrt_rope: its heads, with its cos and sin± rows (float32). */
+INLINE void rope_token(void *x, int64_t heads, int64_t d, const float *cos_row, const float *sin_row,
+                       int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    const int64_t half = d / 2;
+    float c[DMAX] __attribute__((aligned(64))), s[DMAX] __attribute__((aligned(64)));
+    for (int64_t i = 0; i < d; i++) { /* the tables in the dtype, once for all heads */
+        c[i] = round1(cos_row[i], is_bf16);
+        s[i] = round1(sin_row[i], is_bf16);
+    }
+    for (int64_t hd = 0; hd < heads; hd++) {
+        char *row = (char *)x + hd * d * elem;
+        int64_t i = 0;
+        for (; i + 16 <= half; i += 16) { /* x_a = x[i..], x_b = x[half + i..]: roll pairs them */
+            const v16 xa = load16(row + i * elem, is_bf16), xb = load16(row + (half + i) * elem, is_bf16);
+            const v16 ca = load16(c + i, 0), cb = load16(c + half + i, 0);
+            const v16 sa = load16(s + i, 0), sb = load16(s + half + i, 0);
+            store16(row + i * elem, round16_to(xa * ca, is_bf16) + round16_to(xb * sa, is_bf16), is_bf16);
+            store16(row + (half + i) * elem, round16_to(xb * cb, is_bf16) + round16_to(xa * sb, is_bf16),
+                    is_bf16);
+        }
+        for (; i < half; i++) {
+            const float xa = load1(row, i, is_bf16), xb = load1(row, half + i, is_bf16);
+            store1(row, i, round1(xa * c[i], is_bf16) + round1(xb * s[i], is_bf16), is_bf16);
+            store1(row, half + i, round1(xb * c[half + i], is_bf16) + round1(xa * s[half + i], is_bf16),
+                   is_bf16);
+        }
+    }
+}
+
+/* Neox-style rotary embedding, in place: x[t, heads, d] (token rows x_stride elements apart,
+ * heads contiguous) becomes x·cos + roll(x, d/2)·sin± at each token's position, with cos and
+ * sin± (sin with its first half negated) float32 tables [positions, d] rounded to the dtype
+ * first, and each product and the sum rounded. Returns -1 if d is odd or over DMAX. */
+int radixrt_rope(void *x, int64_t x_stride, int64_t t, int64_t heads, int64_t d,
+                 const int64_t *positions, const float *cos_table, const float *sin_table, int is_bf16,
+                 int num_threads) {
+    if (d <= 0 || d % 2 || d > DMAX) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if (t * heads * d >= PARALLEL_MIN)
+    for (int64_t r = 0; r < t; r++) {
+        void *xr = (char *)x + r * x_stride * elem;
+        const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
+        if (is_bf16)
+            rope_token(xr, heads, d, c, s, 1);
+        else
+            rope_token(xr, heads, d, c, s, 0);
+    }
+    return 0;
+}
+
+/* One row of radixrt_silu_mul. */
+INLINE void silu_mul_row(const void *x, void *out, int64_t n, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    const char *gate = x, *up = (const char *)x + n * elem;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        const v16 g = load16(gate + i * elem, is_bf16);
+        const v16 silu = round16_to(g * vrecip(1.0f + vexp(-g)), is_bf16);
+        store16((char *)out + i * elem, silu * load16(up + i * elem, is_bf16), is_bf16);
+    }
+    for (; i < n; i++) {
+        const float g = load1(gate, i, is_bf16);
+        store1(out, i, round1(g / (1.0f + expf(-g)), is_bf16) * load1(up, i, is_bf16), is_bf16);
+    }
+}
+
+/* out[t, n] = silu(x[:, :n]) · x[:, n:] for x [t, 2n] (contiguous), silu(g) = g / (1 + e^-g)
+ * rounded (1 / (1 + e^-g) as vrecip: within ~1 ulp of the division), then the product rounded. */
+int radixrt_silu_mul(const void *x, void *out, int64_t t, int64_t n, int is_bf16, int num_threads) {
+    if (n <= 0) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if (t * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < t; r++) {
+        const void *xr = (const char *)x + 2 * r * n * elem;
+        void *o = (char *)out + r * n * elem;
+        if (is_bf16)
+            silu_mul_row(xr, o, n, 1);
+        else
+            silu_mul_row(xr, o, n, 0);
+    }
+    return 0;
+}

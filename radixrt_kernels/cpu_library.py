@@ -1,0 +1,109 @@
+"""The CPU kernels' library: the C sources in ``cpu/``, built on first use.
+
+``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``)
+and ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, see
+``cpu_ops``) are compiled with the system C compiler (``-O3 -march=native``,
+OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
+library links against the OpenMP runtime PyTorch already loaded, so its loops
+run on PyTorch's threads.
+
+``load(cache_dir)`` returns the library, or None when it cannot be built (no
+compiler, or PyTorch not on libgomp); ``why_unavailable()`` says why. Callers
+then fall back to PyTorch's ops.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+FOLDER = Path(__file__).with_name("cpu")
+SOURCES = [FOLDER / "attention.c", FOLDER / "elementwise.c"]
+HEADERS = [FOLDER / "common.h"]
+CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
+
+_i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not take
+    "radixrt_attention": [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _ptr,
+                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64],
+    "radixrt_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int, _int],
+    "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
+    "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
+}
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+def why_unavailable() -> str | None:
+    return _why
+
+
+def load(cache_dir: str) -> ctypes.CDLL | None:
+    """The compiled library, or None. Built once per sources, flags, compiler and CPU (kept in
+    ``cache_dir/kernels``), loaded once per process: later calls return the first answer."""
+    global _lib, _why, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        _lib = _build_and_load(Path(cache_dir) / "kernels")
+    except Exception as e:  # no compiler, a failed build: PyTorch's ops do the work instead
+        _why = f"{type(e).__name__}: {e}"
+    return _lib
+
+
+def _torch_libgomp() -> str:
+    """Path of the libgomp PyTorch loaded (linking to it shares its thread pool)."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if "libgomp" in os.path.basename(path) and path.startswith("/"):
+                return path
+    raise RuntimeError("PyTorch's OpenMP runtime is not libgomp")
+
+
+def _cpu_features() -> str:
+    """The CPU's model and feature flags: what -march=native compiles for (a library built on
+    another CPU could hold instructions this one lacks)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
+        return "".join(dict.fromkeys(lines))  # first core's lines, once each
+    except OSError:
+        return platform.processor()
+
+
+def _build_and_load(folder: Path) -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        raise RuntimeError("no C compiler (gcc or cc) on PATH")
+    gomp = _torch_libgomp()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    texts = [f.read_text() for f in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, " ".join(CFLAGS), cc, version, gomp,
+                                    _cpu_features()]).encode()).hexdigest()[:16]
+    target = folder / f"radixrt-cpu-{key}.so"
+    if not target.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+            lib = Path(tmp) / "k.so"
+            cmds = [[cc, *CFLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
+            for cmd in [*cmds, [cc, "-shared", *objs, gomp, "-lm", "-o", str(lib)]]:
+                done = subprocess.run(cmd, capture_output=True, text=True)
+                if done.returncode != 0:
+                    raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+            os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return lib
+
+

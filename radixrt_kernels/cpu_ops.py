@@ -1,0 +1,68 @@
+"""The model's elementwise steps on the CPU, one C call each (``cpu/elementwise.c``).
+
+In eager mode PyTorch runs each of these as several kernels, each with its
+own dispatch and its own pass over memory: an RMS norm in float32 is a cast,
+a square, a mean, an rsqrt, two products and a cast back. Here each is one
+call into the library ``cpu_library`` builds, with the same roundings as the
+PyTorch ops it replaces (see the C file). Tensors are on the CPU, float32 or
+bfloat16 (``usable``); the library comes from ``cpu_library.load``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def usable(x: torch.Tensor) -> bool:
+    return x.device.type == "cpu" and x.dtype in DTYPES
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise ValueError(f"{what}: a size the CPU kernel does not take")
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """weight · x / sqrt(mean(x²) + eps) for x [T, N] (rows may be strided), weight [N] in x's
+    dtype. With ``residual`` (contiguous [T, N], x's dtype) the norm is of x + residual, and
+    that sum is written into ``residual``."""
+    t, n = x.shape
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if weight.dtype != x.dtype or (residual is not None and (residual.dtype != x.dtype
+                                                             or not residual.is_contiguous())):
+        raise ValueError("rms_norm: weight and residual must be in x's dtype, residual contiguous")
+    out = torch.empty(t, n, dtype=x.dtype)
+    _check(lib.radixrt_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                                out.data_ptr(), weight.contiguous().data_ptr(), t, n, eps,
+                                int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rms_norm")
+    return out
+
+
+def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+          sin_signed: torch.Tensor) -> torch.Tensor:
+    """Neox rotary embedding of x [T, N, D] in place (token rows may be strided, heads not),
+    with float32 tables cos and sin± [max_position, D] at positions (int64 [T]); returns x."""
+    t, heads, d = x.shape
+    if x.stride(2) != 1 or x.stride(1) != d or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32:
+        raise ValueError("rope_: x must have contiguous heads, the tables must be float32")
+    positions = positions.to(torch.int64).contiguous()
+    _check(lib.radixrt_rope(x.data_ptr(), x.stride(0), t, heads, d, positions.data_ptr(),
+                            cos.contiguous().data_ptr(), sin_signed.contiguous().data_ptr(),
+                            int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rope_")
+    return x
+
+
+def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
+    """silu(x[:, :N]) · x[:, N:] for x [T, 2N] → [T, N]."""
+    t, n2 = x.shape
+    x = x.contiguous()
+    out = torch.empty(t, n2 // 2, dtype=x.dtype)
+    _check(lib.radixrt_silu_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, int(x.dtype == torch.bfloat16),
+                                torch.get_num_threads()), "silu_mul")
+    return out
