@@ -53,6 +53,7 @@
 #define KB 32 /* keys per block */
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
+#define AKB (2 * KB)   /* keys per softmax step in the AMX path */
 
 #define RB 4  /* query rows computed together (independent accumulator chains) */
 #define DC 32 /* head dims per accumulator chunk in P·V (two vectors) */
@@ -450,8 +451,9 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
 
 
 #ifdef HAVE_AMX
-/* Tile registers: 0 scores (C), 1 a q chunk (A), 2 a key chunk (B), 3 probabilities (A),
- * 4 a value chunk (B), 5 an output chunk (C); all 16 rows × 64 bytes. */
+/* Tile registers: 0 scores (C), 1 a q chunk (A), 2 a key chunk (B), 3 and 6 probabilities of
+ * a step's two blocks (A), 4 and 7 their value chunks (B), 5 an output chunk (C); all 16 rows
+ * × 64 bytes. */
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -472,17 +474,19 @@ static void amx_configure(void) {
     struct tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
+    for (int t = 0; t < 8; t++) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
 }
 
-/* attend_item for bfloat16 with AMX tiles, for items with many query rows (a shared prefix):
- * per block of 32 keys and 16 query rows, Q·Kᵀ is d/32 tile products per 16 keys, the online
- * softmax runs on the stored scores with AVX-512, and P·V is one tile product per 16 dims.
- * Same layouts as attend_item_bf16 (keys transposed as dim pairs, values as key pairs). */
+/* attend_item for bfloat16 with AMX tiles, for items with many query rows (a shared prefix,
+ * an extend). Keys go in steps of AKB = two blocks: per step and 16 query rows, Q·Kᵀ is d/32
+ * tile products per 16 keys, the online softmax runs on the stored scores with AVX-512 (the
+ * 16 rows' maxima and rescale factors as one vector), and P·V is one tile product per 16 dims
+ * and block. Same layouts as attend_item_bf16 (keys transposed as dim pairs, values as key
+ * pairs). */
 static void attend_item_amx(const struct call *c, const struct item *it) {
     const bf16 *q = c->q, *k_buf = c->k_buf;
     const void *v_buf = c->v_buf;
@@ -492,49 +496,81 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const int64_t mtiles = (nq + 15) / 16;
     bf16 qb[QB][DMAX] __attribute__((aligned(64)));
     float acc[QB][DMAX] __attribute__((aligned(64)));
-    __m512i kt[DMAX / 2][2];
-    __m512i vp[KB / 2][DMAX / 32][2];
-    float sc[QB][KB] __attribute__((aligned(64)));
-    uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
-    float m[QB], l[QB], alpha[QB];
+    __m512i kt[2][DMAX / 2][2];
+    __m512i vp[2][KB / 2][DMAX / 32][2];
+    float sc[QB][AKB] __attribute__((aligned(64)));
+    uint32_t ppair[QB][AKB / 2] __attribute__((aligned(64)));
+    float m[QB] __attribute__((aligned(64))), l[QB], alpha[QB] __attribute__((aligned(64)));
+    const v16 ninf = (v16){0} - INFINITY;
 
     start_rows(q, members, g, h, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
-    for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
-        const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
-        prefetch_block(k_buf, v_buf, slots, k0 + KB, n_keys, kh, j, d);
-        key_pairs_transposed(k_buf, slots + k0, nk, 2, kh, j, d, kt);
-        value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
-        v16 pad[2];
-        for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
+    for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
+        const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
+        const int blocks = nk > KB ? 2 : 1, quarters = nk > KB + 16 ? 4 : nk > KB ? 3 : nk > 16 ? 2 : 1;
+        prefetch_block(k_buf, v_buf, slots, k0 + AKB, n_keys, kh, j, d);
+        prefetch_block(k_buf, v_buf, slots, k0 + AKB + KB, n_keys, kh, j, d);
+        for (int bl = 0; bl < blocks; bl++) {
+            const int64_t from = k0 + KB * bl, nb = nk - KB * bl < KB ? nk - KB * bl : KB;
+            key_pairs_transposed(k_buf, slots + from, nb, 2, kh, j, d, kt[bl]);
+            value_pairs(v_buf, slots + from, nb, kh, j, d, vp[bl]);
+        }
+        v16 pad[4]; /* 0 on keys, -inf past the last key */
+        for (int t = 0; t < AKB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t mt = 0; mt < mtiles; mt++) {
             const int64_t r0 = 16 * mt;
-            for (int half = 0; half < 2; half++) {
+            for (int qt = 0; qt < quarters; qt++) { /* scores of keys 16·qt .. 16·qt+15 */
                 _tile_zero(0);
                 for (int64_t dc = 0; dc < d / 32; dc++) {
                     _tile_loadd(1, &qb[r0][32 * dc], sizeof qb[0]);
-                    _tile_loadd(2, &kt[16 * dc][half], sizeof kt[0]);
+                    _tile_loadd(2, &kt[qt / 2][16 * dc][qt % 2], sizeof kt[0][0]);
                     _tile_dpbf16ps(0, 1, 2);
                 }
-                _tile_stored(0, &sc[r0][16 * half], sizeof sc[0]);
+                _tile_stored(0, &sc[r0][16 * qt], sizeof sc[0]);
             }
-            for (int64_t r = r0; r < r0 + 16; r++) {
-                v16 s0 = *(v16 *)&sc[r][0] * scaling + pad[0];
-                v16 s1 = *(v16 *)&sc[r][16] * scaling + pad[1];
-                mask_from(&s0, &s1, row_limit(it, g, r) - k0);
-                alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
-                if (alpha[r] != 1.0f) {
-                    const __m512 scale = _mm512_set1_ps(alpha[r]);
+            v16 block_max; /* lane r: row r0 + r */
+            for (int r = 0; r < 16; r++) {
+                v16 sv[4];
+                for (int qt = 0; qt < 4; qt++)
+                    sv[qt] = qt < quarters ? *(v16 *)&sc[r0 + r][16 * qt] * scaling + pad[qt] : ninf;
+                const int64_t left = row_limit(it, g, r0 + r) - k0;
+                mask_from(&sv[0], &sv[1], left);
+                mask_from(&sv[2], &sv[3], left - KB);
+                for (int qt = 0; qt < 4; qt++) *(v16 *)&sc[r0 + r][16 * qt] = sv[qt];
+                const v16 a = vselect(sv[0] > sv[1], sv[0], sv[1]), b = vselect(sv[2] > sv[3], sv[2], sv[3]);
+                block_max[r] = hmax(vselect(a > b, a, b));
+            }
+            const v16 m_old = *(v16 *)&m[r0];
+            const v16 m_new = vselect(block_max > m_old, block_max, m_old);
+            *(v16 *)&alpha[r0] = vselect(m_old == ninf, (v16){0}, vexp(m_old - m_new)); /* 0 at the start */
+            *(v16 *)&m[r0] = m_new;
+            for (int r = 0; r < 16; r++) {
+                const float mx = m_new[r];
+                v16 sum = {0};
+                for (int half = 0; half < blocks; half++) { /* probabilities as bf16 key pairs */
+                    const v16 p0 = vexp(*(v16 *)&sc[r0 + r][32 * half] - mx);
+                    const v16 p1 = vexp(*(v16 *)&sc[r0 + r][32 * half + 16] - mx);
+                    _mm512_store_si512(&ppair[r0 + r][16 * half], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+                    sum += p0 + p1;
+                }
+                l[r0 + r] = l[r0 + r] * alpha[r0 + r] + hsum(sum);
+                if (alpha[r0 + r] != 1.0f) {
+                    const __m512 scale = _mm512_set1_ps(alpha[r0 + r]);
                     for (int64_t i = 0; i < d; i += 16)
-                        _mm512_store_ps(&acc[r][i], _mm512_mul_ps(_mm512_load_ps(&acc[r][i]), scale));
+                        _mm512_store_ps(&acc[r0 + r][i], _mm512_mul_ps(_mm512_load_ps(&acc[r0 + r][i]), scale));
                 }
             }
             _tile_loadd(3, &ppair[r0][0], sizeof ppair[0]);
+            if (blocks == 2) _tile_loadd(6, &ppair[r0][16], sizeof ppair[0]);
             for (int64_t dc = 0; dc < d / 32; dc++) {
                 for (int lohi = 0; lohi < 2; lohi++) {
                     float *out = &acc[r0][32 * dc + 16 * lohi];
                     _tile_loadd(5, out, sizeof acc[0]);
-                    _tile_loadd(4, &vp[0][dc][lohi], sizeof vp[0]);
+                    _tile_loadd(4, &vp[0][0][dc][lohi], sizeof vp[0][0]);
                     _tile_dpbf16ps(5, 3, 4);
+                    if (blocks == 2) {
+                        _tile_loadd(7, &vp[1][0][dc][lohi], sizeof vp[1][0]);
+                        _tile_dpbf16ps(5, 6, 7);
+                    }
                     _tile_stored(5, out, sizeof acc[0]);
                 }
             }
