@@ -47,35 +47,49 @@ def supports(k_buf: torch.Tensor) -> bool:
     return k_buf.device.type == "cpu" and k_buf.dtype in DTYPES and d % DIM_MULTIPLE == 0 and d <= MAX_DIM
 
 
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [n, heads, D] as the kernel reads it: heads contiguous within a token, token rows any
+    multiple of D apart (a view into the fused qkv output as it is; else a contiguous copy)."""
+    d = x.shape[2]
+    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) % d == 0:
+        return x
+    return x.contiguous()
+
+
 def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
               seg: Segments, scaling: float, new_kv: tuple[torch.Tensor, torch.Tensor,
                                                     torch.Tensor] | None = None) -> torch.Tensor:
-    """q [T, H, D] (the query tokens), k_buf/v_buf [N, KH, D] (contiguous, same dtype) → o [T, H, D].
+    """q [T, H, D] (the query tokens; token rows may be strided), k_buf/v_buf [N, KH, D]
+    (contiguous, same dtype) → o [T, H, D].
 
     ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the forward's new K/V, written into the
     buffers at those slots first (one call instead of a store and an attention)."""
     t, h, d = q.shape
     kh = k_buf.shape[1]
-    if not (q.is_contiguous() and k_buf.is_contiguous() and v_buf.is_contiguous()):
-        raise ValueError("attention: q, k_buf and v_buf must be contiguous")
-    out = torch.empty_like(q)
+    if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
+        raise ValueError("attention: k_buf and v_buf must be contiguous")
+    q = _token_rows(q)
+    out = torch.empty(t, h, d, dtype=q.dtype)
     acc = torch.empty(t, 2, h, d, dtype=torch.float32)  # touched only for tokens with two parts
     ml = torch.empty(2, t, 2, h, dtype=torch.float32)
     new_k = new_v = new_slots = None
     if new_kv is not None:
-        new_k, new_v, new_slots = new_kv
-        if not (new_k.dtype == new_v.dtype == k_buf.dtype and new_k.is_contiguous() and new_v.is_contiguous()
+        new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
+        if new_k.stride(0) != new_v.stride(0):
+            new_k, new_v = new_k.contiguous(), new_v.contiguous()
+        if not (new_k.dtype == new_v.dtype == k_buf.dtype
                 and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
                 and new_slots.dtype == torch.int64 and new_slots.is_contiguous()):
-            raise ValueError("attention: new k/v must be contiguous [n, KH, D] in the buffers' dtype, "
+            raise ValueError("attention: new k/v must be [n, KH, D] in the buffers' dtype, "
                              "their slots contiguous int64 [n]")
     rc = lib.radixrt_attention(
-        q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(), int(q.dtype == torch.bfloat16),
-        t, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(), seg.slot_start.data_ptr(),
-        seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(),
+        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(),
+        int(q.dtype == torch.bfloat16), t, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(),
+        seg.slot_start.data_ptr(), seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(),
         None if seg.causal is None else seg.causal.data_ptr(), seg.num_parts.data_ptr(),
         acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads(),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
+        0 if new_k is None else new_k.stride(0),
         None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())
     if rc != 0:
         raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")

@@ -30,8 +30,9 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not take
-    "radixrt_attention": [_ptr, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _f32, _i64, _ptr, _ptr,
-                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _ptr, _i64],
+    "radixrt_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _f32, _i64, _ptr,
+                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64,
+                          _ptr, _i64],
     "radixrt_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int, _int],
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],

@@ -18,7 +18,7 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def usable(x: torch.Tensor) -> bool:
-    return x.device.type == "cpu" and x.dtype in DTYPES
+    return x.is_cpu and x.dtype in DTYPES
 
 
 def _check(rc: int, what: str) -> None:
@@ -37,9 +37,11 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     if weight.dtype != x.dtype or (residual is not None and (residual.dtype != x.dtype
                                                              or not residual.is_contiguous())):
         raise ValueError("rms_norm: weight and residual must be in x's dtype, residual contiguous")
+    if not weight.is_contiguous():
+        weight = weight.contiguous()
     out = torch.empty(t, n, dtype=x.dtype)
     _check(lib.radixrt_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                                out.data_ptr(), weight.contiguous().data_ptr(), t, n, eps,
+                                out.data_ptr(), weight.data_ptr(), t, n, eps,
                                 int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rms_norm")
     return out
 
@@ -49,11 +51,13 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch
     """Neox rotary embedding of x [T, N, D] in place (token rows may be strided, heads not),
     with float32 tables cos and sin± [max_position, D] at positions (int64 [T]); returns x."""
     t, heads, d = x.shape
-    if x.stride(2) != 1 or x.stride(1) != d or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32:
-        raise ValueError("rope_: x must have contiguous heads, the tables must be float32")
-    positions = positions.to(torch.int64).contiguous()
+    if (x.stride(2) != 1 or x.stride(1) != d or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32
+            or not (cos.is_contiguous() and sin_signed.is_contiguous())):
+        raise ValueError("rope_: x must have contiguous heads, the tables must be contiguous float32")
+    if positions.dtype != torch.int64 or not positions.is_contiguous():
+        positions = positions.to(torch.int64).contiguous()
     _check(lib.radixrt_rope(x.data_ptr(), x.stride(0), t, heads, d, positions.data_ptr(),
-                            cos.contiguous().data_ptr(), sin_signed.contiguous().data_ptr(),
+                            cos.data_ptr(), sin_signed.data_ptr(),
                             int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rope_")
     return x
 
@@ -61,7 +65,8 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch
 def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :N]) · x[:, N:] for x [T, 2N] → [T, N]."""
     t, n2 = x.shape
-    x = x.contiguous()
+    if not x.is_contiguous():
+        x = x.contiguous()
     out = torch.empty(t, n2 // 2, dtype=x.dtype)
     _check(lib.radixrt_silu_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, int(x.dtype == torch.bfloat16),
                                 torch.get_num_threads()), "silu_mul")

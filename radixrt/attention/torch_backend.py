@@ -126,10 +126,10 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         meta = batch.attn_metadata
         if isinstance(meta, cpu_kernel.Segments):  # the kernel stores the new K/V itself
-            dt = k_buf.dtype
-            new_kv = (k.to(dt).contiguous(), v.to(dt).contiguous(), batch.out_cache_loc)
-            return cpu_kernel.attention(self.kernel, q.to(dt).contiguous(), k_buf, v_buf, meta,
-                                               scaling, new_kv).to(q.dtype)
+            dt = k_buf.dtype  # q, k, v are read in place (views into the qkv output)
+            new_kv = (k.to(dt), v.to(dt), batch.out_cache_loc)
+            return cpu_kernel.attention(self.kernel, q.to(dt), k_buf, v_buf, meta, scaling,
+                                        new_kv).to(q.dtype)
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         if isinstance(meta, _CascadeMeta):
             return _cascade_decode(q, k_buf, v_buf, meta, scaling)

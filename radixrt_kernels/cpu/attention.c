@@ -131,6 +131,7 @@ struct call {
     void *out;
     int is_bf16;
     int64_t h, kh, g, d;
+    int64_t q_rows;  /* rows of D values from one token of q to the next (H when contiguous) */
     float scaling;
     const int64_t *num_parts;          /* [T] */
     float *part_acc, *part_m, *part_l; /* [T, 2, H, D], [T, 2, H], [T, 2, H] */
@@ -211,7 +212,7 @@ static void attend_item(const struct call *c, const struct item *it) {
     for (int64_t i = 0; i < d; i++) qt[i][0] = qt[i][1] = (v16){0};
     for (int64_t r = 0; r < nq; r++) {
         const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-        load_row(q, b * h + head, d, is_bf16, row);
+        load_row(q, b * c->q_rows + head, d, is_bf16, row);
         for (int64_t i = 0; i < d; i++) qt[i][r / 16][r % 16] = row[i] * scaling;
     }
     for (int64_t r = 0; r < QB; r++)
@@ -332,13 +333,13 @@ static inline void unpermute(float (*acc)[DMAX], int64_t nq, int64_t d) {
 }
 
 /* An item's bf16 query rows into qb (rows nq .. rows-1: zeros), and its running state. */
-static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, int64_t h, int64_t j,
+static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, int64_t q_rows, int64_t j,
                               int64_t q0, int64_t nq, int64_t rows, int64_t d, bf16 (*qb)[DMAX],
                               float (*acc)[DMAX], float *m, float *l) {
     for (int64_t r = 0; r < rows; r++) {
         if (r < nq) {
             const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
-            memcpy(qb[r], q + (b * h + head) * d, (size_t)d * sizeof(bf16));
+            memcpy(qb[r], q + (b * q_rows + head) * d, (size_t)d * sizeof(bf16));
         } else {
             memset(qb[r], 0, (size_t)d * sizeof(bf16));
         }
@@ -395,7 +396,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB], alpha[QB];
 
-    start_rows(q, members, g, h, j, q0, nq, rows, d, (bf16 (*)[DMAX])qpair, acc, m, l);
+    start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, (bf16 (*)[DMAX])qpair, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         const int halves = nk > 16 ? 2 : 1;
@@ -451,9 +452,10 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
 
 
 #ifdef HAVE_AMX
-/* Tile registers: 0 scores (C), 1 a q chunk (A), 2 a key chunk (B), 3 and 6 probabilities of
- * a step's two blocks (A), 4 and 7 their value chunks (B), 5 an output chunk (C); all 16 rows
- * × 64 bytes. */
+/* Tile registers, all 16 rows × 64 bytes. Q·Kᵀ: 0, 3, 5, 6 the scores of a step's four
+ * groups of 16 keys (C), 1 a q chunk (A), 2, 4, 7 key chunks (B). P·V: 3 and 6 the
+ * probabilities of its two blocks (A), 4, 1, 7, 2 value chunks (B), 5 and 0 two output chunks
+ * (C). */
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -503,10 +505,10 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     float m[QB] __attribute__((aligned(64))), l[QB], alpha[QB] __attribute__((aligned(64)));
     const v16 ninf = (v16){0} - INFINITY;
 
-    start_rows(q, members, g, h, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
+    start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
-        const int blocks = nk > KB ? 2 : 1, quarters = nk > KB + 16 ? 4 : nk > KB ? 3 : nk > 16 ? 2 : 1;
+        const int blocks = nk > KB ? 2 : 1, quarters = 2 * blocks;
         prefetch_block(k_buf, v_buf, slots, k0 + AKB, n_keys, kh, j, d);
         prefetch_block(k_buf, v_buf, slots, k0 + AKB + KB, n_keys, kh, j, d);
         for (int bl = 0; bl < blocks; bl++) {
@@ -518,14 +520,32 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
         for (int t = 0; t < AKB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t mt = 0; mt < mtiles; mt++) {
             const int64_t r0 = 16 * mt;
-            for (int qt = 0; qt < quarters; qt++) { /* scores of keys 16·qt .. 16·qt+15 */
-                _tile_zero(0);
-                for (int64_t dc = 0; dc < d / 32; dc++) {
-                    _tile_loadd(1, &qb[r0][32 * dc], sizeof qb[0]);
-                    _tile_loadd(2, &kt[qt / 2][16 * dc][qt % 2], sizeof kt[0][0]);
-                    _tile_dpbf16ps(0, 1, 2);
+            /* Scores of keys 16·qt .. 16·qt+15 in tiles 0, 3, 5, 6 (qt = 0..3): independent
+             * accumulators, so the tile products overlap instead of waiting on each other. */
+            _tile_zero(0);
+            _tile_zero(3);
+            if (blocks == 2) {
+                _tile_zero(5);
+                _tile_zero(6);
+            }
+            for (int64_t dc = 0; dc < d / 32; dc++) {
+                _tile_loadd(1, &qb[r0][32 * dc], sizeof qb[0]);
+                _tile_loadd(2, &kt[0][16 * dc][0], sizeof kt[0][0]);
+                _tile_loadd(4, &kt[0][16 * dc][1], sizeof kt[0][0]);
+                _tile_dpbf16ps(0, 1, 2);
+                _tile_dpbf16ps(3, 1, 4);
+                if (blocks == 2) {
+                    _tile_loadd(7, &kt[1][16 * dc][0], sizeof kt[0][0]);
+                    _tile_dpbf16ps(5, 1, 7);
+                    _tile_loadd(2, &kt[1][16 * dc][1], sizeof kt[0][0]);
+                    _tile_dpbf16ps(6, 1, 2);
                 }
-                _tile_stored(0, &sc[r0][16 * qt], sizeof sc[0]);
+            }
+            _tile_stored(0, &sc[r0][0], sizeof sc[0]);
+            _tile_stored(3, &sc[r0][16], sizeof sc[0]);
+            if (blocks == 2) {
+                _tile_stored(5, &sc[r0][32], sizeof sc[0]);
+                _tile_stored(6, &sc[r0][48], sizeof sc[0]);
             }
             v16 block_max; /* lane r: row r0 + r */
             for (int r = 0; r < 16; r++) {
@@ -559,20 +579,25 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
                         _mm512_store_ps(&acc[r0 + r][i], _mm512_mul_ps(_mm512_load_ps(&acc[r0 + r][i]), scale));
                 }
             }
+            /* P·V per 32 dims: the lo and hi output chunks in tiles 5 and 0, side by side */
             _tile_loadd(3, &ppair[r0][0], sizeof ppair[0]);
             if (blocks == 2) _tile_loadd(6, &ppair[r0][16], sizeof ppair[0]);
             for (int64_t dc = 0; dc < d / 32; dc++) {
-                for (int lohi = 0; lohi < 2; lohi++) {
-                    float *out = &acc[r0][32 * dc + 16 * lohi];
-                    _tile_loadd(5, out, sizeof acc[0]);
-                    _tile_loadd(4, &vp[0][0][dc][lohi], sizeof vp[0][0]);
-                    _tile_dpbf16ps(5, 3, 4);
-                    if (blocks == 2) {
-                        _tile_loadd(7, &vp[1][0][dc][lohi], sizeof vp[1][0]);
-                        _tile_dpbf16ps(5, 6, 7);
-                    }
-                    _tile_stored(5, out, sizeof acc[0]);
+                float *lo = &acc[r0][32 * dc], *hi = &acc[r0][32 * dc + 16];
+                _tile_loadd(5, lo, sizeof acc[0]);
+                _tile_loadd(0, hi, sizeof acc[0]);
+                _tile_loadd(4, &vp[0][0][dc][0], sizeof vp[0][0]);
+                _tile_loadd(1, &vp[0][0][dc][1], sizeof vp[0][0]);
+                _tile_dpbf16ps(5, 3, 4);
+                _tile_dpbf16ps(0, 3, 1);
+                if (blocks == 2) {
+                    _tile_loadd(7, &vp[1][0][dc][0], sizeof vp[1][0]);
+                    _tile_loadd(2, &vp[1][0][dc][1], sizeof vp[1][0]);
+                    _tile_dpbf16ps(5, 6, 7);
+                    _tile_dpbf16ps(0, 6, 2);
                 }
+                _tile_stored(5, lo, sizeof acc[0]);
+                _tile_stored(0, hi, sizeof acc[0]);
             }
         }
     }
@@ -583,30 +608,34 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
 
 /* Returns 0, or -1 when a size is out of range (nothing is written then).
  *
- * q and out [T, H, D]: the query tokens.
+ * q [T, H, D] (the query tokens; token rows q_stride elements apart, heads contiguous) and out
+ * [T, H, D] (contiguous).
  * seg_slot_start [S + 1]: segment s's slots are slots[seg_slot_start[s] .. seg_slot_start[s+1]);
  * seg_member_start [S + 1]: its query tokens are members[seg_member_start[s] .. [s+1]);
  * seg_part [S]: the part (0 or 1) its results go to; seg_causal [S] (NULL: none): 1 if causal;
  * num_parts [T]: 1 or 2 per token.
  * part_acc [T, 2, H, D], part_m and part_l [T, 2, H]: float32 scratch (touched only for tokens
  * with two parts).
- * new_k, new_v [n_new, KH, D]: written to rows new_slots [n_new] of k_buf, v_buf first. */
-int radixrt_attention(const void *q, void *k_buf, void *v_buf, void *out, int is_bf16, int64_t t,
-                      int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
+ * new_k, new_v [n_new, KH, D] (token rows new_stride elements apart, heads contiguous): written
+ * to rows new_slots [n_new] of k_buf, v_buf first. */
+int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf, void *out, int is_bf16,
+                      int64_t t, int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
                       const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
                       const int64_t *seg_member_start, const int64_t *seg_part,
                       const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
                       float *part_m, float *part_l, int num_threads, const void *new_k,
-                      const void *new_v, const int64_t *new_slots, int64_t n_new) {
-    if (d > DMAX || d <= 0 || d % DC != 0 || kh <= 0 || h % kh != 0 || num_threads < 1) return -1;
+                      const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
+    if (d > DMAX || d <= 0 || d % DC != 0 || kh <= 0 || h % kh != 0 || num_threads < 1 || q_stride % d != 0)
+        return -1;
     /* First the step's new K/V rows into their slots (a new token attends to itself). */
-    const size_t row_bytes = (size_t)(kh * d) * (is_bf16 ? 2 : 4);
+    const size_t elem = is_bf16 ? 2 : 4, row_bytes = (size_t)(kh * d) * elem;
     for (int64_t i = 0; i < n_new; i++) {
-        memcpy((char *)k_buf + new_slots[i] * row_bytes, (const char *)new_k + i * row_bytes, row_bytes);
-        memcpy((char *)v_buf + new_slots[i] * row_bytes, (const char *)new_v + i * row_bytes, row_bytes);
+        const size_t from = (size_t)(i * new_stride) * elem;
+        memcpy((char *)k_buf + new_slots[i] * row_bytes, (const char *)new_k + from, row_bytes);
+        memcpy((char *)v_buf + new_slots[i] * row_bytes, (const char *)new_v + from, row_bytes);
     }
-    const struct call call = {q, k_buf, v_buf, out, is_bf16, h, kh, h / kh, d, scaling, num_parts,
-                              part_acc, part_m, part_l};
+    const struct call call = {q, k_buf, v_buf, out, is_bf16, h, kh, h / kh, d, q_stride / d, scaling,
+                              num_parts, part_acc, part_m, part_l};
     const int64_t g = call.g;
     /* Work items: per segment, KH × ceil(members·G / QB). */
     int64_t items = 0;

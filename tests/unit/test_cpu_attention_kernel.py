@@ -196,3 +196,27 @@ def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypa
                                 seg, 0.125)
     got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_reads_q_k_v_as_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
+    """q, k and v as the model passes them (views into one [T, (H + 2·KH)·D] tensor, token rows
+    strided) give what contiguous copies give, and store the same K/V."""
+    seq_lens = [s for s, _ in EXTEND]
+    runs = []
+    for views in (True, False):
+        pool = _pool(3, 64, EXTEND, dtype)
+        torch.manual_seed(3)
+        t = sum(EXTEND_LENS)
+        qkv = torch.randn(t, 15 * 64).to(dtype)
+        q, k, v = (x.view(t, -1, 64) for x in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
+        if not views:
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out_loc = torch.cat([pool.req_to_token[i, n - e:n] for i, (n, e) in enumerate(zip(seq_lens, EXTEND_LENS))])
+        batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64), torch.zeros(t, dtype=torch.int64),
+                             out_loc, torch.arange(len(seq_lens)), seq_lens, EXTEND_LENS)
+        backend = TorchAttentionBackend(pool, use_kernel=True)
+        backend.init_forward_metadata(batch)
+        runs.append((backend.forward(q, k, v, 0, batch, 0.125), pool.k_buffers[0].clone(), pool.v_buffers[0].clone()))
+    for got, want in zip(*runs):
+        assert torch.equal(got, want)
