@@ -41,6 +41,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixrt_kernels import cpu_library, cpu_ops
+
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 MAX_CACHE_SALT_LEN = 256
@@ -188,14 +190,23 @@ class Sampler:
                 generators: list[torch.Generator | None]) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # fast path: one argmax
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         if len(rows) == len(params):
             return _sample_rows(logits.float(), params, generators)
-        tokens = logits.argmax(dim=-1)
+        tokens = _argmax(logits)
         idx = torch.tensor(rows, device=logits.device)
         sub = _sample_rows(logits[idx].float(), [params[i] for i in rows],
                            [generators[i] for i in rows])
         return tokens.index_copy_(0, idx, sub)
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1), through the CPU kernels' library where the process has it (same
+    result, a tenth of the time)."""
+    lib = cpu_library.loaded()
+    if lib is not None and logits.dim() == 2 and cpu_ops.usable(logits):
+        return cpu_ops.argmax(lib, logits)
+    return logits.argmax(dim=-1)
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,8 @@
 """The CPU kernels' library: the C sources in ``cpu/``, built on first use.
 
 ``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``)
-and ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, see
-``cpu_ops``) are compiled with the system C compiler (``-O3 -march=native``,
+and ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
+see ``cpu_ops``) are compiled with the system C compiler (``-O3 -march=native``,
 OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
 library links against the OpenMP runtime PyTorch already loaded, so its loops
 run on PyTorch's threads.
@@ -36,6 +36,7 @@ SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not tak
     "radixrt_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int, _int],
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
+    "radixrt_argmax": [_ptr, _i64, _i64, _i64, _int, _ptr, _int],
 }
 
 _lib: ctypes.CDLL | None = None
@@ -43,6 +44,11 @@ _why: str | None = None
 _tried = False
 def why_unavailable() -> str | None:
     return _why
+
+
+def loaded() -> ctypes.CDLL | None:
+    """The library if ``load`` built it in this process already (never builds)."""
+    return _lib
 
 
 def load(cache_dir: str) -> ctypes.CDLL | None:

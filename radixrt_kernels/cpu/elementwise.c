@@ -179,3 +179,58 @@ int radixrt_silu_mul(const void *x, void *out, int64_t t, int64_t n, int is_bf16
     }
     return 0;
 }
+
+/* One row of radixrt_argmax. */
+INLINE int64_t argmax_row(const void *x, int64_t n, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    v16 best = (v16){0} - INFINITY;
+    v16i at = (v16i){0} - 1, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    v16i nan = {0};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16, idx += 16) {
+        const v16 v = load16((const char *)x + i * elem, is_bf16);
+        const v16i more = v > best; /* strict: a lane keeps its first maximum */
+        best = vselect(more, v, best);
+        at = (more & idx) | (~more & at);
+        nan |= v != v;
+    }
+    float top = -INFINITY;
+    int64_t arg = 0; /* every value -inf: index 0 */
+    for (int lane = 0; lane < 16; lane++) { /* the largest value, at its smallest index */
+        if (at[lane] >= 0 && (best[lane] > top || (best[lane] == top && at[lane] < arg))) {
+            top = best[lane];
+            arg = at[lane];
+        }
+    }
+    int any_nan = 0;
+    for (int lane = 0; lane < 16; lane++) any_nan |= nan[lane] != 0;
+    for (; i < n; i++) {
+        const float v = load1(x, i, is_bf16);
+        if (v > top) {
+            top = v;
+            arg = i;
+        }
+        any_nan |= v != v;
+    }
+    if (any_nan) { /* NaN counts as the largest value, as in PyTorch: the first one */
+        for (i = 0; i < n; i++) {
+            const float v = load1(x, i, is_bf16);
+            if (v != v) return i;
+        }
+    }
+    return arg;
+}
+
+/* out[r] = the index of the largest value of row r of x [rows, n] (rows row_stride elements
+ * apart): the first one on ties, the first NaN if there is one (PyTorch's argmax). */
+int radixrt_argmax(const void *x, int64_t rows, int64_t n, int64_t row_stride, int is_bf16, int64_t *out,
+                   int num_threads) {
+    if (n <= 0) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if (rows * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const void *row = (const char *)x + r * row_stride * elem;
+        out[r] = is_bf16 ? argmax_row(row, n, 1) : argmax_row(row, n, 0);
+    }
+    return 0;
+}
