@@ -280,7 +280,7 @@ class RotaryEmbedding(nn.Module):
     where sin± is sin with its first half negated: the same products, bit for bit, in one
     copy instead of a negation and a concatenation. Through the CPU kernels (see
     use_cpu_kernels) x is rotated in place: callers pass a tensor of their own."""
-    cpu_lib = None
+    cpu_lib = None  # see use_cpu_kernels
 
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:
