@@ -67,9 +67,28 @@ static inline v16 vselect(v16i mask, v16 a, v16 b) {
     return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
-/* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0): x = n·ln2 + r,
- * |r| <= ln2 (n truncated toward zero), e^r by its degree-7 Taylor polynomial, 2^n by exponent. */
+/* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0; x clamped
+ * to 88 above). With AVX-512: x = n·ln2 + r, n rounded to nearest (|r| <= ln2/2), e^r by its
+ * degree-6 Taylor polynomial, times 2^n by vscalefps (no result below the normal range: a
+ * denormal would cost a microcode assist per lane). Elsewhere: n truncated toward zero
+ * (|r| <= ln2), degree 7, 2^n added to the exponent. */
 static inline v16 vexp(v16 x) {
+#ifdef __AVX512F__
+    const __mmask16 lo = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
+    const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.3f), (__m512)x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const v16 r = (v16)_mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
+                                        _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc));
+    v16 p = (v16){0} + 1.0f / 720.0f;
+    p = p * r + 1.0f / 120.0f;
+    p = p * r + 1.0f / 24.0f;
+    p = p * r + 1.0f / 6.0f;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (v16)_mm512_maskz_scalef_ps(~lo, (__m512)p, n);
+#else
     const v16i lo = x < -87.3f;
     const v16 zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
     x = vselect(lo, floor, vselect(x > 88.0f, ceiling, x));
@@ -86,6 +105,7 @@ static inline v16 vexp(v16 x) {
     p = p * r + 1.0f;
     p = (v16)((v16i)p + (n << 23));
     return vselect(lo, zero, p);
+#endif
 }
 
 /* 1 / d per lane: the 14-bit estimate refined once (within ~1 ulp of a division, at a
