@@ -23,7 +23,8 @@
  * The step's new K/V rows are written into their slots first (one call per
  * layer stores and attends).
  *
- * Work items are (segment, KV head, block of at most QB query rows; in a causal
+ * Work items are (segment, KV head, block of at most QB query rows, AMX_QB where AMX runs
+ * the items; in a causal
  * segment the last block, the one with the most keys, first); threads
  * of the caller's OpenMP runtime take them from a shared counter (PyTorch's
  * libgomp: the library is linked against it, so no second thread pool runs).
@@ -49,7 +50,8 @@
 #include <unistd.h>
 #endif
 
-#define QB 32 /* query rows per work item */
+#define QB 32     /* query rows per work item ... */
+#define AMX_QB 64 /* ... where AMX runs the items (more rows share each block's key and value layouts) */
 #define KB 32 /* keys per block */
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
@@ -137,7 +139,7 @@ struct call {
     float *part_acc, *part_m, *part_l; /* [T, 2, H, D], [T, 2, H], [T, 2, H] */
 };
 
-/* A work item: rows [q0, q0 + nq) (nq <= QB) of a segment's queries on KV head j. Query row r
+/* A work item: rows [q0, q0 + nq) (nq <= QB, or AMX_QB for AMX) of a segment's queries on KV head j. Query row r
  * is member r / G of the segment, head j*G + r % G. */
 struct item {
     const int64_t *slots, *members;
@@ -496,13 +498,13 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
     const float scaling = c->scaling;
     const int64_t mtiles = (nq + 15) / 16;
-    bf16 qb[QB][DMAX] __attribute__((aligned(64)));
-    float acc[QB][DMAX] __attribute__((aligned(64)));
+    bf16 qb[AMX_QB][DMAX] __attribute__((aligned(64)));
+    float acc[AMX_QB][DMAX] __attribute__((aligned(64)));
     __m512i kt[2][DMAX / 2][2];
     __m512i vp[2][KB / 2][DMAX / 32][2];
-    float sc[QB][AKB] __attribute__((aligned(64)));
-    uint32_t ppair[QB][AKB / 2] __attribute__((aligned(64)));
-    float m[QB] __attribute__((aligned(64))), l[QB], alpha[QB] __attribute__((aligned(64)));
+    float sc[AMX_QB][AKB] __attribute__((aligned(64)));
+    uint32_t ppair[AMX_QB][AKB / 2] __attribute__((aligned(64)));
+    float m[AMX_QB] __attribute__((aligned(64))), l[AMX_QB], alpha[AMX_QB] __attribute__((aligned(64)));
     const v16 ninf = (v16){0} - INFINITY;
 
     start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
@@ -637,16 +639,19 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
     const struct call call = {q, k_buf, v_buf, out, is_bf16, h, kh, h / kh, d, q_stride / d, scaling,
                               num_parts, part_acc, part_m, part_l};
     const int64_t g = call.g;
-    /* Work items: per segment, KH × ceil(members·G / QB). */
+#ifdef HAVE_AMX
+    const int use_amx = is_bf16 && amx_permitted();
+    const int64_t qb = use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
+#else
+    const int64_t qb = QB;
+#endif
+    /* Work items: per segment, KH × ceil(members·G / qb). */
     int64_t items = 0;
     for (int64_t s = 0; s < num_segments; s++) {
         int64_t rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
-        items += kh * ((rows + QB - 1) / QB);
+        items += kh * ((rows + qb - 1) / qb);
     }
     int64_t next = 0;
-#ifdef HAVE_AMX
-    const int use_amx = is_bf16 && amx_permitted();
-#endif
 #pragma omp parallel num_threads(num_threads)
     {
 #ifdef HAVE_AMX
@@ -659,7 +664,7 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
             int64_t s = 0, rows = 0, blocks = 0;
             for (;; s++) {
                 rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
-                blocks = (rows + QB - 1) / QB;
+                blocks = (rows + qb - 1) / qb;
                 if (item < kh * blocks) break;
                 item -= kh * blocks;
             }
@@ -667,8 +672,8 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
             const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
             struct item it = {slots + seg_slot_start[s], members + seg_member_start[s],
                               seg_slot_start[s + 1] - seg_slot_start[s], -1, seg_part[s],
-                              item / blocks, block * QB, 0};
-            it.nq = rows - it.q0 < QB ? rows - it.q0 : QB;
+                              item / blocks, block * qb, 0};
+            it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
             if (causal) {
                 it.causal_from = it.n_keys - rows / g;
                 it.n_keys = row_limit(&it, g, it.nq - 1);
