@@ -508,6 +508,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const v16 ninf = (v16){0} - INFINITY;
 
     start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
+    memset(ppair[nq], 0, sizeof ppair[0] * (size_t)(16 * mtiles - nq)); /* padding rows: P = 0 */
     for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
         const int blocks = nk > KB ? 2 : 1, quarters = 2 * blocks;
@@ -549,8 +550,9 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
                 _tile_stored(5, &sc[r0][32], sizeof sc[0]);
                 _tile_stored(6, &sc[r0][48], sizeof sc[0]);
             }
-            v16 block_max; /* lane r: row r0 + r */
-            for (int r = 0; r < 16; r++) {
+            const int real = nq - r0 < 16 ? (int)(nq - r0) : 16; /* rows past it: padding, skipped */
+            v16 block_max = ninf; /* lane r: row r0 + r */
+            for (int r = 0; r < real; r++) {
                 v16 sv[4];
                 for (int qt = 0; qt < 4; qt++)
                     sv[qt] = qt < quarters ? *(v16 *)&sc[r0 + r][16 * qt] * scaling + pad[qt] : ninf;
@@ -565,7 +567,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
             const v16 m_new = vselect(block_max > m_old, block_max, m_old);
             *(v16 *)&alpha[r0] = vselect(m_old == ninf, (v16){0}, vexp(m_old - m_new)); /* 0 at the start */
             *(v16 *)&m[r0] = m_new;
-            for (int r = 0; r < 16; r++) {
+            for (int r = 0; r < real; r++) {
                 const float mx = m_new[r];
                 v16 sum = {0};
                 for (int half = 0; half < blocks; half++) { /* probabilities as bf16 key pairs */
