@@ -38,6 +38,7 @@ class Segments:
     num_parts: torch.Tensor     # [T] 1 or 2 per query token
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
+    two_parts: bool = True  # False: every token has one part (no scratch for merging is needed)
 
 
 def supports(k_buf: torch.Tensor) -> bool:
@@ -70,8 +71,9 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         raise ValueError("attention: k_buf and v_buf must be contiguous")
     q = _token_rows(q)
     out = torch.empty(t, h, d, dtype=q.dtype)
-    acc = torch.empty(t, 2, h, d, dtype=torch.float32)  # touched only for tokens with two parts
-    ml = torch.empty(2, t, 2, h, dtype=torch.float32)
+    # scratch for merging two parts: acc [T, 2, H, D], then m and l [T, 2, H] each
+    scratch = torch.empty(t * 2 * h * (d + 2) if seg.two_parts else 0, dtype=torch.float32)
+    acc, m_at, l_at = (scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1)))
     new_k = new_v = new_slots = None
     if new_kv is not None:
         new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
@@ -87,7 +89,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         int(q.dtype == torch.bfloat16), t, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(),
         seg.slot_start.data_ptr(), seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(),
         None if seg.causal is None else seg.causal.data_ptr(), seg.num_parts.data_ptr(),
-        acc.data_ptr(), ml[0].data_ptr(), ml[1].data_ptr(), torch.get_num_threads(),
+        acc, m_at, l_at, torch.get_num_threads(),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
         0 if new_k is None else new_k.stride(0),
         None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())

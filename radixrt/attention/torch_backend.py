@@ -127,6 +127,9 @@ class TorchAttentionBackend(AttentionBackend):
         meta = batch.attn_metadata
         if isinstance(meta, cpu_kernel.Segments):  # the kernel stores the new K/V itself
             dt = k_buf.dtype  # q, k, v are read in place (views into the qkv output)
+            if q.dtype == k.dtype == v.dtype == dt:
+                return cpu_kernel.attention(self.kernel, q, k_buf, v_buf, meta, scaling,
+                                            (k, v, batch.out_cache_loc))
             new_kv = (k.to(dt), v.to(dt), batch.out_cache_loc)
             return cpu_kernel.attention(self.kernel, q.to(dt), k_buf, v_buf, meta, scaling,
                                         new_kv).to(q.dtype)
@@ -185,7 +188,7 @@ def _kernel_extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_len
         member_start=torch.cat([zero, ext.cumsum(0)]),
         part=torch.zeros(s, dtype=torch.int64, device=dev),
         num_parts=torch.ones(t, dtype=torch.int64, device=dev),
-        causal=torch.ones(s, dtype=torch.int64, device=dev))
+        causal=torch.ones(s, dtype=torch.int64, device=dev), two_parts=False)
 
 
 def _as_run(slots: torch.Tensor) -> torch.Tensor | tuple[int, int]:
@@ -286,7 +289,7 @@ def _kernel_metadata(table: torch.Tensor, req_rows: torch.Tensor,
         members=torch.cat([*st.groups, torch.arange(b)]),
         member_start=torch.cat([zero, member_sizes.cumsum(0)]),
         part=torch.cat([torch.zeros(len(st.groups), dtype=torch.int64), in_group]),
-        num_parts=in_group + 1)
+        num_parts=in_group + 1, two_parts=bool(st.groups))
 
 
 def _shared_groups(rows: torch.Tensor,
