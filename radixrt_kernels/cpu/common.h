@@ -67,6 +67,16 @@ static inline v16 vselect(v16i mask, v16 a, v16 b) {
     return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
+/* e^r ≈ 1 + r + r²/2! + ... + r^degree/degree! per lane (Horner; degree <= 7, a constant at
+ * each call, so the loop unrolls). */
+static inline v16 taylor_exp(v16 r, int degree) {
+    static const float inverse_factorial[8] = {1.0f, 1.0f, 1.0f / 2, 1.0f / 6, 1.0f / 24, 1.0f / 120,
+                                               1.0f / 720, 1.0f / 5040};
+    v16 p = (v16){0} + inverse_factorial[degree];
+    for (int i = degree - 1; i >= 0; i--) p = p * r + inverse_factorial[i];
+    return p;
+}
+
 /* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0; x clamped
  * to 88 above). With AVX-512: x = n·ln2 + r, n rounded to nearest (|r| <= ln2/2), e^r by its
  * degree-6 Taylor polynomial, times 2^n by vscalefps (no result below the normal range: a
@@ -80,14 +90,7 @@ static inline v16 vexp(v16 x) {
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const v16 r = (v16)_mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
                                         _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc));
-    v16 p = (v16){0} + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    return (v16)_mm512_maskz_scalef_ps(~lo, (__m512)p, n);
+    return (v16)_mm512_maskz_scalef_ps(~lo, (__m512)taylor_exp(r, 6), n);
 #else
     const v16i lo = x < -87.3f;
     const v16 zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
@@ -95,15 +98,7 @@ static inline v16 vexp(v16 x) {
     const v16i n = __builtin_convertvector(x * 1.44269504088896341f, v16i);
     const v16 nf = __builtin_convertvector(n, v16);
     const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-    v16 p = zero + 1.0f / 5040.0f;
-    p = p * r + 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    p = (v16)((v16i)p + (n << 23));
+    const v16 p = (v16)((v16i)taylor_exp(r, 7) + (n << 23));
     return vselect(lo, zero, p);
 #endif
 }
