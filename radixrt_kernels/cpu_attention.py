@@ -18,7 +18,7 @@ they are its last keys, and each sees the keys up to itself.
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,7 +38,10 @@ class Segments:
     num_parts: torch.Tensor     # [T] 1 or 2 per query token
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
-    two_parts: bool = True  # False: every token has one part (no scratch for merging is needed)
+    two_parts: bool = field(init=False)  # some token has two parts (the merge needs scratch)
+
+    def __post_init__(self) -> None:
+        self.two_parts = bool((self.num_parts == 2).any())
 
 
 def supports(k_buf: torch.Tensor) -> bool:

@@ -42,6 +42,8 @@ SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not tak
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _tried = False
+
+
 def why_unavailable() -> str | None:
     return _why
 
@@ -112,5 +114,3 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
-
-

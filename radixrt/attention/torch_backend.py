@@ -126,13 +126,11 @@ class TorchAttentionBackend(AttentionBackend):
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         meta = batch.attn_metadata
         if isinstance(meta, cpu_kernel.Segments):  # the kernel stores the new K/V itself
-            dt = k_buf.dtype  # q, k, v are read in place (views into the qkv output)
-            if q.dtype == k.dtype == v.dtype == dt:
-                return cpu_kernel.attention(self.kernel, q, k_buf, v_buf, meta, scaling,
-                                            (k, v, batch.out_cache_loc))
-            new_kv = (k.to(dt), v.to(dt), batch.out_cache_loc)
-            return cpu_kernel.attention(self.kernel, q.to(dt), k_buf, v_buf, meta, scaling,
-                                        new_kv).to(q.dtype)
+            dt, out_dtype = k_buf.dtype, q.dtype  # q, k, v are read in place (views into qkv)
+            if not q.dtype == k.dtype == v.dtype == dt:
+                q, k, v = q.to(dt), k.to(dt), v.to(dt)
+            o = cpu_kernel.attention(self.kernel, q, k_buf, v_buf, meta, scaling, (k, v, batch.out_cache_loc))
+            return o.to(out_dtype)
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         if isinstance(meta, _CascadeMeta):
             return _cascade_decode(q, k_buf, v_buf, meta, scaling)
@@ -188,7 +186,7 @@ def _kernel_extend_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_len
         member_start=torch.cat([zero, ext.cumsum(0)]),
         part=torch.zeros(s, dtype=torch.int64, device=dev),
         num_parts=torch.ones(t, dtype=torch.int64, device=dev),
-        causal=torch.ones(s, dtype=torch.int64, device=dev), two_parts=False)
+        causal=torch.ones(s, dtype=torch.int64, device=dev))
 
 
 def _as_run(slots: torch.Tensor) -> torch.Tensor | tuple[int, int]:
@@ -289,7 +287,7 @@ def _kernel_metadata(table: torch.Tensor, req_rows: torch.Tensor,
         members=torch.cat([*st.groups, torch.arange(b)]),
         member_start=torch.cat([zero, member_sizes.cumsum(0)]),
         part=torch.cat([torch.zeros(len(st.groups), dtype=torch.int64), in_group]),
-        num_parts=in_group + 1, two_parts=bool(st.groups))
+        num_parts=in_group + 1)
 
 
 def _shared_groups(rows: torch.Tensor,

@@ -85,9 +85,8 @@ class ModelRunner:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
         self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
-        self.cpu_kernels = self.device.type == "cpu" and cpu_library.load(cache_dir()) is not None
-        if self.cpu_kernels:  # the elementwise layers in C (eager mode)
-            use_cpu_kernels(model, cpu_library.load(cache_dir()))
+        # the elementwise layers in C in eager mode (no library: PyTorch's ops)
+        use_cpu_kernels(model, cpu_library.load(cache_dir()) if self.device.type == "cpu" else None)
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:
