@@ -132,12 +132,12 @@ def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chu
     head = model.lm_head
     hidden = head.weight.shape[1]
 
-    widths = sorted({m.weight.shape[1] for m in linears} | {hidden})
+    widths = sorted({m.in_features for m in linears} | {hidden})
     inputs = {k: torch.randn(chunk, k, dtype=head.weight.dtype) for k in widths}  # outside the clock
 
     def run(rows: int, sampled: int) -> None:
         for m in linears:
-            m(inputs[m.weight.shape[1]][:rows])
+            m(inputs[m.in_features][:rows])
         head(inputs[hidden][:sampled])
 
     assert len(prompts) <= chunk

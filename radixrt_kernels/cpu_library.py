@@ -1,8 +1,9 @@
 """The CPU kernels' library: the C sources in ``cpu/``, built on first use.
 
-``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``)
-and ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
-see ``cpu_ops``) are compiled with the system C compiler (``-O3 -march=native``,
+``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
+``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
+see ``cpu_ops``) and ``cpu/linear.c`` (bf16 linear layers with AMX, see
+``cpu_linear``) are compiled with the system C compiler (``-O3 -march=native``,
 OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
 library links against the OpenMP runtime PyTorch already loaded, so its loops
 run on PyTorch's threads.
@@ -24,12 +25,12 @@ import tempfile
 from pathlib import Path
 
 FOLDER = Path(__file__).with_name("cpu")
-SOURCES = [FOLDER / "attention.c", FOLDER / "elementwise.c"]
+SOURCES = [FOLDER / "attention.c", FOLDER / "elementwise.c", FOLDER / "linear.c"]
 HEADERS = [FOLDER / "common.h"]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not take
+SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_available: 1 or 0)
     "radixrt_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _f32, _i64, _ptr,
                           _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64,
                           _ptr, _i64],
@@ -37,7 +38,11 @@ SIGNATURES = {  # every function returns int: 0, or -1 on a size it does not tak
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "radixrt_argmax": [_ptr, _i64, _i64, _i64, _int, _ptr, _int],
+    "radixrt_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _i64, _i64, _i64, _int],
+    "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
+    "radixrt_linear_available": [],
 }
+RESTYPES = {"radixrt_linear_packed_elems": (ctypes.c_int64, [_i64, _i64])}  # the rest return int
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
@@ -113,4 +118,7 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    for name, (restype, argtypes) in RESTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib

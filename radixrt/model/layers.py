@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from radixrt_kernels import cpu_ops
+from radixrt_kernels import cpu_library, cpu_linear, cpu_ops
 
 
 def tp_rank_and_size() -> tuple[int, int]:
@@ -37,13 +37,14 @@ class LinearBase(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank_and_size()
         self.tp_dim = tp_dim
+        self.in_features, self.out_features = in_features, out_features  # of this rank's shard
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
-        self.packed = False  # see pack_cpu_weights
+        self.packing: str | None = None  # "amx" or "onednn": the weight's CPU layout (pack_cpu_weights)
 
     def _shard(self, loaded: torch.Tensor, dim: int, size: int) -> torch.Tensor:
         return loaded.narrow(dim, self.tp_rank * size, size)
@@ -57,7 +58,9 @@ class LinearBase(nn.Module):
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed:
+        if self.packing == "amx":
+            return amx_linear(x, self.weight, bias, self.out_features)
+        if self.packing == "onednn":
             return onednn_linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -154,10 +157,13 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Output projection over the (sharded) vocabulary; logits in float32."""
 
-    packed_weight: torch.Tensor | None = None  # a oneDNN copy (see pack_cpu_weights)
+    packed_weight: torch.Tensor | None = None  # a packed copy (see pack_cpu_weights) ...
+    packing: str | None = None                  # ... "amx" or "onednn"
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        if self.packed_weight is not None:
+        if self.packing == "amx":  # bf16 logits, widened to float32 in the same call
+            logits = amx_linear(h, self.packed_weight, None, self.shard, float_out=True)
+        elif self.packing == "onednn":
             logits = onednn_linear(h, self.packed_weight, None).float()
         else:
             logits = F.linear(h, self.weight).float()
@@ -168,39 +174,49 @@ class ParallelLMHead(VocabParallelEmbedding):
         return logits[..., :self.vocab_size]
 
 
-def pack_cpu_weights(model: nn.Module) -> bool:
-    """Hand the bf16 linear weights of a CPU model to oneDNN in its blocked layout.
+def pack_cpu_weights(model: nn.Module, lib=None) -> str | None:
+    """Lay the bf16 linear weights of a CPU model out for a faster kernel, once; returns the
+    layout chosen ("amx" or "onednn"), or None, changing nothing.
 
-    PyTorch's bf16 CPU matmuls already run in oneDNN, but re-lay the weight out
-    on every call; pre-packed, the decode-sized ones (a few to a few dozen
-    rows) run 30-45 % faster on an AMX CPU, and large ones no slower. The
-    results are those of the same kernels (checked here on one layer). A linear layer
-    swaps its weight for the packed one (no second copy); the LM head keeps
-    its plain weight (the tied embedding reads it) and gains a packed copy.
-    Returns False, changing nothing, where oneDNN or these ops are missing.
+    A decode step streams every weight through a few dozen rows, so its speed is the speed
+    the weights stream at. With ``lib`` (``radixrt_kernels.cpu_library``) on a CPU with AMX,
+    the weights go into that library's linear kernel's layout ("amx", see
+    ``radixrt_kernels.cpu_linear``): 21-24 GB/s in a decode step here, against 15 for
+    oneDNN's packed kernels and less for the plain ones, which re-lay the weight out on
+    every call. Elsewhere oneDNN's blocked layout ("onednn"). Both give the results of
+    PyTorch's own bf16 linears (the oneDNN layout is checked here on one layer). A linear
+    layer swaps its weight for the packed one (no second copy); the LM head keeps its plain
+    weight (the tied embedding reads it) and gains a packed copy.
     """
-    linears = [m for m in model.modules() if isinstance(m, LinearBase) and not m.packed]
-    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.packed_weight is None]
+    linears = [m for m in model.modules() if isinstance(m, LinearBase) and m.packing is None]
+    heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.packing is None]
     params = [m.weight for m in linears + heads]
     if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
-        return False
+        return None
+    if cpu_linear.available(lib) and all(cpu_linear.packable(p) for p in params):
+        for m in linears:
+            m.weight = nn.Parameter(cpu_linear.pack(lib, m.weight.detach()), requires_grad=False)
+            m.packing = "amx"
+        for m in heads:
+            m.packed_weight, m.packing = cpu_linear.pack(lib, m.weight.detach()), "amx"
+        return "amx"
     if _ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available():
-        return False
+        return None
     try:
         weight = params[0].detach()
         x = torch.randn(3, weight.shape[1], dtype=torch.bfloat16)
         got = onednn_linear(x, _ONEDNN_PACK(weight, None), None)
         want = F.linear(x, weight)
         if not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
-            return False
+            return None
     except RuntimeError:
-        return False
+        return None
     for m in linears:
         m.weight = nn.Parameter(_ONEDNN_PACK(m.weight.detach(), None), requires_grad=False)
-        m.packed = True
+        m.packing = "onednn"
     for m in heads:
-        m.packed_weight = _ONEDNN_PACK(m.weight.detach(), None)
-    return True
+        m.packed_weight, m.packing = _ONEDNN_PACK(m.weight.detach(), None), "onednn"
+    return "onednn"
 
 
 _ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
@@ -224,6 +240,27 @@ def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 @_onednn_linear_op.register_fake
 def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               float_out: bool = False) -> torch.Tensor:
+    """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``).
+    Inside torch.compile it goes through the opaque ``radixrt::amx_linear`` op."""
+    if torch.compiler.is_compiling():
+        return _amx_linear_op(x, packed, bias, out_features, float_out)
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out)
+
+
+@torch.library.custom_op("radixrt::amx_linear", mutates_args=())
+def _amx_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+                   float_out: bool) -> torch.Tensor:
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out)
+
+
+@_amx_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+      float_out: bool) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32 if float_out else x.dtype)
 
 
 def use_cpu_kernels(model: nn.Module, lib) -> None:

@@ -84,9 +84,9 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default)
         model.load_weights(iter_weights(path))
-        self.packed_weights = pack_cpu_weights(model)  # bf16 on CPU: oneDNN's layout
-        # the elementwise layers in C in eager mode (no library: PyTorch's ops)
-        use_cpu_kernels(model, cpu_library.load(cache_dir()) if self.device.type == "cpu" else None)
+        lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
+        self.weight_packing = pack_cpu_weights(model, lib)  # bf16 on CPU: "amx" or "onednn"
+        use_cpu_kernels(model, lib)  # the elementwise layers in C in eager mode (no library: PyTorch's)
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:

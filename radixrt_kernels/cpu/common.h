@@ -32,30 +32,50 @@ typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32))); /* 16 bf16 values */
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
+/* 16 bf16 values as float32 (their bits shifted up). GCC widens a vector of 16 uint16 in four
+ * shuffles; the AVX-512 zero extension is one. */
+static inline v16 widen16(v16h h) {
+#ifdef __AVX512F__
+    return (v16)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)h), 16);
+#else
+    return (v16)(__builtin_convertvector(h, v16u) << 16);
+#endif
+}
+
 /* 16 values at p (float32, or bf16 when is_bf16) as float32. */
 static inline v16 load16(const void *p, int is_bf16) {
     v16 x;
     if (is_bf16) {
         v16h h;
         memcpy(&h, p, sizeof h);
-        x = (v16)(__builtin_convertvector(h, v16u) << 16);
+        x = widen16(h);
     } else {
         memcpy(&x, p, sizeof x);
     }
     return x;
 }
 
-/* x rounded to bf16 precision (nearest even; NaN stays NaN), still as float32. */
-static inline v16 round16(v16 x) {
+/* x rounded to bf16 values (nearest even; NaN stays NaN). With AVX512-BF16 one instruction
+ * (vcvtneps2bf16), which also flushes denormals (|x| < 2^-126) to zero. */
+static inline v16h to_bf16(v16 x) {
+#ifdef __AVX512BF16__
+    return (v16h)_mm512_cvtneps_pbh((__m512)x);
+#else
     const v16u bits = (v16u)x, nan = (bits & 0x7fffffffu) > 0x7f800000u;
-    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-    return (v16)((rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan));
+    const v16u rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    return __builtin_convertvector((rounded & ~nan) | (((bits | 0x400000u) >> 16) & nan), v16h);
+#endif
+}
+
+/* x rounded to bf16 precision (see to_bf16), still as float32. */
+static inline v16 round16(v16 x) {
+    return widen16(to_bf16(x));
 }
 
 /* 16 float32 values to p (rounded to bf16 when is_bf16). */
 static inline void store16(void *p, v16 x, int is_bf16) {
     if (is_bf16) {
-        const v16h h = __builtin_convertvector((v16u)round16(x) >> 16, v16h);
+        const v16h h = to_bf16(x);
         memcpy(p, &h, sizeof h);
     } else {
         memcpy(p, &x, sizeof x);

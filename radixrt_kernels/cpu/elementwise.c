@@ -40,12 +40,13 @@ INLINE v16 round16_to(v16 x, int is_bf16) {
     return is_bf16 ? round16(x) : x;
 }
 
-/* One row of radixrt_rms_norm. */
+/* One row of radixrt_rms_norm: a pass for the sum of squares (writing s = x + residual into
+ * residual), a pass for the output (reading s back from residual, or x). */
 INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *weight, int64_t n,
                          float eps, int is_bf16) {
     const size_t elem = is_bf16 ? 2 : 4;
-    float s[NMAX] __attribute__((aligned(64)));
-    v16 acc = {0};
+    const void *s = residual != NULL ? residual : x;
+    v16 acc0 = {0}, acc1 = {0};
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) {
         v16 v = load16((const char *)x + i * elem, is_bf16);
@@ -53,27 +54,24 @@ INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *w
             v = round16_to(v + load16((const char *)residual + i * elem, is_bf16), is_bf16);
             store16((char *)residual + i * elem, v, is_bf16);
         }
-        memcpy(s + i, &v, sizeof v);
-        acc += v * v;
+        if ((i / 16) % 2) acc1 += v * v; else acc0 += v * v;
     }
-    float sq = hsum(acc);
+    float sq = hsum(acc0 + acc1);
     for (; i < n; i++) {
         float v = load1(x, i, is_bf16);
         if (residual != NULL) {
             v = round1(v + load1(residual, i, is_bf16), is_bf16);
             store1(residual, i, v, is_bf16);
         }
-        s[i] = v;
         sq += v * v;
     }
     const float inv = 1.0f / sqrtf(sq / (float)n + eps);
     for (i = 0; i + 16 <= n; i += 16) {
-        v16 v;
-        memcpy(&v, s + i, sizeof v);
+        const v16 v = load16((const char *)s + i * elem, is_bf16);
         store16((char *)out + i * elem, load16((const char *)weight + i * elem, is_bf16) * round16_to(v * inv, is_bf16),
                 is_bf16);
     }
-    for (; i < n; i++) store1(out, i, load1(weight, i, is_bf16) * round1(s[i] * inv, is_bf16), is_bf16);
+    for (; i < n; i++) store1(out, i, load1(weight, i, is_bf16) * round1(load1(s, i, is_bf16) * inv, is_bf16), is_bf16);
 }
 
 /* out = weight · norm(s), s = x + residual (rounded; written back into residual) when residual

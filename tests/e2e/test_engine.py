@@ -10,6 +10,7 @@ import torch
 
 import radixrt_kernels.cpu_library as cpu_library
 from radixrt import SamplingParams
+from radixrt.model.loader import cache_dir
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
 QUESTIONS = ["What does os.path.join do?", "How is a dict ordered?", "Explain functools.partial.",
@@ -66,6 +67,26 @@ def test_greedy_without_the_cpu_kernels(tiny_llama, engine_factory, monkeypatch)
     assert eng.runner.attn_backend.kernel is None
     assert ids_of(eng.generate(PROMPTS, GREEDY)) == want
     assert ids_of(eng.generate(PROMPTS, GREEDY)) == want  # cascade decode over cached prefixes
+
+
+def test_bf16_amx_linears_give_pytorchs_ids(tiny_llama, engine_factory, monkeypatch):
+    """bf16 greedy through the AMX linear kernel (radixrt_kernels.cpu_linear) equals bf16 greedy
+    through PyTorch's own linears: one request at a time, so no forward has over 32 rows, where
+    the kernel adds the products in oneDNN's order (bit-equal logits)."""
+    from radixrt.model import runner
+    from radixrt_kernels import cpu_linear
+    if not cpu_linear.available(cpu_library.load(cache_dir())):
+        pytest.skip("no AMX linear kernel on this CPU")
+    requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + i)] for i in range(4)]
+    eng = engine_factory(tiny_llama, dtype="bfloat16")
+    assert eng.runner.weight_packing == "amx"
+    got = [eng.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
+    monkeypatch.setattr(runner, "pack_cpu_weights", lambda model, lib: None)
+    plain = engine_factory(tiny_llama, dtype="bfloat16")
+    assert plain.runner.weight_packing is None
+    want = [plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
+    assert got == want
+    assert len({tuple(ids) for ids in got}) == len(requests) and all(len(set(ids)) > 3 for ids in got)
 
 
 def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):

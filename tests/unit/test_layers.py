@@ -1,4 +1,5 @@
-"""Model layers: oneDNN-packed CPU weights (bf16) give the plain layers' results."""
+"""Model layers: packed CPU weights (bf16: the AMX kernel's layout, or oneDNN's) give the plain
+layers' results."""
 
 from __future__ import annotations
 
@@ -11,19 +12,32 @@ from torch import nn
 from radixrt.model import layers
 from radixrt.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
                                   pack_cpu_weights)
+from radixrt.model.loader import cache_dir
+from radixrt_kernels import cpu_library, cpu_linear
 
 needs_onednn = pytest.mark.skipif(
     layers._ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available(),
     reason="this PyTorch build has no oneDNN linear ops")
 
 
+def amx_library():
+    lib = cpu_library.load(cache_dir())
+    if not cpu_linear.available(lib):
+        pytest.skip(f"no AMX linear kernel here (library: {cpu_library.why_unavailable() or 'built'})")
+    return lib
+
+
+def library_for(packing: str):
+    return amx_library() if packing == "amx" else None  # no library: oneDNN's layout
+
+
 class Tiny(nn.Module):
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, hidden: int = 32) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.up = ColumnParallelLinear(32, 48, bias=True)
-        self.down = RowParallelLinear(48, 32)
-        self.head = ParallelLMHead(100, 32)
+        self.up = ColumnParallelLinear(hidden, 64, bias=True)
+        self.down = RowParallelLinear(64, hidden)
+        self.head = ParallelLMHead(100, hidden)
         for p in self.parameters():
             p.data.normal_()
         self.to(dtype)
@@ -32,26 +46,83 @@ class Tiny(nn.Module):
         return self.head(self.down(self.up(x)))
 
 
-@needs_onednn
+PACKINGS = [pytest.param("onednn", marks=needs_onednn), "amx"]
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_packed_bf16_model_matches_plain(rows: int) -> None:
+def test_packed_bf16_model_matches_plain(packing: str, rows: int) -> None:
     plain = Tiny(torch.bfloat16)
     packed = copy.deepcopy(plain)
-    assert pack_cpu_weights(packed)
-    assert packed.up.packed and packed.down.packed and packed.up.weight.is_mkldnn
+    assert pack_cpu_weights(packed, library_for(packing)) == packing
+    assert packed.up.packing == packed.down.packing == packed.head.packing == packing
+    assert packed.up.weight.is_mkldnn == (packing == "onednn")
     assert packed.head.packed_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
     x = torch.randn(rows, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
-        torch.testing.assert_close(packed(x), plain(x), rtol=1e-2, atol=1e-1)
-    assert not pack_cpu_weights(packed)  # nothing left to pack
+        got, want = packed(x), plain(x)
+    assert got.dtype == want.dtype == torch.float32  # logits
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-1)
+    assert pack_cpu_weights(packed, library_for(packing)) is None  # nothing left to pack
 
 
-@needs_onednn
-def test_packed_layers_compile() -> None:
-    # Inductor cannot lower oneDNN's packed layout: under torch.compile the packed linears and
-    # the LM head go through the opaque radixrt::onednn_linear op, the very kernels eager runs.
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 45, 64, 100, 700])
+def test_amx_linear_equals_pytorch(rows: int) -> None:
+    # Up to 32 rows (a decode batch) and for large prefills the kernel adds the products in
+    # oneDNN's order: bit-equal to F.linear. In between oneDNN picks kernels of other orders, so
+    # there: equal up to bf16 rounding, and as close to a float64 product as F.linear.
+    lib = amx_library()
+    torch.manual_seed(rows)
+    n, k = 200, 96  # a short last block of features (200 = 6·32 + 8)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    x = torch.randn(rows, 3 * k, dtype=torch.bfloat16)[:, k:2 * k]  # strided rows
+    packed = cpu_linear.pack(lib, w)
+    exact = (x.double() @ w.double().T + bias.double()).float()
+    for b in (None, bias):
+        got = cpu_linear.linear(lib, x, packed, n, b)
+        want = torch.nn.functional.linear(x, w, b)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+        if rows <= 32:
+            assert torch.equal(got, want)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0.05)
+    got = cpu_linear.linear(lib, x, packed, n, bias, float_out=True)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, cpu_linear.linear(lib, x, packed, n, bias).float())
+    err_ours = (got - exact).abs().mean()
+    err_torch = (torch.nn.functional.linear(x, w, bias).float() - exact).abs().mean()
+    assert err_ours <= err_torch * 1.05
+
+
+def test_amx_linear_rejects_what_it_cannot_take() -> None:
+    lib = amx_library()
+    w = torch.randn(64, 96, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.pack(lib, torch.randn(64, 40, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cpu_linear.pack(lib, w.float())
+    packed = cpu_linear.pack(lib, w)
+    with pytest.raises(ValueError, match="does not hold"):
+        cpu_linear.linear(lib, torch.randn(2, 64, dtype=torch.bfloat16), packed, 64)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_linear.linear(lib, torch.randn(2, 96), packed, 64)
+
+
+def test_amx_packing_needs_packable_weights() -> None:
+    # in_features that are not a multiple of 32: no AMX layout; oneDNN's, where it exists
+    lib = amx_library()
+    model = Tiny(torch.bfloat16, hidden=40)
+    expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
+    assert pack_cpu_weights(model, lib) == expected
+
+
+@pytest.mark.parametrize("packing", PACKINGS)
+def test_packed_layers_compile(packing: str) -> None:
+    # Inductor cannot lower the packed layouts: under torch.compile the packed linears and the
+    # LM head go through the opaque radixrt::amx_linear / radixrt::onednn_linear ops, the very
+    # kernels eager runs.
     packed = Tiny(torch.bfloat16)
-    assert pack_cpu_weights(packed)
+    assert pack_cpu_weights(packed, library_for(packing)) == packing
     compiled = torch.compile(packed, dynamic=True)
     with torch.inference_mode():
         for rows in (3, 17):
@@ -61,17 +132,18 @@ def test_packed_layers_compile() -> None:
 
 def test_other_dtypes_stay_plain() -> None:
     model = Tiny(torch.float32)
-    assert not pack_cpu_weights(model)
-    assert not model.up.packed and not model.up.weight.is_mkldnn and model.head.packed_weight is None
+    assert pack_cpu_weights(model, cpu_library.load(cache_dir())) is None
+    assert model.up.packing is None and not model.up.weight.is_mkldnn and model.head.packed_weight is None
 
 
-@needs_onednn
 def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
     from radixrt import Engine
+    lib = cpu_library.load(cache_dir())
+    expected = "amx" if cpu_linear.available(lib) else "onednn" if layers._ONEDNN_LINEAR is not None else None
     with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=256) as eng:
-        assert eng.runner.packed_weights
+        assert eng.runner.weight_packing == expected
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
-        assert not eng.runner.packed_weights
+        assert eng.runner.weight_packing is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -88,3 +160,20 @@ def test_rotary_matches_rotate_half_bit_for_bit(dtype) -> None:
     want = x * cos + torch.cat([-x2, x1], dim=-1) * sin
     assert torch.equal(rope(positions, x), want)
     assert torch.equal(rope(positions, x[:, 3:9]), want[:, 3:9])  # a strided view of some heads
+
+
+def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
+    """A library built without AMX (as on CPUs that lack it) has no linear kernel: the model
+    keeps oneDNN's layout and its results."""
+    from radixrt_kernels import cpu_library as library
+    monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, "-mno-amx-tile"])
+    lib = library._build_and_load(tmp_path)
+    assert not cpu_linear.available(lib)
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    y = torch.empty(2, 64, dtype=torch.bfloat16)
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
+    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 2, 64, 32, 1) == -1
+    model = Tiny(torch.bfloat16)
+    expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
+    assert pack_cpu_weights(model, lib) == expected

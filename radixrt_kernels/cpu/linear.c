@@ -1,0 +1,247 @@
+/* Linear layers on the CPU in bfloat16 with AMX tile products: y = x·Wᵀ (+ bias).
+ *
+ * A decode step multiplies a few dozen rows by every weight of the model, so it
+ * is bound by how fast the weights stream from memory. On the 2-core VM this
+ * was built on, oneDNN's packed kernels read them at 13-15 GB/s in a decode
+ * step, where two cores stream 24-26 GB/s. This kernel reads each weight as one
+ * sequential stream per thread, in the order it multiplies it, with software
+ * prefetch into L2 ahead of the products: 21-24 GB/s for up to 32 rows.
+ *
+ * Packed layout (radixrt_linear_pack): W [N, K] row-major becomes, per block of
+ * NB = 32 output features (N padded with zero rows to a whole block) and per
+ * chunk of KC = 32 input features, two tiles of 16 K-pairs × 16 features × 2
+ * (AMX's "VNNI" B layout: element [p][c][e] = W[16·t + c][2p + e]):
+ *   packed[block][chunk][tile][pair][feature][e]
+ * so a block's chunks lie one after another and a thread streams its blocks in
+ * order. K must be a multiple of KC.
+ *
+ * Per block and per pass of 32 rows of x, the products accumulate in four
+ * float32 tiles (2 × 16 rows, 2 × 16 features) over the chunks in order, the
+ * order oneDNN's AMX kernels add them in for up to 32 rows: there the results
+ * equal PyTorch's bf16 linear bit for bit (with more rows oneDNN switches to
+ * kernels that add in other orders; the two then differ in the last bf16 bit
+ * now and then, equally far from a float64 product). The sum (plus the bias,
+ * in float32) is rounded to bf16 once; with y_f32 it is then widened to
+ * float32 (logits, as PyTorch's bf16 linear followed by .float() gives them).
+ *
+ * Threads (the caller's OpenMP runtime) split the blocks. With more than 64
+ * rows (a prefill) a thread takes its blocks in groups of GROUP: all passes
+ * over a group's blocks, which stay in L2, so each weight still streams from
+ * memory once and each output row is written in runs of GROUP·64 bytes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+#endif
+
+#define NB 32                  /* output features per block */
+#define KC 32                  /* input features per chunk */
+#define TILE_ELEMS 512         /* bf16 values in one 16 × 32 tile */
+#define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
+#define GROUP 8               /* blocks per group with more than two passes */
+
+/* Pack w [n, k] (row-major bf16) into packed (radixrt_linear_packed_elems(n, k) values). */
+int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
+    if (n <= 0 || k <= 0 || k % KC) return -1;
+    const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC;
+    for (int64_t b = 0; b < blocks; b++)
+        for (int64_t c = 0; c < chunks; c++)
+            for (int t = 0; t < 2; t++)
+                for (int p = 0; p < 16; p++)
+                    for (int f = 0; f < 16; f++) {
+                        const int64_t row = b * NB + 16 * t + f, col = c * KC + 2 * p;
+                        *packed++ = row < n ? w[row * k + col] : 0;
+                        *packed++ = row < n ? w[row * k + col + 1] : 0;
+                    }
+    return 0;
+}
+
+int64_t radixrt_linear_packed_elems(int64_t n, int64_t k) {
+    return (n + NB - 1) / NB * NB * k;
+}
+
+#ifdef HAVE_AMX
+static int amx_ready = -1; /* -1 unknown, 0 refused by the kernel, 1 granted */
+
+static int amx_permitted(void) {
+    if (amx_ready < 0) amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0; /* ARCH_REQ_XCOMP_PERM */
+    return amx_ready;
+}
+
+/* Tiles 0-3: the 2 × 2 float32 results (rows 0-15 × features 0-15, 0-15 × 16-31, 16-31 ×
+ * 0-15, 16-31 × 16-31); 4, 5: two 16-row slices of x; 6, 7: the chunk's two weight tiles. */
+static void configure_tiles(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Where results go: y [*, n] with rows `stride` elements apart (bf16, or float32 with f32),
+ * plus the bias [n] (bf16) where not NULL. */
+struct output {
+    void *y;
+    int64_t stride, n;
+    const bf16 *bias;
+    int f32;
+};
+
+/* A block's finished results, waiting to be written: rows r0 .. r0 + rows - 1 (none when rows
+ * is 0) of the features from f0, as float32 acc [32][NB]. */
+struct results {
+    float (*acc)[NB];
+    int rows;
+    int64_t r0, f0;
+};
+
+/* Write r: plus the bias, rounded to bf16 (then widened with f32); features past n dropped. */
+static inline void write_results(const struct output *o, const struct results *r) {
+    for (int h = 0; h < 2; h++) {
+        const int64_t cols = o->n - r->f0 - 16 * h;
+        if (cols <= 0) break;
+        const __mmask16 keep = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
+        __m512 b = _mm512_setzero_ps();
+        if (o->bias != NULL) /* as float32: the bf16 bits shifted up */
+            b = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, o->bias + r->f0 + 16 * h)), 16));
+        for (int row = 0; row < r->rows; row++) {
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&r->acc[row][16 * h]), b));
+            const int64_t at = (r->r0 + row) * o->stride + r->f0 + 16 * h;
+            if (o->f32)
+                _mm512_mask_storeu_ps((float *)o->y + at, keep,
+                                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
+            else
+                _mm256_mask_storeu_epi16((bf16 *)o->y + at, keep, v);
+        }
+    }
+}
+
+/* A cursor through a thread's weight stream, ahead of the products: each chunk's products
+ * prefetch its next `lines` cache lines into L2. With P passes of 32 rows over each block, a
+ * chunk of 2 × 1 KB takes 32 / P lines, so the stream keeps flowing during every pass, not only
+ * during the first. */
+struct prefetcher {
+    const char *at, *end;
+    int lines;
+};
+
+/* One block's results for rows r0 .. r0 + 31 (two = 1) or r0 .. r0 + 15 into acc: x rows from xa
+ * and xb (16 rows each, a_stride and b_stride elements apart), the block's chunks from w. The
+ * previous block's results are written out while this block's first products run (reading back
+ * stored tiles stalls; this way the stall overlaps the tile products). */
+static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, int64_t b_stride,
+                              const bf16 *w, int64_t chunks, int two, struct prefetcher *pf, float (*acc)[NB],
+                              const struct output *o, const struct results *previous) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        const bf16 *wc = w + c * 2 * TILE_ELEMS;
+        for (int i = 0; i < pf->lines && pf->at < pf->end; i++, pf->at += 64)
+            _mm_prefetch(pf->at, _MM_HINT_T1);
+        _tile_loadd(6, wc, 64);
+        _tile_loadd(7, wc + TILE_ELEMS, 64);
+        _tile_loadd(4, xa + c * KC, a_stride * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, xb + c * KC, b_stride * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        if (c == 0 && previous->rows) write_results(o, previous);
+    }
+    _tile_stored(0, &acc[0][0], NB * 4);
+    _tile_stored(1, &acc[0][16], NB * 4);
+    if (two) {
+        _tile_stored(2, &acc[16][0], NB * 4);
+        _tile_stored(3, &acc[16][16], NB * 4);
+    }
+}
+#endif
+
+/* 1 if radixrt_linear runs here (built with AMX, and the OS grants it), else 0. */
+int radixrt_linear_available(void) {
+#ifdef HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+/* y [m, n] = x [m, k] · Wᵀ (+ bias [n]) for W packed by radixrt_linear_pack; x rows are
+ * x_stride elements apart, y rows y_stride (bf16, or float32 with y_f32). Returns -1 (writing
+ * nothing) if the sizes do not fit or AMX is unavailable. */
+int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias, void *y,
+                   int64_t y_stride, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+#ifdef HAVE_AMX
+    if (m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k || y_stride < n || num_threads < 1 || !amx_permitted())
+        return -1;
+    if (m == 0) return 0;
+    const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, tiles = (m + 15) / 16;
+    /* The last 16-row slice of x, when m is not a multiple of 16, is read from a zero-padded
+     * copy (a tile load reads 16 whole rows). */
+    bf16 *tail = NULL;
+    if (m % 16) {
+        tail = aligned_alloc(64, (size_t)(16 * k * 2));
+        if (tail == NULL) return -1;
+        memset(tail, 0, (size_t)(16 * k * 2));
+        for (int64_t r = 16 * (tiles - 1); r < m; r++)
+            memcpy(tail + (r % 16) * k, x + r * x_stride, (size_t)(k * 2));
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        float acc[2][32][NB] __attribute__((aligned(64)));
+        const struct output o = {y, y_stride, n, bias, y_f32};
+        struct results done = {acc[1], 0, 0, 0}; /* written during the next block's products */
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b0 = blocks * id / threads, b1 = blocks * (id + 1) / threads;
+        configure_tiles();
+        const int64_t block_elems = chunks * 2 * TILE_ELEMS;
+        const int passes = (int)((tiles + 1) / 2);
+        struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
+                                (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes};
+        const int64_t group = passes <= 2 ? 1 : GROUP; /* a decode batch: each block's passes back to back */
+        for (int64_t g0 = b0; g0 < b1; g0 += group) {
+            const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
+            for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32) {
+                const int two = r0 + 16 < 16 * tiles;
+                const int a_tail = tail && r0 / 16 == tiles - 1, b_tail = tail && r0 / 16 + 1 == tiles - 1;
+                for (int64_t b = g0; b < g1; b++) {
+                    float (*into)[NB] = acc[done.acc == acc[0]];
+                    block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
+                               b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
+                               packed + b * block_elems, chunks, two, &pf, into, &o, &done);
+                    done = (struct results){into, m - r0 < 32 ? (int)(m - r0) : 32, r0, b * NB};
+                }
+            }
+        }
+        if (done.rows) write_results(&o, &done);
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+#else
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)y_f32;
+    (void)m, (void)n, (void)k, (void)num_threads;
+    return -1;
+#endif
+}

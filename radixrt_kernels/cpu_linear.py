@@ -1,0 +1,67 @@
+"""bfloat16 linear layers on the CPU with AMX (``cpu/linear.c``), on weights packed once.
+
+A decode step is bound by streaming the weights: on the 2-core VM this was
+built on, oneDNN's packed bf16 linears read them at 13-15 GB/s in a decode
+step, where two cores stream 24-26 GB/s; this kernel reads each weight as
+one sequential stream per thread and reaches 21-23 GB/s for 32 rows (the
+offline benchmark's decode batch). Its sums are added in the order oneDNN's
+AMX kernels add them, so results equal ``F.linear``'s bit for bit here.
+
+``available(lib)`` says whether the library runs it (a CPU with AMX that
+the OS grants); ``pack(lib, w)`` packs a [N, K] bf16 weight (K a multiple of
+32); ``linear(lib, x, packed, n, bias, float_out)`` multiplies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+K_MULTIPLE = 32  # in_features must be a multiple of this (the kernel's chunk)
+
+
+def available(lib: ctypes.CDLL | None) -> bool:
+    return lib is not None and bool(lib.radixrt_linear_available())
+
+
+def packable(w: torch.Tensor) -> bool:
+    return w.dim() == 2 and w.is_cpu and w.dtype == torch.bfloat16 and w.shape[1] % K_MULTIPLE == 0
+
+
+def pack(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (bf16, K a multiple of 32) in the kernel's layout: a flat bf16 tensor."""
+    if not packable(w):
+        raise ValueError(f"pack: needs a 2-D bf16 CPU weight with in_features a multiple of {K_MULTIPLE}, "
+                         f"got {w.dtype} {tuple(w.shape)}")
+    w = w.contiguous()
+    n, k = w.shape
+    packed = torch.empty(lib.radixrt_linear_packed_elems(n, k), dtype=torch.bfloat16)
+    if lib.radixrt_linear_pack(w.data_ptr(), n, k, packed.data_ptr()) != 0:
+        raise ValueError(f"pack: the kernel does not take a weight of shape {tuple(w.shape)}")
+    return packed
+
+
+def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
+           bias: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+    """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
+    bf16 results widened to float32 with ``float_out``."""
+    k = x.shape[-1]
+    if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
+        raise ValueError("linear: x and the bias must be bf16, the bias [n]")
+    if packed.numel() != lib.radixrt_linear_packed_elems(n, k):
+        raise ValueError(f"linear: the packed weight does not hold [{n}, {k}]")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32 if float_out else torch.bfloat16)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    rc = lib.radixrt_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, int(float_out), m, n, k,
+                            torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here")
+    return y.view(*lead, n)
