@@ -176,16 +176,16 @@ static inline void store_out(const struct call *c, int64_t row, const float *a, 
 
 /* Rows [0, nq) of an item's state (acc, m, l): a token with one part is written out
  * normalised; otherwise its part goes into the partial buffers, merged at the end. */
-static inline void write_rows(const struct call *c, const struct item *it, float (*acc)[DMAX],
-                              const float *m, const float *l) {
+static inline void write_rows(const struct call *c, const struct item *it, const float *acc,
+                              int64_t acc_stride, const float *m, const float *l) {
     for (int64_t r = 0; r < it->nq; r++) {
         const int64_t b = it->members[(it->q0 + r) / c->g], head = it->j * c->g + (it->q0 + r) % c->g;
         if (c->num_parts[b] == 1) {
-            store_out(c, b * c->h + head, acc[r], l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+            store_out(c, b * c->h + head, acc + r * acc_stride, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
             continue;
         }
         const int64_t at = (b * 2 + it->part) * c->h + head;
-        memcpy(c->part_acc + at * c->d, acc[r], (size_t)c->d * sizeof(float));
+        memcpy(c->part_acc + at * c->d, acc + r * acc_stride, (size_t)c->d * sizeof(float));
         c->part_m[at] = m[r];
         c->part_l[at] = l[r];
     }
@@ -256,7 +256,7 @@ static void attend_item(const struct call *c, const struct item *it) {
         }
         pv_update(acc, (const float (*)[32])st, (const float *)alpha, vf, nk, d, rb_end);
     }
-    write_rows(c, it, acc, (const float *)m, (const float *)l);
+    write_rows(c, it, &acc[0][0], DMAX, (const float *)m, (const float *)l);
 }
 
 #ifdef __AVX512BF16__
@@ -323,7 +323,7 @@ static inline void value_pairs(const void *v_buf, const int64_t *slots, int64_t 
 
 /* acc rows hold each 32-dim chunk as [lo | hi] (lo lane 4L+i = dim 8L+i, hi = 8L+4+i): back to
  * dim order. */
-static inline void unpermute(float (*acc)[DMAX], int64_t nq, int64_t d) {
+static inline void unpermute(int64_t nq, int64_t d, int64_t stride, float (*acc)[stride]) {
     for (int64_t r = 0; r < nq; r++) {
         for (int64_t c = 0; c < d / 32; c++) {
             const __m512 lo = _mm512_load_ps(&acc[r][32 * c]), hi = _mm512_load_ps(&acc[r][32 * c + 16]);
@@ -336,8 +336,8 @@ static inline void unpermute(float (*acc)[DMAX], int64_t nq, int64_t d) {
 
 /* An item's bf16 query rows into qb (rows nq .. rows-1: zeros), and its running state. */
 static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, int64_t q_rows, int64_t j,
-                              int64_t q0, int64_t nq, int64_t rows, int64_t d, bf16 (*qb)[DMAX],
-                              float (*acc)[DMAX], float *m, float *l) {
+                              int64_t q0, int64_t nq, int64_t rows, int64_t d, int64_t stride,
+                              bf16 (*qb)[stride], float (*acc)[stride], float *m, float *l) {
     for (int64_t r = 0; r < rows; r++) {
         if (r < nq) {
             const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
@@ -398,7 +398,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB], alpha[QB];
 
-    start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, (bf16 (*)[DMAX])qpair, acc, m, l);
+    start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         const int halves = nk > 16 ? 2 : 1;
@@ -447,8 +447,8 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
             }
         }
     }
-    unpermute(acc, nq, d);
-    write_rows(c, it, acc, m, l);
+    unpermute(nq, d, DMAX, acc);
+    write_rows(c, it, &acc[0][0], DMAX, m, l);
 }
 #endif
 
@@ -498,8 +498,11 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
     const float scaling = c->scaling;
     const int64_t mtiles = (nq + 15) / 16;
-    bf16 qb[AMX_QB][DMAX] __attribute__((aligned(64)));
-    float acc[AMX_QB][DMAX] __attribute__((aligned(64)));
+    /* rows of q and of the output d values apart: rows DMAX apart would crowd a few L1 sets */
+    bf16 qb_rows[AMX_QB * DMAX] __attribute__((aligned(64)));
+    float acc_rows[AMX_QB * DMAX] __attribute__((aligned(64)));
+    bf16 (*qb)[d] = (bf16 (*)[d])qb_rows;
+    float (*acc)[d] = (float (*)[d])acc_rows;
     __m512i kt[2][DMAX / 2][2];
     __m512i vp[2][KB / 2][DMAX / 32][2];
     float sc[AMX_QB][AKB] __attribute__((aligned(64)));
@@ -507,7 +510,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     float m[AMX_QB] __attribute__((aligned(64))), l[AMX_QB], alpha[AMX_QB] __attribute__((aligned(64)));
     const v16 ninf = (v16){0} - INFINITY;
 
-    start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, qb, acc, m, l);
+    start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, d, qb, acc, m, l);
     memset(ppair[nq], 0, sizeof ppair[0] * (size_t)(16 * mtiles - nq)); /* padding rows: P = 0 */
     for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
@@ -605,8 +608,8 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
             }
         }
     }
-    unpermute(acc, nq, d);
-    write_rows(c, it, acc, m, l);
+    unpermute(nq, d, d, acc);
+    write_rows(c, it, &acc[0][0], d, m, l);
 }
 #endif
 
