@@ -163,14 +163,14 @@ static inline void mask_from(v16 *s0, v16 *s1, int64_t left) {
     *s1 = vselect(iota + 16.0f < lf, *s1, ninf);
 }
 
-/* Output row `row` of [T·H, D] = a·inv, in the call's dtype. */
+/* Output row `row` of [T·H, D] = a·inv, in the call's dtype (D a multiple of 16). */
 static inline void store_out(const struct call *c, int64_t row, const float *a, float inv) {
-    if (c->is_bf16) {
-        bf16 *dst = (bf16 *)c->out + row * c->d;
-        for (int64_t i = 0; i < c->d; i++) dst[i] = f32_to_bf16(a[i] * inv);
-    } else {
-        float *dst = (float *)c->out + row * c->d;
-        for (int64_t i = 0; i < c->d; i++) dst[i] = a[i] * inv;
+    const size_t elem = c->is_bf16 ? 2 : 4;
+    char *dst = (char *)c->out + row * c->d * elem;
+    for (int64_t i = 0; i < c->d; i += 16) {
+        v16 v;
+        memcpy(&v, a + i, sizeof v);
+        store16(dst + i * elem, v * inv, c->is_bf16);
     }
 }
 
@@ -715,8 +715,14 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
         const float w0 = expf(part_m[a0] - mx), w1 = expf(part_m[a1] - mx);
         const float total = part_l[a0] * w0 + part_l[a1] * w1;
         const float *o0 = part_acc + a0 * d, *o1 = part_acc + a1 * d;
-        float merged[DMAX];
-        for (int64_t i = 0; i < d; i++) merged[i] = w0 * o0[i] + (w1 != 0.0f ? w1 * o1[i] : 0.0f);
+        float merged[DMAX] __attribute__((aligned(64)));
+        for (int64_t i = 0; i < d; i += 16) {
+            v16 x0, x1;
+            memcpy(&x0, o0 + i, sizeof x0);
+            memcpy(&x1, o1 + i, sizeof x1);
+            const v16 sum = w1 != 0.0f ? w0 * x0 + w1 * x1 : w0 * x0; /* w1 = 0: an empty part's 0·NaN */
+            memcpy(merged + i, &sum, sizeof sum);
+        }
         store_out(&call, th, merged, total > 0.0f ? 1.0f / total : 0.0f);
     }
     return 0;
