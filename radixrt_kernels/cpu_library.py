@@ -42,7 +42,6 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
     "radixrt_linear_available": [],
 }
-RESTYPES = {"radixrt_linear_packed_elems": (ctypes.c_int64, [_i64, _i64])}  # the rest return int
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
@@ -118,7 +117,4 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    for name, (restype, argtypes) in RESTYPES.items():
-        fn = getattr(lib, name)
-        fn.argtypes, fn.restype = argtypes, restype
     return lib

@@ -36,23 +36,28 @@ def pack(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
                          f"got {w.dtype} {tuple(w.shape)}")
     w = w.contiguous()
     n, k = w.shape
-    packed = torch.empty(lib.radixrt_linear_packed_elems(n, k), dtype=torch.bfloat16)
+    packed = torch.empty(packed_elems(n, k), dtype=torch.bfloat16)
     if lib.radixrt_linear_pack(w.data_ptr(), n, k, packed.data_ptr()) != 0:
         raise ValueError(f"pack: the kernel does not take a weight of shape {tuple(w.shape)}")
     return packed
 
 
+def packed_elems(n: int, k: int) -> int:
+    """The size of a packed [n, k] weight (n padded to a multiple of 32), as the C side has it."""
+    return -(-n // 32) * 32 * k
+
+
 def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
            bias: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
-    bf16 results widened to float32 with ``float_out``."""
+    bf16 results widened to float32 with ``float_out``. (Called ~120 times per decode step: the
+    checks are kept to a few attribute reads.)"""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
         raise ValueError("linear: x and the bias must be bf16, the bias [n]")
-    if packed.numel() != lib.radixrt_linear_packed_elems(n, k):
+    if packed.numel() != packed_elems(n, k):
         raise ValueError(f"linear: the packed weight does not hold [{n}, {k}]")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1 or x2.stride(0) < k:
         x2 = x2.contiguous()
     m = x2.shape[0]
@@ -60,8 +65,8 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     rc = lib.radixrt_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, int(float_out), m, n, k,
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, float_out, m, n, k,
                             torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here")
-    return y.view(*lead, n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

@@ -49,7 +49,7 @@
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
 #define GROUP 16              /* blocks per group with more than two passes */
 
-/* Pack w [n, k] (row-major bf16) into packed (radixrt_linear_packed_elems(n, k) values). */
+/* Pack w [n, k] (row-major bf16) into packed: ceil(n / NB)·NB·k values (cpu_linear.packed_elems). */
 int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
     if (n <= 0 || k <= 0 || k % KC) return -1;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC;
@@ -63,10 +63,6 @@ int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
                         *packed++ = row < n ? w[row * k + col + 1] : 0;
                     }
     return 0;
-}
-
-int64_t radixrt_linear_packed_elems(int64_t n, int64_t k) {
-    return (n + NB - 1) / NB * NB * k;
 }
 
 #ifdef HAVE_AMX
