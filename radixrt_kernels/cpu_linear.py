@@ -10,6 +10,12 @@ AMX kernels add them, so results equal ``F.linear``'s bit for bit here.
 ``available(lib)`` says whether the library runs it (a CPU with AMX that
 the OS grants); ``pack(lib, w)`` packs a [N, K] bf16 weight (K a multiple of
 32); ``linear(lib, x, packed, n, bias, float_out)`` multiplies.
+
+Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
+``gated=True`` gives silu(x·gateᵀ)·(x·upᵀ) [M, N'] in the same pass, rounded
+as ``cpu_ops.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
+without its own call, and without writing and re-reading the [M, 2N'] products
+(a prefill's are megabytes).
 """
 
 from __future__ import annotations
@@ -25,17 +31,22 @@ def available(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and bool(lib.radixrt_linear_available())
 
 
-def packable(w: torch.Tensor) -> bool:
-    return w.dim() == 2 and w.is_cpu and w.dtype == torch.bfloat16 and w.shape[1] % K_MULTIPLE == 0
+def packable(w: torch.Tensor, gated: bool = False) -> bool:
+    return (w.dim() == 2 and w.is_cpu and w.dtype == torch.bfloat16 and w.shape[1] % K_MULTIPLE == 0
+            and (not gated or w.shape[0] % 64 == 0))
 
 
-def pack(lib: ctypes.CDLL, w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] (bf16, K a multiple of 32) in the kernel's layout: a flat bf16 tensor."""
-    if not packable(w):
-        raise ValueError(f"pack: needs a 2-D bf16 CPU weight with in_features a multiple of {K_MULTIPLE}, "
+def pack(lib: ctypes.CDLL, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
+    """w [N, K] (bf16, K a multiple of 32) in the kernel's layout: a flat bf16 tensor. ``gated``:
+    w is [gate; up] and their blocks of 32 rows are interleaved (N a multiple of 64)."""
+    if not packable(w, gated):
+        raise ValueError(f"pack: needs a 2-D bf16 CPU weight with in_features a multiple of {K_MULTIPLE}"
+                         f"{' and [gate; up] halves a multiple of 32 rows' if gated else ''}, "
                          f"got {w.dtype} {tuple(w.shape)}")
-    w = w.contiguous()
     n, k = w.shape
+    if gated:  # gate block i, then up block i
+        w = w.view(2, n // 64, 32, k).transpose(0, 1)
+    w = w.contiguous()
     packed = torch.empty(packed_elems(n, k), dtype=torch.bfloat16)
     if lib.radixrt_linear_pack(w.data_ptr(), n, k, packed.data_ptr()) != 0:
         raise ValueError(f"pack: the kernel does not take a weight of shape {tuple(w.shape)}")
@@ -48,10 +59,11 @@ def packed_elems(n: int, k: int) -> int:
 
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None, float_out: bool = False) -> torch.Tensor:
+           bias: torch.Tensor | None = None, float_out: bool = False, gated: bool = False) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
-    bf16 results widened to float32 with ``float_out``. (Called ~120 times per decode step: the
-    checks are kept to a few attribute reads.)"""
+    bf16 results widened to float32 with ``float_out``; for a weight packed ``gated``,
+    silu(gate)·up [..., n / 2] (bf16, no bias). (Called ~120 times per decode step: the checks
+    are kept to a few attribute reads.)"""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
         raise ValueError("linear: x and the bias must be bf16, the bias [n]")
@@ -60,13 +72,15 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
     x2 = x if x.dim() == 2 else x.reshape(-1, k)
     if x2.stride(1) != 1 or x2.stride(0) < k:
         x2 = x2.contiguous()
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32 if float_out else torch.bfloat16)
+    m, width = x2.shape[0], n // 2 if gated else n
+    if gated and (bias is not None or float_out):
+        raise ValueError("linear: a gated linear has no bias and a bf16 output")
+    y = torch.empty(m, width, dtype=torch.float32 if float_out else torch.bfloat16)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     rc = lib.radixrt_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), n, float_out, m, n, k,
-                            torch.get_num_threads())
+                            None if bias is None else bias.data_ptr(), y.data_ptr(), width, float_out, gated,
+                            m, n, k, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here")
-    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], width)

@@ -81,11 +81,23 @@ class ColumnParallelLinear(LinearBase):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column linears stacked in one matmul (e.g. gate and up)."""
+    """Several column linears stacked in one matmul (e.g. gate and up).
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    ``silu_gated``: the two halves are [gate; up] of an MLP that takes silu(gate)·up next. Where
+    the AMX kernel runs them (see pack_cpu_weights) it computes that product in the same pass
+    (``fused_act``), and forward returns it, [.., out / 2], instead of [gate, up]."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False,
+                 silu_gated: bool = False) -> None:
         self.out_sizes = out_sizes
         super().__init__(in_features, sum(out_sizes), bias)
+        self.silu_gated = silu_gated and len(out_sizes) == 2 and out_sizes[0] == out_sizes[1]
+        self.fused_act = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act:
+            return amx_linear(x, self.weight, None, self.out_features, gated=True)
+        return super().forward(x)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         size = self.out_sizes[shard_id] // self.tp_size
@@ -194,9 +206,10 @@ def pack_cpu_weights(model: nn.Module, lib=None) -> str | None:
     if not params or any(p.device.type != "cpu" or p.dtype != torch.bfloat16 for p in params):
         return None
     if cpu_linear.available(lib) and all(cpu_linear.packable(p) for p in params):
-        for m in linears:
-            m.weight = nn.Parameter(cpu_linear.pack(lib, m.weight.detach()), requires_grad=False)
-            m.packing = "amx"
+        for m in linears:  # an MLP's [gate; up] with SiLU-and-mul fused where it can be
+            gated = getattr(m, "silu_gated", False) and m.bias is None and cpu_linear.packable(m.weight, True)
+            m.weight = nn.Parameter(cpu_linear.pack(lib, m.weight.detach(), gated), requires_grad=False)
+            m.packing, m.fused_act = "amx", gated
         for m in heads:
             m.packed_weight, m.packing = cpu_linear.pack(lib, m.weight.detach()), "amx"
         return "amx"
@@ -243,24 +256,26 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False) -> torch.Tensor:
-    """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``).
-    Inside torch.compile it goes through the opaque ``radixrt::amx_linear`` op."""
+               float_out: bool = False, gated: bool = False) -> torch.Tensor:
+    """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
+    silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``). Inside torch.compile
+    it goes through the opaque ``radixrt::amx_linear`` op."""
     if torch.compiler.is_compiling():
-        return _amx_linear_op(x, packed, bias, out_features, float_out)
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out)
+        return _amx_linear_op(x, packed, bias, out_features, float_out, gated)
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated)
 
 
 @torch.library.custom_op("radixrt::amx_linear", mutates_args=())
 def _amx_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                   float_out: bool) -> torch.Tensor:
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out)
+                   float_out: bool, gated: bool) -> torch.Tensor:
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated)
 
 
 @_amx_linear_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-      float_out: bool) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], out_features, dtype=torch.float32 if float_out else x.dtype)
+      float_out: bool, gated: bool) -> torch.Tensor:
+    width = out_features // 2 if gated else out_features
+    return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)
 
 
 def use_cpu_kernels(model: nn.Module, lib) -> None:

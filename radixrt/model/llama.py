@@ -59,12 +59,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       silu_gated=True)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj(x)
+        return self.down_proj(h if self.gate_up_proj.fused_act else self.act(h))
 
 
 class LlamaDecoderLayer(nn.Module):

@@ -4,8 +4,10 @@
  *
  * float32 or bfloat16 (is_bf16). Every bfloat16 result is rounded where PyTorch's eager ops
  * round it (the same ops as Hugging Face's Llama), so the outputs are those of the unfused
- * ops up to the order of a float32 sum and the last bit of a float32 exp. Rows are split over
- * the caller's OpenMP threads (PyTorch's libgomp) when there is enough work.
+ * ops up to the order of a float32 sum and the last bit of a float32 exp. With AVX512-BF16
+ * the rounding is one instruction (vcvtneps2bf16), which also flushes results below bf16's
+ * normal range (|x| < 2^-126) to zero where PyTorch keeps them as denormals. Rows are split
+ * over the caller's OpenMP threads (PyTorch's libgomp) when there is enough work.
  *
  * Each row is done 16 values at a time, then value by value for the rest; the row bodies are
  * inlined once per dtype (is_bf16 a constant there).

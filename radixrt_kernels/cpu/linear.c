@@ -94,21 +94,37 @@ static void configure_tiles(void) {
  * plus the bias [n] (bf16) where not NULL. */
 struct output {
     void *y;
-    int64_t stride, n;
+    int64_t stride, n; /* n: the output's features (gated: half the weight's) */
     const bf16 *bias;
-    int f32;
+    int f32, gated;
 };
 
 /* A block's finished results, waiting to be written: rows r0 .. r0 + rows - 1 (none when rows
- * is 0) of the features from f0, as float32 acc [32][NB]. */
+ * is 0) of the output features from f0, as float32 acc [32][NB] (gated: the gate block's, and
+ * the up block's in up). */
 struct results {
-    float (*acc)[NB];
+    float (*acc)[NB], (*up)[NB];
     int rows;
     int64_t r0, f0;
 };
 
+/* Gated output: silu(gate)·up of bf16-rounded results, rounded as radixrt_silu_mul rounds. */
+static inline void write_gated(const struct output *o, const struct results *r) {
+    for (int h = 0; h < 2; h++) {
+        for (int row = 0; row < r->rows; row++) {
+            const v16 g = round16(*(const v16 *)&r->acc[row][16 * h]), u = round16(*(const v16 *)&r->up[row][16 * h]);
+            const v16 silu = round16(g * vrecip(1.0f + vexp(-g)));
+            store16((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + 16 * h, silu * u, 1);
+        }
+    }
+}
+
 /* Write r: plus the bias, rounded to bf16 (then widened with f32); features past n dropped. */
 static inline void write_results(const struct output *o, const struct results *r) {
+    if (o->gated) {
+        write_gated(o, r);
+        return;
+    }
     for (int h = 0; h < 2; h++) {
         const int64_t cols = o->n - r->f0 - 16 * h;
         if (cols <= 0) break;
@@ -196,11 +212,16 @@ int radixrt_linear_available(void) {
 
 /* y [m, n] = x [m, k] · Wᵀ (+ bias [n]) for W packed by radixrt_linear_pack; x rows are
  * x_stride elements apart, y rows y_stride (bf16, or float32 with y_f32). Returns -1 (writing
- * nothing) if the sizes do not fit or AMX is unavailable. */
+ * nothing) if the sizes do not fit or AMX is unavailable.
+ *
+ * gated: W's blocks alternate gate and up features (block 2i: gate features 32i .. 32i+31,
+ * block 2i+1: the matching up features; n a multiple of 64) and y [m, n / 2] = silu(x·Wgᵀ) ·
+ * x·Wuᵀ, each product rounded to bf16 first: SiLU-and-mul in the same pass, no bias, bf16. */
 int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias, void *y,
-                   int64_t y_stride, int y_f32, int64_t m, int64_t n, int64_t k, int num_threads) {
+                   int64_t y_stride, int y_f32, int gated, int64_t m, int64_t n, int64_t k, int num_threads) {
 #ifdef HAVE_AMX
-    if (m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k || y_stride < n || num_threads < 1 || !amx_permitted())
+    if (m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k || y_stride < (gated ? n / 2 : n) || num_threads < 1
+        || (gated && (n % (2 * NB) || bias != NULL || y_f32)) || !amx_permitted())
         return -1;
     if (m == 0) return 0;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, tiles = (m + 15) / 16;
@@ -216,29 +237,34 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        float acc[2][32][NB] __attribute__((aligned(64)));
-        const struct output o = {y, y_stride, n, bias, y_f32};
-        struct results done = {acc[1], 0, 0, 0}; /* written during the next block's products */
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t b0 = blocks * id / threads, b1 = blocks * (id + 1) / threads;
+        /* block i's results go to acc[i % 4]: a block's, or a gated pair's, stay untouched until
+         * written during the next block's (pair's) first products */
+        float acc[4][32][NB] __attribute__((aligned(64)));
+        const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated};
+        struct results done = {NULL, NULL, 0, 0, 0};
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), unit = gated ? 2 : 1;
+        const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
         configure_tiles();
         const int64_t block_elems = chunks * 2 * TILE_ELEMS;
         const int passes = (int)((tiles + 1) / 2);
         struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
                                 (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes};
-        const int64_t group = passes <= 2 ? 1 : GROUP; /* a decode batch: each block's passes back to back */
+        const int64_t group = passes <= 2 ? unit : GROUP; /* a decode batch: each block's passes back to back */
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
             for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32) {
                 const int two = r0 + 16 < 16 * tiles;
                 const int a_tail = tail && r0 / 16 == tiles - 1, b_tail = tail && r0 / 16 + 1 == tiles - 1;
                 for (int64_t b = g0; b < g1; b++) {
-                    if (r0 + 32 < m) claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, b * NB);
-                    float (*into)[NB] = acc[done.acc == acc[0]];
+                    const int64_t f0 = b / unit * NB; /* the output features */
+                    if (r0 + 32 < m && b % unit == 0) claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
+                    float (*into)[NB] = acc[b % 4];
                     block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
                                b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
                                packed + b * block_elems, chunks, two, &pf, into, &o, &done);
-                    done = (struct results){into, m - r0 < 32 ? (int)(m - r0) : 32, r0, b * NB};
+                    if (b % unit == 0) done.rows = 0; /* written above; a gate block waits for its up */
+                    if (b % unit == unit - 1)
+                        done = (struct results){acc[(b - unit + 1) % 4], into, m - r0 < 32 ? (int)(m - r0) : 32, r0, f0};
                 }
             }
         }
@@ -248,7 +274,7 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
     free(tail);
     return 0;
 #else
-    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)y_f32;
+    (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)y_f32, (void)gated;
     (void)m, (void)n, (void)k, (void)num_threads;
     return -1;
 #endif

@@ -94,6 +94,42 @@ def test_amx_linear_equals_pytorch(rows: int) -> None:
     assert err_ours <= err_torch * 1.05
 
 
+@pytest.mark.parametrize("rows", [1, 17, 32, 100, 700])
+def test_gated_amx_linear_is_silu_and_mul_of_the_two_products(rows: int) -> None:
+    # [gate; up] packed gated: silu(gate)·up in the same pass, bit-equal to the two steps apart
+    # (the linear, then cpu_ops.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
+    from radixrt_kernels import cpu_ops
+    lib = amx_library()
+    torch.manual_seed(rows)
+    w = (torch.randn(192, 96) * 0.2).bfloat16()  # gate and up: 96 rows each (3 blocks of 32)
+    x = torch.randn(rows, 96, dtype=torch.bfloat16)
+    got = cpu_linear.linear(lib, x, cpu_linear.pack(lib, w, gated=True), 192, gated=True)
+    assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_ops.silu_mul(lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192)))
+    gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
+    torch.testing.assert_close(got.float(), (torch.nn.functional.silu(gate) * up).float(), rtol=2 ** -7, atol=1e-2)
+    with pytest.raises(ValueError, match="gate; up"):
+        cpu_linear.pack(lib, w[:160], gated=True)  # halves of 80 rows: not whole blocks
+
+
+def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
+    from radixrt.model.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
+    lib = amx_library()
+    torch.manual_seed(0)
+    mlp = nn.ModuleDict({"gate_up": MergedColumnParallelLinear(64, [96, 96], silu_gated=True),
+                         "down": RowParallelLinear(96, 64)})
+    for p in mlp.parameters():
+        p.data.normal_(std=0.2)
+    mlp.to(torch.bfloat16)
+    plain = copy.deepcopy(mlp)
+    assert pack_cpu_weights(mlp, lib) == "amx" and mlp.gate_up.fused_act
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        assert mlp.gate_up(x).shape == (5, 96)
+        want = plain.down(SiluAndMul()(plain.gate_up(x)))
+        torch.testing.assert_close(mlp.down(mlp.gate_up(x)), want, rtol=2 ** -6, atol=2e-2)
+
+
 def test_amx_linear_rejects_what_it_cannot_take() -> None:
     lib = amx_library()
     w = torch.randn(64, 96, dtype=torch.bfloat16)
@@ -173,7 +209,7 @@ def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
     y = torch.empty(2, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
-    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 2, 64, 32, 1) == -1
+    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 0, 2, 64, 32, 1) == -1
     model = Tiny(torch.bfloat16)
     expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
     assert pack_cpu_weights(model, lib) == expected
