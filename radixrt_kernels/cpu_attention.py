@@ -99,3 +99,28 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
     if rc != 0:
         raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
     return out
+
+
+def decode_segments(lib: ctypes.CDLL, table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
+                    min_prefix: int, min_group: int) -> Segments:
+    """A decode step's segments (one C call instead of ~60 PyTorch ops): requests grouped by a
+    shared prefix as ``torch_backend._shared_groups`` groups them (groups of >= ``min_group``
+    requests sharing >= ``min_prefix`` slots), each group's prefix one segment, then each
+    request's remaining slots. table int64 [rows, max_context] (each row's slots), req_rows
+    int64 [B] (the requests' rows), seq_lens [B] (each >= 1)."""
+    b = len(seq_lens)
+    if table.dtype != torch.int64 or table.stride(1) != 1 or req_rows.dtype != torch.int64:
+        raise ValueError("decode_segments: table and req_rows must be int64, table rows contiguous")
+    req_rows = req_rows.contiguous()
+    lens = torch.tensor(seq_lens, dtype=torch.int64)
+    slots = torch.empty(int(sum(seq_lens)), dtype=torch.int64)
+    ints = torch.empty(10 * b + 2, dtype=torch.int64)  # slot_start, member_start, members, part, num_parts, order
+    slot_start, member_start, members, part, num_parts, order = ints.split([2 * b + 1, 2 * b + 1, 2 * b, 2 * b,
+                                                                            b, b])
+    n = lib.radixrt_decode_segments(table.data_ptr(), table.stride(0), req_rows.data_ptr(), lens.data_ptr(), b,
+                                    min_prefix, min_group, slots.data_ptr(), slot_start.data_ptr(),
+                                    members.data_ptr(), member_start.data_ptr(), part.data_ptr(),
+                                    num_parts.data_ptr(), order.data_ptr())
+    return Segments(slots=slots[:int(slot_start[n])], slot_start=slot_start[:n + 1],
+                    members=members[:int(member_start[n])], member_start=member_start[:n + 1],
+                    part=part[:n], num_parts=num_parts)

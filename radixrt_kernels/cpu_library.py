@@ -42,6 +42,8 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
     "radixrt_linear_available": [],
 }
+RESTYPES = {"radixrt_decode_segments": (ctypes.c_int64, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
+                                                          _ptr, _ptr, _ptr, _ptr, _ptr])}  # the others: int
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
@@ -117,4 +119,7 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    for name, (restype, argtypes) in RESTYPES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, restype
     return lib

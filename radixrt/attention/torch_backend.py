@@ -110,7 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
         kernel = self.kernel is not None and cpu_kernel.supports(self.pool.k_buffers[0])
         if batch.mode is ForwardMode.DECODE:
             if kernel:
-                batch.attn_metadata = _kernel_metadata(table, batch.req_rows, batch.seq_lens)
+                batch.attn_metadata = cpu_kernel.decode_segments(self.kernel, table, batch.req_rows, batch.seq_lens,
+                                                                 MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
                 return
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
                                                    self.pool.kv_heads, self.pool.dtype)
@@ -266,28 +267,6 @@ def _decode_metadata(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list
             return _cascade_metadata(st.rows, st.lens, st.start, width, st.groups, st.prefix_lens, kh,
                                      dtype)
     return _DecodeMeta(st.rows.clamp(min=0).reshape(-1), lmax, st.valid[:, None, None, :])
-
-
-def _kernel_metadata(table: torch.Tensor, req_rows: torch.Tensor,
-                     seq_lens: list[int]) -> cpu_kernel.Segments:
-    """The C kernel's segments: each qualifying group's shared prefix (part 0 of its requests),
-    then every request's private keys (part 1 in a group, else part 0: all its keys)."""
-    st = _step_rows(table, req_rows, seq_lens)
-    b = len(seq_lens)
-    pos = torch.arange(st.rows.shape[1], device=table.device)[None, :]
-    prefix_slots = [st.rows[members[0], :c] for members, c in zip(st.groups, st.prefix_lens.tolist())]
-    tail_slots = st.rows[(pos >= st.start[:, None]) & st.valid]  # request by request
-    zero = torch.zeros(1, dtype=torch.int64)
-    sizes = torch.cat([st.prefix_lens, st.lens - st.start])
-    member_sizes = torch.tensor([m.numel() for m in st.groups] + [1] * b, dtype=torch.int64)
-    in_group = (st.start > 0).long()
-    return cpu_kernel.Segments(
-        slots=torch.cat([*prefix_slots, tail_slots]),
-        slot_start=torch.cat([zero, sizes.cumsum(0)]),
-        members=torch.cat([*st.groups, torch.arange(b)]),
-        member_start=torch.cat([zero, member_sizes.cumsum(0)]),
-        part=torch.cat([torch.zeros(len(st.groups), dtype=torch.int64), in_group]),
-        num_parts=in_group + 1)
 
 
 def _shared_groups(rows: torch.Tensor,

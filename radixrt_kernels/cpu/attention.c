@@ -727,3 +727,67 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
     }
     return 0;
 }
+
+/* A decode step's segments for radixrt_attention, as the attention backend's PyTorch path
+ * groups requests (torch_backend._shared_groups): requests with the same first slot form a
+ * group; its prefix is the longest run of slots all its requests share, capped at each one's
+ * length - 1; a group of >= min_group requests with a prefix of >= min_prefix slots gets a
+ * segment of its own (part 0 of its members, groups in ascending first slot), then each request
+ * one for its remaining slots (part 1 in a group, else part 0 over all its slots).
+ *
+ * table [*, table_stride] holds each request row's slots; request i (of b) is row req_rows[i],
+ * lens[i] >= 1 slots. Outputs (sizes: slots sum(lens); slot_start, member_start 2b + 1;
+ * members 2b; part 2b; num_parts b); order [b] scratch. Returns the number of segments. */
+int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, const int64_t *req_rows,
+                                const int64_t *lens, int64_t b, int64_t min_prefix, int64_t min_group,
+                                int64_t *slots, int64_t *slot_start, int64_t *members,
+                                int64_t *member_start, int64_t *part, int64_t *num_parts, int64_t *order) {
+#define SLOT(i, p) table[req_rows[i] * table_stride + (p)]
+    for (int64_t i = 0; i < b; i++) { /* requests by (first slot, index): insertion sort */
+        int64_t at = i;
+        while (at > 0 && (SLOT(order[at - 1], 0) > SLOT(i, 0)
+                          || (SLOT(order[at - 1], 0) == SLOT(i, 0) && order[at - 1] > i))) {
+            order[at] = order[at - 1];
+            at--;
+        }
+        order[at] = i;
+    }
+    int64_t segs = 0, n_slots = 0, n_members = 0;
+    slot_start[0] = member_start[0] = 0;
+    for (int64_t i = 0; i < b; i++) num_parts[i] = 0; /* 0: no group yet; the prefix length + 1 below */
+    for (int64_t g0 = 0; g0 < b;) {
+        int64_t g1 = g0 + 1;
+        while (g1 < b && SLOT(order[g1], 0) == SLOT(order[g0], 0)) g1++;
+        const int64_t first = order[g0];
+        int64_t c = lens[first] - 1;
+        for (int64_t at = g0 + 1; at < g1; at++) {
+            const int64_t r = order[at], shared = lens[r] < lens[first] ? lens[r] : lens[first];
+            int64_t run = 0;
+            while (run < shared && SLOT(r, run) == SLOT(first, run)) run++;
+            if (run > lens[r] - 1) run = lens[r] - 1;
+            if (run < c) c = run;
+        }
+        if (g1 - g0 >= min_group && c >= min_prefix) {
+            for (int64_t p = 0; p < c; p++) slots[n_slots++] = SLOT(first, p);
+            for (int64_t at = g0; at < g1; at++) {
+                members[n_members++] = order[at];
+                num_parts[order[at]] = c + 1;
+            }
+            part[segs++] = 0;
+            slot_start[segs] = n_slots;
+            member_start[segs] = n_members;
+        }
+        g0 = g1;
+    }
+    for (int64_t i = 0; i < b; i++) {
+        const int64_t start = num_parts[i] ? num_parts[i] - 1 : 0;
+        for (int64_t p = start; p < lens[i]; p++) slots[n_slots++] = SLOT(i, p);
+        members[n_members++] = i;
+        part[segs++] = num_parts[i] ? 1 : 0;
+        num_parts[i] = num_parts[i] ? 2 : 1;
+        slot_start[segs] = n_slots;
+        member_start[segs] = n_members;
+    }
+    return segs;
+#undef SLOT
+}

@@ -220,3 +220,48 @@ def test_kernel_reads_q_k_v_as_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
         runs.append((backend.forward(q, k, v, 0, batch, 0.125), pool.k_buffers[0].clone(), pool.v_buffers[0].clone()))
     for got, want in zip(*runs):
         assert torch.equal(got, want)
+
+
+def _reference_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int]) -> list:
+    """The decode segments built from the PyTorch path's grouping (torch_backend._step_rows):
+    [(slots, members, part)] per segment, and num_parts."""
+    from radixrt.attention.torch_backend import _step_rows
+    st = _step_rows(table, req_rows, seq_lens)
+    segs = [(st.rows[m[0], :c].tolist(), m.tolist(), 0) for m, c in zip(st.groups, st.prefix_lens.tolist())]
+    for i, n in enumerate(seq_lens):
+        start = int(st.start[i])
+        segs.append((st.rows[i, start:n].tolist(), [i], int(start > 0)))
+    return segs, (st.start > 0).long().add(1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_segments_group_as_the_pytorch_path(seed: int) -> None:
+    """radixrt_decode_segments (one C call per decode step) groups requests as the PyTorch path's
+    _shared_groups does: groups by first slot, prefix = the run all share capped at len - 1,
+    kept from MIN_GROUP_SIZE requests and MIN_SHARED_PREFIX slots."""
+    from radixrt.attention.torch_backend import MIN_GROUP_SIZE, MIN_SHARED_PREFIX
+    lib = cpu_library.load(cache_dir())
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(1000, 100000, (24, 300), generator=gen)
+    next_slot = 200000
+    for row in range(24):  # some rows copy a prefix of an earlier row: groups of several lengths
+        if row > 4 and torch.rand(1, generator=gen).item() < 0.7:  # rows 0-2: their own group
+            src = int(torch.randint(3, row, (1,), generator=gen))
+            n = int(torch.randint(1, 120, (1,), generator=gen))
+            table[row, :n] = table[src, :n]
+        table[row, 250:] = torch.arange(next_slot, next_slot + 50)  # never read
+        next_slot += 50
+    table[1:3, :60] = table[0, :60]  # rows 0-2 share 60 slots at least
+    b = int(torch.randint(5, 20, (1,), generator=gen))
+    req_rows = torch.cat([torch.tensor([2, 0, 1]), 3 + torch.randperm(21, generator=gen)[:b - 3]])
+    seq_lens = torch.randint(1, 240, (b,), generator=gen).tolist()
+    seq_lens[:3] = [min(int(n) + 80, 250) for n in seq_lens[:3]]
+    seq_lens[3] = 1  # a one-token request: it shares nothing (capped at len - 1 = 0)
+    seg = cpu_kernel.decode_segments(lib, table, req_rows, seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
+    want, num_parts = _reference_segments(table, req_rows, seq_lens)
+    got = [(seg.slots[seg.slot_start[s]:seg.slot_start[s + 1]].tolist(),
+            seg.members[seg.member_start[s]:seg.member_start[s + 1]].tolist(), int(seg.part[s]))
+           for s in range(seg.part.numel())]
+    assert got == want
+    assert seg.num_parts.tolist() == num_parts and seg.two_parts == (2 in num_parts)
+    assert any(part == 0 and {0, 1, 2} <= set(members) for _, members, part in got)
