@@ -39,9 +39,25 @@ class Segments:
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
     two_parts: bool = field(init=False)  # some token has two parts (the merge needs scratch)
+    _call: tuple | None = field(init=False, default=None, repr=False, compare=False)  # see _call_args
 
     def __post_init__(self) -> None:
         self.two_parts = bool((self.num_parts == 2).any())
+
+    def _call_args(self, t: int, h: int, d: int) -> tuple:
+        """The kernel's segment arguments and merge scratch for a call on t tokens of h heads of
+        d values: built on a forward's first layer, reused by the others (the key also holds
+        the tensors' identities, so a Segments whose fields were replaced rebuilds them)."""
+        tensors = (self.slots, self.slot_start, self.members, self.member_start, self.part, self.causal,
+                   self.num_parts)
+        key = (t, h, d, *map(id, tensors))
+        if self._call is None or self._call[0] != key:
+            # scratch for merging two parts: acc [T, 2, H, D], then m and l [T, 2, H] each
+            scratch = torch.empty(t * 2 * h * (d + 2) if self.two_parts else 0, dtype=torch.float32)
+            merge = tuple(scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1)))
+            args = (self.part.numel(), *(None if x is None else x.data_ptr() for x in tensors))
+            self._call = (key, scratch, args + merge)
+        return self._call[2]
 
 
 def supports(k_buf: torch.Tensor) -> bool:
@@ -74,9 +90,6 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         raise ValueError("attention: k_buf and v_buf must be contiguous")
     q = _token_rows(q)
     out = torch.empty(t, h, d, dtype=q.dtype)
-    # scratch for merging two parts: acc [T, 2, H, D], then m and l [T, 2, H] each
-    scratch = torch.empty(t * 2 * h * (d + 2) if seg.two_parts else 0, dtype=torch.float32)
-    acc, m_at, l_at = (scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1)))
     new_k = new_v = new_slots = None
     if new_kv is not None:
         new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
@@ -89,10 +102,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
                              "their slots contiguous int64 [n]")
     rc = lib.radixrt_attention(
         q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(),
-        int(q.dtype == torch.bfloat16), t, h, kh, d, scaling, seg.part.numel(), seg.slots.data_ptr(),
-        seg.slot_start.data_ptr(), seg.members.data_ptr(), seg.member_start.data_ptr(), seg.part.data_ptr(),
-        None if seg.causal is None else seg.causal.data_ptr(), seg.num_parts.data_ptr(),
-        acc, m_at, l_at, torch.get_num_threads(),
+        int(q.dtype == torch.bfloat16), t, h, kh, d, scaling, *seg._call_args(t, h, d), torch.get_num_threads(),
         None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
         0 if new_k is None else new_k.stride(0),
         None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())
