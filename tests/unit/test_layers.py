@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from radixrt.model import layers
-from radixrt.model.layers import (ColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                  pack_cpu_weights)
+from radixrt.model.layers import (MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
+                                  SiluAndMul, pack_cpu_weights)
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_linear
 
@@ -32,18 +32,21 @@ def library_for(packing: str):
 
 
 class Tiny(nn.Module):
+    """An MLP ([gate; up], SiLU-and-mul, down with a bias) and an LM head."""
+
     def __init__(self, dtype: torch.dtype, hidden: int = 32) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.up = ColumnParallelLinear(hidden, 64, bias=True)
-        self.down = RowParallelLinear(64, hidden)
+        self.up = MergedColumnParallelLinear(hidden, [64, 64], silu_gated=True)
+        self.down = RowParallelLinear(64, hidden, bias=True)
         self.head = ParallelLMHead(100, hidden)
         for p in self.parameters():
-            p.data.normal_()
+            p.data.normal_(std=0.3)
         self.to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.down(self.up(x)))
+        h = self.up(x)
+        return self.head(self.down(h if self.up.fused_act else SiluAndMul()(h)))
 
 
 PACKINGS = [pytest.param("onednn", marks=needs_onednn), "amx"]
@@ -56,6 +59,7 @@ def test_packed_bf16_model_matches_plain(packing: str, rows: int) -> None:
     packed = copy.deepcopy(plain)
     assert pack_cpu_weights(packed, library_for(packing)) == packing
     assert packed.up.packing == packed.down.packing == packed.head.packing == packing
+    assert packed.up.fused_act == (packing == "amx")  # SiLU-and-mul in the AMX kernel's pass
     assert packed.up.weight.is_mkldnn == (packing == "onednn")
     assert packed.head.packed_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
     x = torch.randn(rows, 32, dtype=torch.bfloat16)
@@ -156,14 +160,17 @@ def test_amx_packing_needs_packable_weights() -> None:
 def test_packed_layers_compile(packing: str) -> None:
     # Inductor cannot lower the packed layouts: under torch.compile the packed linears and the
     # LM head go through the opaque radixrt::amx_linear / radixrt::onednn_linear ops, the very
-    # kernels eager runs.
+    # kernels eager runs: with AMX (SiLU-and-mul inside the op) the same results bit for bit;
+    # with oneDNN's layout Inductor fuses the SiLU-and-mul itself, rounding once instead of
+    # twice, so there: equal up to that rounding.
     packed = Tiny(torch.bfloat16)
     assert pack_cpu_weights(packed, library_for(packing)) == packing
     compiled = torch.compile(packed, dynamic=True)
+    exact = packing == "amx"
     with torch.inference_mode():
         for rows in (3, 17):
             x = torch.randn(rows, 32, dtype=torch.bfloat16)
-            torch.testing.assert_close(compiled(x), packed(x), rtol=0, atol=0)
+            torch.testing.assert_close(compiled(x), packed(x), rtol=0 if exact else 0.05, atol=0 if exact else 0.5)
 
 
 def test_other_dtypes_stay_plain() -> None:
