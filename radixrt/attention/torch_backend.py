@@ -110,8 +110,8 @@ class TorchAttentionBackend(AttentionBackend):
         kernel = self.kernel is not None and cpu_kernel.supports(self.pool.k_buffers[0])
         if batch.mode is ForwardMode.DECODE:
             if kernel:
-                batch.attn_metadata = cpu_kernel.decode_segments(self.kernel, table, batch.req_rows, batch.seq_lens,
-                                                                 MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
+                batch.attn_metadata = cpu_kernel.decode_segments(
+                    self.kernel, table, batch.req_rows, batch.seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
                 return
             batch.attn_metadata = _decode_metadata(table, batch.req_rows, batch.seq_lens,
                                                    self.pool.kv_heads, self.pool.dtype)

@@ -195,10 +195,12 @@ def pack_cpu_weights(model: nn.Module, lib=None) -> str | None:
     the weights go into that library's linear kernel's layout ("amx", see
     ``radixrt_kernels.cpu_linear``): 21-24 GB/s in a decode step here, against 15 for
     oneDNN's packed kernels and less for the plain ones, which re-lay the weight out on
-    every call. Elsewhere oneDNN's blocked layout ("onednn"). Both give the results of
-    PyTorch's own bf16 linears (the oneDNN layout is checked here on one layer). A linear
-    layer swaps its weight for the packed one (no second copy); the LM head keeps its plain
-    weight (the tied embedding reads it) and gains a packed copy.
+    every call; an MLP's [gate; up] also takes its SiLU-and-mul into that pass. Elsewhere
+    oneDNN's blocked layout ("onednn", checked here on one layer). Both give PyTorch's own
+    bf16 results: oneDNN's exactly; the AMX kernel's exactly for up to 32 rows and within
+    the last bf16 bit beyond (oneDNN adds those in another order). A linear layer swaps its
+    weight for the packed one (no second copy); the LM head keeps its plain weight (the tied
+    embedding reads it) and gains a packed copy.
     """
     linears = [m for m in model.modules() if isinstance(m, LinearBase) and m.packing is None]
     heads = [m for m in model.modules() if isinstance(m, ParallelLMHead) and m.packing is None]
@@ -209,7 +211,9 @@ def pack_cpu_weights(model: nn.Module, lib=None) -> str | None:
         for m in linears:  # an MLP's [gate; up] with SiLU-and-mul fused where it can be
             gated = getattr(m, "silu_gated", False) and m.bias is None and cpu_linear.packable(m.weight, True)
             m.weight = nn.Parameter(cpu_linear.pack(lib, m.weight.detach(), gated), requires_grad=False)
-            m.packing, m.fused_act = "amx", gated
+            m.packing = "amx"
+            if gated:
+                m.fused_act = True
         for m in heads:
             m.packed_weight, m.packing = cpu_linear.pack(lib, m.weight.detach()), "amx"
         return "amx"
