@@ -25,9 +25,10 @@
  * float32 (logits, as PyTorch's bf16 linear followed by .float() gives them).
  *
  * Threads (the caller's OpenMP runtime) split the blocks. With more than 64
- * rows (a prefill) a thread takes its blocks in groups of GROUP: all passes
- * over a group's blocks, which stay in L2, so each weight still streams from
- * memory once and each output row is written in runs of GROUP·64 bytes.
+ * rows (a prefill) a thread takes its blocks in groups (up to GROUP blocks,
+ * about GROUP_BYTES of weights): all passes over a group's blocks, which stay
+ * in L2, so each weight still streams from memory once and each output row is
+ * written in runs of up to GROUP·64 bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -47,7 +48,8 @@
 #define KC 32                  /* input features per chunk */
 #define TILE_ELEMS 512         /* bf16 values in one 16 × 32 tile */
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
-#define GROUP 16              /* blocks per group with more than two passes */
+#define GROUP 16              /* blocks per group with more than two passes, at most ... */
+#define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
 
 /* Pack w [n, k] (row-major bf16) into packed: ceil(n / NB)·NB·k values (cpu_linear.packed_elems). */
 int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
@@ -249,7 +251,9 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
         const int passes = (int)((tiles + 1) / 2);
         struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
                                 (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes};
-        const int64_t group = passes <= 2 ? unit : GROUP; /* a decode batch: each block's passes back to back */
+        /* a decode batch: each block's passes back to back; else groups of whole units */
+        int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
+        group = passes <= 2 || group < unit ? unit : group > GROUP ? GROUP : group;
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
             for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32) {
