@@ -44,9 +44,9 @@
 #define HAVE_AMX 1
 #endif
 
-#define NB 32                  /* output features per block */
-#define KC 32                  /* input features per chunk */
-#define TILE_ELEMS 512         /* bf16 values in one 16 × 32 tile */
+#define NB 32                 /* output features per block */
+#define KC 32                 /* input features per chunk */
+#define TILE_ELEMS 512        /* bf16 values in one 16 × 32 tile */
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
