@@ -16,11 +16,16 @@ Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
 as ``cpu_ops.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
 without its own call, and without writing and re-reading the [M, 2N'] products
 (a prefill's are megabytes).
+
+Rotary: ``linear(..., rope=Rope(positions, cos, sin_signed, head_dim, cols))``
+rotates the output's first ``cols`` features (q and k heads of ``head_dim``,
+a multiple of 64) in the same pass, as ``cpu_ops.rope_`` rotates them.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import torch
 
@@ -53,17 +58,34 @@ def pack(lib: ctypes.CDLL, w: torch.Tensor, gated: bool = False) -> torch.Tensor
     return packed
 
 
+class Rope(NamedTuple):
+    """The rotary embedding a linear's output gets in its own pass: row r at positions[r]
+    (int64) of the float32 tables cos and sin± [max_position, head_dim]; features [0, cols)."""
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    head_dim: int
+    cols: int
+
+
+def rope_fusable(head_dim: int) -> bool:
+    """Whether the kernel rotates heads of this size (a head's halves are whole blocks of 32,
+    and at most 4 blocks are written together)."""
+    return head_dim % 64 == 0 and head_dim <= 128
+
+
 def packed_elems(n: int, k: int) -> int:
     """The size of a packed [n, k] weight (n padded to a multiple of 32), as the C side has it."""
     return -(-n // 32) * 32 * k
 
 
 def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None, float_out: bool = False, gated: bool = False) -> torch.Tensor:
+           bias: torch.Tensor | None = None, float_out: bool = False, gated: bool = False,
+           rope: Rope | None = None) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
     bf16 results widened to float32 with ``float_out``; for a weight packed ``gated``,
-    silu(gate)·up [..., n / 2] (bf16, no bias). (Called ~120 times per decode step: the checks
-    are kept to a few attribute reads.)"""
+    silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``). (Called
+    ~120 times per decode step: the checks are kept to a few attribute reads.)"""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
         raise ValueError("linear: x and the bias must be bf16, the bias [n]")
@@ -75,12 +97,21 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
     m, width = x2.shape[0], n // 2 if gated else n
     if gated and (bias is not None or float_out):
         raise ValueError("linear: a gated linear has no bias and a bf16 output")
+    rope_args = (None, None, None, 0, 0)
+    if rope is not None:
+        pos = rope.positions
+        if (x.dim() != 2 or pos.dtype != torch.int64 or pos.shape != (x.shape[0],) or not pos.is_contiguous()
+                or rope.cos.dtype != torch.float32 or rope.sin_signed.dtype != torch.float32
+                or not (rope.cos.is_contiguous() and rope.sin_signed.is_contiguous())
+                or rope.cos.shape[1] != rope.head_dim):
+            raise ValueError("linear: rope needs 2-D x, int64 positions [M] and float32 tables [*, head_dim]")
+        rope_args = (pos.data_ptr(), rope.cos.data_ptr(), rope.sin_signed.data_ptr(), rope.head_dim, rope.cols)
     y = torch.empty(m, width, dtype=torch.float32 if float_out else torch.bfloat16)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     rc = lib.radixrt_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
                             None if bias is None else bias.data_ptr(), y.data_ptr(), width, float_out, gated,
-                            m, n, k, torch.get_num_threads())
+                            *rope_args, m, n, k, torch.get_num_threads())
     if rc != 0:
         raise ValueError(f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here")
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)

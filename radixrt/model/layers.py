@@ -106,16 +106,28 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections in one matmul; heads are split across ranks."""
+    """q, k and v projections in one matmul; heads are split across ranks.
+
+    ``rope_follows``: the caller rotates q and k right after (no norm between). Where the AMX
+    kernel runs this linear and the head dim suits it (see pack_cpu_weights) it rotates them
+    in the same pass (``fused_rope``): call ``rotated``."""
 
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False) -> None:
+                 bias: bool = False, rope_follows: bool = False) -> None:
         _, tp = tp_rank_and_size()
         self.head_dim = head_dim
         self.num_heads = num_heads // tp
         self.num_kv_heads = max(1, num_kv_heads // tp)
         out = (num_heads + 2 * max(num_kv_heads, tp)) * head_dim
         super().__init__(hidden, out, bias)
+        self.rope_follows = rope_follows
+        self.fused_rope = False
+
+    def rotated(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """[q, k, v] with q and k rotated at ``positions`` by ``rotary``'s tables (fused_rope)."""
+        rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, self.head_dim,
+                               (self.num_heads + self.num_kv_heads) * self.head_dim)
+        return amx_linear(x, self.weight, self.bias, self.out_features, rope=rope)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -214,6 +226,8 @@ def pack_cpu_weights(model: nn.Module, lib=None) -> str | None:
             m.packing = "amx"
             if gated:
                 m.fused_act = True
+            if getattr(m, "rope_follows", False) and cpu_linear.rope_fusable(m.head_dim):
+                m.fused_rope = True
         for m in heads:
             m.packed_weight, m.packing = cpu_linear.pack(lib, m.weight.detach()), "amx"
         return "amx"
@@ -260,24 +274,28 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_feat
 
 
 def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False, gated: bool = False) -> torch.Tensor:
+               float_out: bool = False, gated: bool = False, rope: cpu_linear.Rope | None = None) -> torch.Tensor:
     """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
-    silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``). Inside torch.compile
-    it goes through the opaque ``radixrt::amx_linear`` op."""
+    silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``; q and k rotated with
+    ``rope``). Inside torch.compile it goes through the opaque ``radixrt::amx_linear`` op."""
     if torch.compiler.is_compiling():
-        return _amx_linear_op(x, packed, bias, out_features, float_out, gated)
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated)
+        r = rope or cpu_linear.Rope(None, None, None, 0, 0)
+        return _amx_linear_op(x, packed, bias, out_features, float_out, gated, *r)
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope)
 
 
 @torch.library.custom_op("radixrt::amx_linear", mutates_args=())
 def _amx_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                   float_out: bool, gated: bool) -> torch.Tensor:
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated)
+                   float_out: bool, gated: bool, positions: torch.Tensor | None, cos: torch.Tensor | None,
+                   sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
+    rope = cpu_linear.Rope(positions, cos, sin_signed, head_dim, rope_cols) if positions is not None else None
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope)
 
 
 @_amx_linear_op.register_fake
 def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-      float_out: bool, gated: bool) -> torch.Tensor:
+      float_out: bool, gated: bool, positions: torch.Tensor | None, cos: torch.Tensor | None,
+      sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
     width = out_features // 2 if gated else out_features
     return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)
 

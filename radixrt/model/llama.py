@@ -30,7 +30,7 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=cfg.attention_bias)
+                                          cfg.num_kv_heads, bias=cfg.attention_bias, rope_follows=not cfg.qk_norm)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -43,15 +43,20 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
         t, d = h.shape[0], self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        qkv = self.qkv_proj(h)
-        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
-        if self.q_norm is None:  # q and k lie side by side in qkv: one rotation for both
+        if self.qkv_proj.fused_rope:  # q and k rotated in the linear's own pass
+            qkv = self.qkv_proj.rotated(h, positions, self.rotary)
+            q = qkv[:, :q_size].view(t, self.num_heads, d)
+            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d)
+        elif self.q_norm is None:  # q and k lie side by side in qkv: one rotation for both
+            qkv = self.qkv_proj(h)
             qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(t, -1, d))
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
+            qkv = self.qkv_proj(h)
             q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, d))
             k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d))
             q, k = self.rotary(positions, q), self.rotary(positions, k)
+        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
         o = attention(q, k, v, self.layer_id, batch, self.scaling)
         return self.o_proj(o.reshape(t, q_size))
 

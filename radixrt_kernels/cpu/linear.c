@@ -48,6 +48,7 @@
 #define KC 32                 /* input features per chunk */
 #define TILE_ELEMS 512        /* bf16 values in one 16 × 32 tile */
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
+#define MAX_UNIT 4            /* blocks written together at most (a rotary head of 128) */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
 
@@ -93,40 +94,31 @@ static void configure_tiles(void) {
 }
 
 /* Where results go: y [*, n] with rows `stride` elements apart (bf16, or float32 with f32),
- * plus the bias [n] (bf16) where not NULL. */
+ * plus the bias [n] (bf16) where not NULL. Gated: SiLU-and-mul of block pairs; rope_dim > 0:
+ * the rotary embedding on the heads of rope_dim features in features [0, rope_cols), at row r's
+ * position positions[r], with float32 tables cos and sin± [*, rope_dim]. */
 struct output {
     void *y;
     int64_t stride, n; /* n: the output's features (gated: half the weight's) */
     const bf16 *bias;
     int f32, gated;
+    const int64_t *positions;
+    const float *cos, *sin;
+    int64_t rope_dim, rope_cols;
 };
 
-/* A block's finished results, waiting to be written: rows r0 .. r0 + rows - 1 (none when rows
- * is 0) of the output features from f0, as float32 acc [32][NB] (gated: the gate block's, and
- * the up block's in up). */
+/* A unit's finished results (a block; a gated pair of blocks; a rotary head's blocks), waiting
+ * to be written: rows r0 .. r0 + rows - 1 (none when rows is 0) of the output features from f0,
+ * as float32 acc[i] [32][NB] for the unit's block i. */
 struct results {
-    float (*acc)[NB], (*up)[NB];
+    float (*acc)[32][NB];
     int rows;
     int64_t r0, f0;
 };
 
-/* Gated output: silu(gate)·up of bf16-rounded results, rounded as radixrt_silu_mul rounds. */
-static inline void write_gated(const struct output *o, const struct results *r) {
-    for (int h = 0; h < 2; h++) {
-        for (int row = 0; row < r->rows; row++) {
-            const v16 g = round16(*(const v16 *)&r->acc[row][16 * h]), u = round16(*(const v16 *)&r->up[row][16 * h]);
-            const v16 silu = round16(g * vrecip(1.0f + vexp(-g)));
-            store16((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + 16 * h, silu * u, 1);
-        }
-    }
-}
-
-/* Write r: plus the bias, rounded to bf16 (then widened with f32); features past n dropped. */
-static inline void write_results(const struct output *o, const struct results *r) {
-    if (o->gated) {
-        write_gated(o, r);
-        return;
-    }
+/* One block's results (r->acc[0]) plus the bias, rounded to bf16 (then widened with f32);
+ * features past n dropped. */
+static inline void write_block(const struct output *o, const struct results *r) {
     for (int h = 0; h < 2; h++) {
         const int64_t cols = o->n - r->f0 - 16 * h;
         if (cols <= 0) break;
@@ -136,7 +128,7 @@ static inline void write_results(const struct output *o, const struct results *r
             b = _mm512_castsi512_ps(_mm512_slli_epi32(
                 _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, o->bias + r->f0 + 16 * h)), 16));
         for (int row = 0; row < r->rows; row++) {
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&r->acc[row][16 * h]), b));
+            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&r->acc[0][row][16 * h]), b));
             const int64_t at = (r->r0 + row) * o->stride + r->f0 + 16 * h;
             if (o->f32)
                 _mm512_mask_storeu_ps((float *)o->y + at, keep,
@@ -144,6 +136,63 @@ static inline void write_results(const struct output *o, const struct results *r
             else
                 _mm256_mask_storeu_epi16((bf16 *)o->y + at, keep, v);
         }
+    }
+}
+
+/* Gated output: silu(gate)·up of bf16-rounded results, rounded as radixrt_silu_mul rounds. */
+static inline void write_gated(const struct output *o, const struct results *r) {
+    for (int h = 0; h < 2; h++) {
+        for (int row = 0; row < r->rows; row++) {
+            const v16 g = round16(*(const v16 *)&r->acc[0][row][16 * h]);
+            const v16 u = round16(*(const v16 *)&r->acc[1][row][16 * h]);
+            const v16 silu = round16(g * vrecip(1.0f + vexp(-g)));
+            store16((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + 16 * h, silu * u, 1);
+        }
+    }
+}
+
+/* 16 bias values from feature f as float32 (0 without a bias). */
+static inline v16 bias16(const struct output *o, int64_t f) {
+    return o->bias != NULL ? load16(o->bias + f, 1) : (v16){0};
+}
+
+/* A rotary head (features f0 .. f0 + D - 1, D = rope_dim): x = the results plus the bias,
+ * rounded; then x·cos + roll(x, D/2)·sin± with the tables rounded to bf16 and each product and
+ * the sum rounded, as radixrt_rope rotates. */
+static inline void write_rope(const struct output *o, const struct results *r) {
+    const int64_t d = o->rope_dim, half_blocks = d / NB / 2;
+    for (int64_t i = 0; i < half_blocks; i++) {
+        for (int h = 0; h < 2; h++) {
+            const int64_t da = i * NB + 16 * h, db = da + d / 2; /* paired dims of the head */
+            const v16 ba = bias16(o, r->f0 + da), bb = bias16(o, r->f0 + db);
+            for (int row = 0; row < r->rows; row++) {
+                const float *cos_row = o->cos + o->positions[r->r0 + row] * d;
+                const float *sin_row = o->sin + o->positions[r->r0 + row] * d;
+                const v16 xa = round16(*(const v16 *)&r->acc[i][row][16 * h] + ba);
+                const v16 xb = round16(*(const v16 *)&r->acc[i + half_blocks][row][16 * h] + bb);
+                const v16 ca = round16(load16(cos_row + da, 0)), sa = round16(load16(sin_row + da, 0));
+                const v16 cb = round16(load16(cos_row + db, 0)), sb = round16(load16(sin_row + db, 0));
+                bf16 *out = (bf16 *)o->y + (r->r0 + row) * o->stride + r->f0;
+                store16(out + da, round16(xa * ca) + round16(xb * sa), 1);
+                store16(out + db, round16(xb * cb) + round16(xa * sb), 1);
+            }
+        }
+    }
+}
+
+/* Write a unit's results: gated, rotated, or block by block. */
+static inline void write_results(const struct output *o, const struct results *r, int unit) {
+    if (o->gated) {
+        write_gated(o, r);
+        return;
+    }
+    if (o->rope_dim > 0 && r->f0 < o->rope_cols) {
+        write_rope(o, r);
+        return;
+    }
+    for (int i = 0; i < unit; i++) {
+        const struct results one = {r->acc + i, r->rows, r->r0, r->f0 + i * NB};
+        write_block(o, &one);
     }
 }
 
@@ -173,7 +222,7 @@ struct prefetcher {
  * stored tiles stalls; this way the stall overlaps the tile products). */
 static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, int64_t b_stride,
                               const bf16 *w, int64_t chunks, int two, struct prefetcher *pf, float (*acc)[NB],
-                              const struct output *o, const struct results *previous) {
+                              const struct output *o, const struct results *previous, int unit) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -192,7 +241,7 @@ static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (c == 0 && previous->rows) write_results(o, previous);
+        if (c == 0 && previous->rows) write_results(o, previous, unit);
     }
     _tile_stored(0, &acc[0][0], NB * 4);
     _tile_stored(1, &acc[0][16], NB * 4);
@@ -218,12 +267,22 @@ int radixrt_linear_available(void) {
  *
  * gated: W's blocks alternate gate and up features (block 2i: gate features 32i .. 32i+31,
  * block 2i+1: the matching up features; n a multiple of 64) and y [m, n / 2] = silu(x·Wgᵀ) ·
- * x·Wuᵀ, each product rounded to bf16 first: SiLU-and-mul in the same pass, no bias, bf16. */
+ * x·Wuᵀ, each product rounded to bf16 first: SiLU-and-mul in the same pass, no bias, bf16.
+ *
+ * rope_dim > 0 (a multiple of 64, at most MAX_UNIT·NB; n a multiple of it): features
+ * [0, rope_cols) are heads of rope_dim values (q and k), rotated in the same pass as
+ * radixrt_rope rotates them, row r at position positions[r] of the float32 tables rope_cos and
+ * rope_sin (sin±) [*, rope_dim]; bf16. */
 int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias, void *y,
-                   int64_t y_stride, int y_f32, int gated, int64_t m, int64_t n, int64_t k, int num_threads) {
+                   int64_t y_stride, int y_f32, int gated, const int64_t *positions, const float *rope_cos,
+                   const float *rope_sin, int64_t rope_dim, int64_t rope_cols, int64_t m, int64_t n, int64_t k,
+                   int num_threads) {
 #ifdef HAVE_AMX
     if (m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k || y_stride < (gated ? n / 2 : n) || num_threads < 1
-        || (gated && (n % (2 * NB) || bias != NULL || y_f32)) || !amx_permitted())
+        || (gated && (n % (2 * NB) || bias != NULL || y_f32))
+        || (rope_dim && (gated || y_f32 || rope_dim < 0 || rope_dim % (2 * NB) || rope_dim > MAX_UNIT * NB
+                         || n % rope_dim || rope_cols % rope_dim || rope_cols > n))
+        || !amx_permitted())
         return -1;
     if (m == 0) return 0;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, tiles = (m + 15) / 16;
@@ -239,12 +298,15 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        /* block i's results go to acc[i % 4]: a block's, or a gated pair's, stay untouched until
-         * written during the next block's (pair's) first products */
-        float acc[4][32][NB] __attribute__((aligned(64)));
-        const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated};
-        struct results done = {NULL, NULL, 0, 0, 0};
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num(), unit = gated ? 2 : 1;
+        /* Blocks go in units (a block; a gated pair; a rotary head's blocks), block i's results to
+         * acc[i % (2·unit)]: a unit's stay untouched until written during the next unit's first
+         * products. */
+        const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
+        float acc[2 * MAX_UNIT][32][NB] __attribute__((aligned(64)));
+        const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated,
+                                 positions, rope_cos, rope_sin, rope_dim, rope_cols};
+        struct results done = {NULL, 0, 0, 0};
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
         configure_tiles();
         const int64_t block_elems = chunks * 2 * TILE_ELEMS;
@@ -260,25 +322,27 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
                 const int two = r0 + 16 < 16 * tiles;
                 const int a_tail = tail && r0 / 16 == tiles - 1, b_tail = tail && r0 / 16 + 1 == tiles - 1;
                 for (int64_t b = g0; b < g1; b++) {
-                    const int64_t f0 = b / unit * NB; /* the output features */
-                    if (r0 + 32 < m && b % unit == 0) claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
-                    float (*into)[NB] = acc[b % 4];
+                    const int64_t f0 = gated ? b / 2 * NB : b * NB; /* the block's output features */
+                    if (r0 + 32 < m && (!gated || b % 2 == 0))
+                        claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
                     block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
                                b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
-                               packed + b * block_elems, chunks, two, &pf, into, &o, &done);
-                    if (b % unit == 0) done.rows = 0; /* written above; a gate block waits for its up */
-                    if (b % unit == unit - 1)
-                        done = (struct results){acc[(b - unit + 1) % 4], into, m - r0 < 32 ? (int)(m - r0) : 32, r0, f0};
+                               packed + b * block_elems, chunks, two, &pf, acc[b % (2 * unit)], &o, &done, unit);
+                    if (b % unit == 0) done.rows = 0; /* written above; the unit's last block sets it */
+                    if (b % unit == unit - 1) /* the unit's first block: b - unit + 1 */
+                        done = (struct results){&acc[(b - unit + 1) % (2 * unit)], m - r0 < 32 ? (int)(m - r0) : 32,
+                                                r0, gated ? f0 : (b - unit + 1) * NB};
                 }
             }
         }
-        if (done.rows) write_results(&o, &done);
+        if (done.rows) write_results(&o, &done, unit);
         _tile_release();
     }
     free(tail);
     return 0;
 #else
     (void)x, (void)x_stride, (void)packed, (void)bias, (void)y, (void)y_stride, (void)y_f32, (void)gated;
+    (void)positions, (void)rope_cos, (void)rope_sin, (void)rope_dim, (void)rope_cols;
     (void)m, (void)n, (void)k, (void)num_threads;
     return -1;
 #endif

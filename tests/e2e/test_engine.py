@@ -69,20 +69,41 @@ def test_greedy_without_the_cpu_kernels(tiny_llama, engine_factory, monkeypatch)
     assert ids_of(eng.generate(PROMPTS, GREEDY)) == want  # cascade decode over cached prefixes
 
 
-def test_bf16_amx_linears_give_pytorchs_ids(tiny_llama, engine_factory, monkeypatch):
-    """bf16 greedy through the AMX linear kernel (radixrt_kernels.cpu_linear) equals bf16 greedy
-    through PyTorch's own linears: one request at a time, so no forward has over 32 rows, where
-    the kernel adds the products in oneDNN's order (bit-equal logits)."""
+def _with_head_dim_64(path: str, folder) -> str:
+    """The tiny model (hidden 256, 8 heads of 32) read as 4 heads of 64 and 2 KV heads: the same
+    weight shapes, a head size the AMX kernel rotates in the qkv linear's own pass."""
+    import json
+    shutil.copytree(path, folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(num_attention_heads=4, num_key_value_heads=2)
+    if "head_dim" in cfg:
+        cfg["head_dim"] = 64
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("model", ["llama", "llama, head dim 64", "qwen2 (qkv bias), head dim 64"])
+def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, request, tmp_path):
+    """bf16 greedy through the AMX linear kernel (radixrt_kernels.cpu_linear: SiLU-and-mul fused
+    into the MLP's gate/up pass, and with heads of 64 the rotary embedding into the qkv pass)
+    equals bf16 greedy through PyTorch's own linears and the separate steps: one request at a
+    time, so no forward has over 32 rows, where the kernel adds the products in oneDNN's order
+    (bit-equal logits)."""
     from radixrt.model import runner
     from radixrt_kernels import cpu_linear
     if not cpu_linear.available(cpu_library.load(cache_dir())):
         pytest.skip("no AMX linear kernel on this CPU")
+    path = request.getfixturevalue(f"tiny_{model.split()[0].rstrip(',')}")
+    if "head dim 64" in model:
+        path = _with_head_dim_64(path, tmp_path / "hd64")
     requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + i)] for i in range(4)]
-    eng = engine_factory(tiny_llama, dtype="bfloat16")
+    eng = engine_factory(path, dtype="bfloat16")
     assert eng.runner.weight_packing == "amx"
+    attn = eng.runner.model.model.layers[0].self_attn
+    assert attn.qkv_proj.fused_rope == ("head dim 64" in model) and attn.head_dim == (64 if attn.qkv_proj.fused_rope else 32)
     got = [eng.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
     monkeypatch.setattr(runner, "pack_cpu_weights", lambda model, lib: None)
-    plain = engine_factory(tiny_llama, dtype="bfloat16")
+    plain = engine_factory(path, dtype="bfloat16")
     assert plain.runner.weight_packing is None
     want = [plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
     assert got == want

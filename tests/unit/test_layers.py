@@ -134,6 +134,34 @@ def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
         torch.testing.assert_close(mlp.down(mlp.gate_up(x)), want, rtol=2 ** -6, atol=2e-2)
 
 
+@pytest.mark.parametrize("head_dim,bias", [(64, False), (64, True), (128, True)])
+def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -> None:
+    # QKVParallelLinear.rotated (fused_rope): [q, k, v] with q and k rotated, bit-equal to the
+    # linear followed by the rotary embedding (cpu_ops.rope_), eager and under torch.compile.
+    from radixrt.model.layers import QKVParallelLinear, RotaryEmbedding
+    from radixrt_kernels import cpu_ops
+    lib = amx_library()
+    torch.manual_seed(head_dim)
+    qkv = QKVParallelLinear(96, head_dim, 4, 2, bias=bias, rope_follows=True)
+    for p in qkv.parameters():
+        p.data.normal_(std=0.3)
+    qkv.to(torch.bfloat16)
+    plain = copy.deepcopy(qkv)
+    rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
+    assert pack_cpu_weights(qkv, lib) == "amx" and qkv.fused_rope
+    rotated = torch.compile(lambda x, pos: qkv.rotated(x, pos, rotary), dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 33, 300):
+            x = torch.randn(rows, 96, dtype=torch.bfloat16)
+            positions = torch.randint(0, 4096, (rows,))
+            want = qkv(x)  # the same kernel without the rotation
+            assert torch.equal(want, plain(x)) or rows > 32  # (bit-equal to F.linear up to 32 rows)
+            cpu_ops.rope_(lib, want[:, :6 * head_dim].view(rows, 6, head_dim), positions, rotary.cos,
+                          rotary.sin_signed)
+            assert torch.equal(qkv.rotated(x, positions, rotary), want)
+            assert torch.equal(rotated(x, positions), want)
+
+
 def test_amx_linear_rejects_what_it_cannot_take() -> None:
     lib = amx_library()
     w = torch.randn(64, 96, dtype=torch.bfloat16)
@@ -216,7 +244,8 @@ def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
     y = torch.empty(2, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
-    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 0, 2, 64, 32, 1) == -1
+    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 0, None, None, None,
+                              0, 0, 2, 64, 32, 1) == -1
     model = Tiny(torch.bfloat16)
     expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
     assert pack_cpu_weights(model, lib) == expected
