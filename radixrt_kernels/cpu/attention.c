@@ -44,11 +44,6 @@
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #define QB 32     /* query rows per work item ... */
 #define AMX_QB 64 /* ... where AMX runs the items (more rows share each block's key and value layouts) */
@@ -457,35 +452,9 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
 /* Tile registers, all 16 rows × 64 bytes. Q·Kᵀ: 0, 3, 5, 6 the scores of a step's four
  * groups of 16 keys (C), 1 a q chunk (A), 2, 4, 7 key chunks (B). P·V: 3 and 6 the
  * probabilities of its two blocks (A), 4, 1, 7, 2 value chunks (B), 5 and 0 two output chunks
- * (C). */
-struct tile_config {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-};
-
-static int amx_ready = -1; /* -1 unknown, 0 refused by the kernel, 1 granted */
-
-static int amx_permitted(void) {
-    if (amx_ready < 0) {
-        /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: Linux hands out AMX state on request */
-        amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    }
-    return amx_ready;
-}
-
-static void amx_configure(void) {
-    struct tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
-/* attend_item for bfloat16 with AMX tiles, for items with many query rows (a shared prefix,
+ * (C).
+ *
+ * attend_item for bfloat16 with AMX tiles, for items with many query rows (a shared prefix,
  * an extend). Keys go in steps of AKB = two blocks: per step and 16 query rows, Q·Kᵀ is d/32
  * tile products per 16 keys, the online softmax runs on the stored scores with AVX-512 (the
  * 16 rows' maxima and rescale factors as one vector), and P·V is one tile product per 16 dims

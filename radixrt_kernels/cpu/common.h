@@ -8,6 +8,11 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 typedef uint16_t bf16;
 
@@ -156,5 +161,31 @@ static inline float hsum(v16 x) {
     const v4 f = __builtin_shufflevector(c, c, 0, 1, 2, 3) + __builtin_shufflevector(c, c, 4, 5, 6, 7);
     return (f[0] + f[2]) + (f[1] + f[3]);
 }
+
+#ifdef HAVE_AMX
+/* 1 if the OS grants this process AMX state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA:
+ * Linux hands it out on request), asked once. */
+static inline int amx_permitted(void) {
+    static int ready = -1; /* -1 unknown, 0 refused, 1 granted */
+    if (ready < 0) ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return ready;
+}
+
+/* All eight tile registers as 16 rows × 64 bytes (the calling thread's configuration). */
+static inline void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+#endif
 
 #endif

@@ -36,12 +36,8 @@
 
 #include "common.h"
 
-#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
+#ifdef HAVE_AMX
 #include <omp.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
 #endif
 
 #define NB 32                 /* output features per block */
@@ -69,30 +65,6 @@ int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
 }
 
 #ifdef HAVE_AMX
-static int amx_ready = -1; /* -1 unknown, 0 refused by the kernel, 1 granted */
-
-static int amx_permitted(void) {
-    if (amx_ready < 0) amx_ready = syscall(SYS_arch_prctl, 0x1023, 18) == 0; /* ARCH_REQ_XCOMP_PERM */
-    return amx_ready;
-}
-
-/* Tiles 0-3: the 2 × 2 float32 results (rows 0-15 × features 0-15, 0-15 × 16-31, 16-31 ×
- * 0-15, 16-31 × 16-31); 4, 5: two 16-row slices of x; 6, 7: the chunk's two weight tiles. */
-static void configure_tiles(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
-
 /* Where results go: y [*, n] with rows `stride` elements apart (bf16, or float32 with f32),
  * plus the bias [n] (bf16) where not NULL. Gated: SiLU-and-mul of block pairs; rope_dim > 0:
  * the rotary embedding on the heads of rope_dim features in features [0, rope_cols), at row r's
@@ -308,7 +280,7 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
         struct results done = {NULL, 0, 0, 0};
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
-        configure_tiles();
+        amx_configure(); /* tiles 0-3: the 2 × 2 results; 4, 5: x; 6, 7: the weight tiles */
         const int64_t block_elems = chunks * 2 * TILE_ELEMS;
         const int passes = (int)((tiles + 1) / 2);
         struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
