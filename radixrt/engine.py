@@ -182,9 +182,12 @@ class Engine:
             cut = text.find(s)
             if cut != -1:
                 text = text[:cut]
+        scored, top = req.logprob_start_len is not None, req.params.top_logprobs > 0
         return GenerateOutput(rid=req.rid, text=text, token_ids=list(req.output_ids),
                               prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
                               finish_reason=req.finish_reason or "abort",
                               logprobs=list(req.output_logprobs) if req.params.logprobs else None,
-                              prompt_logprobs=(list(req.prompt_logprobs)
-                                               if req.logprob_start_len is not None else None))
+                              prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+                              top_logprobs=list(req.output_top_logprobs) if top else None,
+                              prompt_top_logprobs=(list(req.prompt_top_logprobs)
+                                                   if scored and top else None))

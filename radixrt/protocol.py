@@ -59,6 +59,10 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     logprobs: list[float] | None = None
     # With logprob_start_len = k: log p(prompt[j] | prompt[:j]) for j in [k, prompt_tokens).
     prompt_logprobs: list[float] | None = None
+    # With top_logprobs = n: per output token, the n most likely (ids, logprobs), descending.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # With logprob_start_len and top_logprobs: the same for each position of prompt_logprobs.
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
@@ -118,6 +122,8 @@ class StreamChunk(_Msg, tag="chunk"):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # One (ids, logprobs) per token of token_ids, descending.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 class GenerateReply(_Msg, tag="result"):
@@ -176,6 +182,9 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     stop: list[str] | None = None  # set on a request's first delta
     prompt_logprobs: list[float] | None = None  # on the final delta of a scoring request
+    # One (ids, logprobs) per token of token_ids, descending.
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None  # like prompt_logprobs
 
 
 class BatchTokenOut(_Msg, tag="batch_tokens"):
@@ -193,6 +202,8 @@ class TextDelta(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[float] | None = None
+    top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
 
 class BatchTextOut(_Msg, tag="batch_text"):

@@ -30,6 +30,12 @@ Contract:
 - Logprobs: when any row asks for them, ``SampleOutput.logprobs[i]`` is
   ``log_softmax(logits[i].float())[token_i]`` (the model's distribution at
   temperature 1, unfiltered) for every row; otherwise it is ``None``.
+- Top logprobs: ``top_logprobs`` (an int in ``[0, MAX_TOP_LOGPROBS]``; > 0 needs
+  ``logprobs=True``) asks for that many most likely tokens per position. When
+  any row asks, ``SampleOutput.top_logprobs`` is ``(ids, logprobs)``, int64 and
+  float32 ``[B, K]`` with ``K = min(max top_logprobs over rows, V)``: the
+  ``torch.topk`` of that same log_softmax for every row, sorted descending
+  (each row keeps its own first ``top_logprobs`` columns); otherwise ``None``.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ from radixrt_kernels import cpu_library, cpu_ops
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 MAX_CACHE_SALT_LEN = 256
+MAX_TOP_LOGPROBS = 20
 
 
 def _bad(name: str, value: Any, want: str) -> ValueError:
@@ -75,6 +82,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     cache_salt: str | None = None
+    top_logprobs: int = 0
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -112,6 +120,14 @@ class SamplingParams:
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_LEN):
             raise _bad("cache_salt", salt, f"None or a non-empty str of at most {MAX_CACHE_SALT_LEN} chars")
+        self._check_top_logprobs()
+
+    def _check_top_logprobs(self) -> None:
+        k = self.top_logprobs
+        if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", k, f"an int in [0, {MAX_TOP_LOGPROBS}]")
+        if k > 0 and not self.logprobs:
+            raise _bad("top_logprobs", k, "0 unless SamplingParams.logprobs is True")
 
     @property
     def greedy(self) -> bool:
@@ -167,6 +183,8 @@ def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Gener
 class SampleOutput(NamedTuple):
     token_ids: torch.Tensor  # int64 [B]
     logprobs: torch.Tensor | None  # float32 [B], or None when no row asked
+    # (ids int64 [B, K], logprobs float32 [B, K]), descending; None when every row has 0
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
@@ -184,7 +202,9 @@ class Sampler:
         tokens = self._tokens(logits, params, generators)
         if not any(p.logprobs for p in params):
             return SampleOutput(tokens, None)
-        return SampleOutput(tokens, chosen_logprobs(logits, tokens))
+        logp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return SampleOutput(tokens, chosen, topk_logprobs(logp, max(p.top_logprobs for p in params)))
 
     def _tokens(self, logits: torch.Tensor, params: list[SamplingParams],
                 generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -209,10 +229,13 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """float32 log_softmax(logits)[row, tokens[row]] for every row."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+def topk_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids int64 [n, K], logprobs float32 [n, K]) of the K = min(k, V) largest entries of
+    each row of ``logp`` [n, V], descending; None when k == 0."""
+    if k == 0:
+        return None
+    values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
+    return ids, values
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],

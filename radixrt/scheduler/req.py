@@ -31,9 +31,12 @@ class Req:
                  logprob_start_len: int | None = None) -> None:
         self.rid = rid
         # Prompt scoring: log p(prompt_ids[j] | prompt_ids[:j]) for j >= logprob_start_len
-        # is collected into prompt_logprobs (positions j-1 are always recomputed).
+        # is collected into prompt_logprobs (positions j-1 are always recomputed), and with
+        # params.top_logprobs = k the k most likely (ids, logprobs) there into prompt_top_logprobs.
+        # A retraction clears both: the request's re-extend scores those positions again.
         self.logprob_start_len = logprob_start_len
         self.prompt_logprobs: list[float] = []
+        self.prompt_top_logprobs: list[tuple[list[int], list[float]]] = []
         self.prompt_ids = prompt_ids
         self.params = params
         self.eos_ids = () if params.ignore_eos else eos_ids
@@ -41,6 +44,8 @@ class Req:
         self.generator = generator
         self.output_ids: list[int] = []
         self.output_logprobs: list[float] = []
+        # One (ids, logprobs) per output token when params.top_logprobs > 0, descending.
+        self.output_top_logprobs: list[tuple[list[int], list[float]]] = []
         self.state = ReqState.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason == "error"

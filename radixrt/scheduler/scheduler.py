@@ -35,7 +35,7 @@ import torch
 from radixrt.attention.base import ForwardMode
 from radixrt.cache.radix_cache import common_prefix_len
 from radixrt.config import EngineConfig
-from radixrt.sampling import Sampler
+from radixrt.sampling import Sampler, topk_logprobs
 from radixrt.scheduler.batch import ScheduledBatch
 from radixrt.scheduler.kv import KVManager
 from radixrt.scheduler.policy import order_waiting
@@ -213,20 +213,27 @@ class Scheduler:
         self.kv.release(req)
         req.state = ReqState.WAITING
         req.num_retractions += 1
+        # Its prefix match stops before logprob_start_len, so the re-extend scores the prompt anew.
+        req.prompt_logprobs.clear()
+        req.prompt_top_logprobs.clear()
         self.stats["retractions"] += 1
         self.waiting.insert(0, req)
 
     # -------------------------------------------------------------- output
 
     def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Append scored prompt tokens' logprobs to their requests; return the last-token rows."""
+        """Append scored prompt tokens' logprobs (and top logprobs) to their requests; return
+        the last-token rows."""
         last_rows, spans, _ = batch.layout
         for req, (start, targets) in zip(batch.reqs, spans):
             if targets:
                 rows = logits[start:start + len(targets)]
                 tgt = torch.tensor(targets, dtype=torch.int64, device=rows.device)
-                lp = torch.log_softmax(rows.float(), dim=-1).gather(1, tgt[:, None])[:, 0]
-                req.prompt_logprobs.extend(lp.tolist())
+                logp = torch.log_softmax(rows.float(), dim=-1)
+                req.prompt_logprobs.extend(logp.gather(1, tgt[:, None])[:, 0].tolist())
+                top = topk_logprobs(logp, req.params.top_logprobs)
+                if top is not None:
+                    req.prompt_top_logprobs.extend(zip(top[0].tolist(), top[1].tolist()))
         return logits[torch.tensor(last_rows, dtype=torch.int64, device=logits.device)]
 
     def process_output(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
@@ -252,10 +259,13 @@ class Scheduler:
             return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
+        top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
         for j, req in enumerate(to_sample):
             req.output_ids.append(token_ids[j])
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[j])
+            if k := req.params.top_logprobs:
+                req.output_top_logprobs.append((top[0][j][:k], top[1][j][:k]))
             self.stats["output_tokens"] += 1
             try:
                 reason = self._finish_reason(req)

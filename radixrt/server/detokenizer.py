@@ -93,7 +93,9 @@ class Detokenizer:
         st.sent += new
         return TextDelta(rid=item.rid, text=new, token_ids=item.token_ids, logprobs=item.logprobs,
                          finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
-                         cached_tokens=item.cached_tokens, prompt_logprobs=item.prompt_logprobs)
+                         cached_tokens=item.cached_tokens, prompt_logprobs=item.prompt_logprobs,
+                         top_logprobs=item.top_logprobs,
+                         prompt_top_logprobs=item.prompt_top_logprobs)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

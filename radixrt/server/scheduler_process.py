@@ -157,14 +157,7 @@ class SchedulerProcess:
                                        message=req.error or "internal error"))
                 self.untrack(rid)
                 continue
-            items.append(TokenDelta(
-                rid=rid, token_ids=req.output_ids[n0:n],
-                logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
-                finish_reason=req.finish_reason if req.finished else None,
-                prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-                stop=req.params.stop if n0 == 0 else None,
-                prompt_logprobs=(list(req.prompt_logprobs) if req.finished and req.logprob_start_len
-                                 is not None else None)))
+            items.append(token_delta(req, n0, n))
             self.sent[rid] = n
             if req.finished:
                 self.untrack(rid)
@@ -172,6 +165,21 @@ class SchedulerProcess:
             self.send.send(encode(BatchTokenOut(items=items)))
         for err in errors:
             self.send.send(encode(err))
+
+
+def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
+    """Output tokens ``[n0, n)`` of req; a finished scoring request's prompt scores with them."""
+    scored = req.finished and req.logprob_start_len is not None
+    top = req.params.top_logprobs > 0
+    return TokenDelta(
+        rid=req.rid, token_ids=req.output_ids[n0:n],
+        logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
+        finish_reason=req.finish_reason if req.finished else None,
+        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+        stop=req.params.stop if n0 == 0 else None,
+        prompt_logprobs=list(req.prompt_logprobs) if scored else None,
+        top_logprobs=req.output_top_logprobs[n0:n] if top else None,
+        prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None)
 
 
 def run_scheduler_process(args: dict) -> None:

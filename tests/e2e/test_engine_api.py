@@ -172,3 +172,109 @@ def test_cache_salt_survives_the_wire():
     msg = decode(encode(TokenizedRequest(rid="r", input_ids=[1, 2], sampling_params=sp)))
     assert msg.sampling_params.cache_salt == "tenant-a"
     assert SamplingParams.from_dict(sp.to_dict()) == sp
+
+
+# ------------------------------------------------------------ top logprobs
+
+TOP5 = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, top_logprobs=5, ignore_eos=True)
+GREEDY4 = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+SCORED = ["You are a careful assistant. Answer the question about the standard library. " + q
+          for q in ("What does os.path.join do?", "How is a dict ordered?", "What is a generator?",
+                    "Why use pathlib?", "What does zip return?", "Explain functools.partial.")]
+
+
+def _assert_sorted_top(top, k: int) -> None:
+    for ids, lps in top:
+        assert len(ids) == len(lps) == k and len(set(ids)) == k
+        assert all(a >= b for a, b in zip(lps, lps[1:])) and all(lp <= 0 for lp in lps)
+
+
+def _score(eng, prompts: list[str], sp: SamplingParams, start: int = 2):
+    reqs = [eng.add_request(eng.tokenizer.encode(p), sp, logprob_start_len=start) for p in prompts]
+    while not all(r.finished for r in reqs):
+        eng.step()
+    return [eng.make_output(r) for r in reqs]
+
+
+def test_top_logprobs_greedy_top1_is_the_chosen_token(eng):
+    out = eng.generate(PROMPT, TOP5)[0]
+    assert len(out.top_logprobs) == len(out.token_ids) == len(out.logprobs) == 4
+    _assert_sorted_top(out.top_logprobs, 5)
+    for tok, lp, (ids, lps) in zip(out.token_ids, out.logprobs, out.top_logprobs):
+        assert ids[0] == tok and lps[0] == pytest.approx(lp, abs=1e-5)
+    assert out.prompt_top_logprobs is None
+    plain = eng.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0, logprobs=True,
+                                                ignore_eos=True))[0]
+    assert plain.top_logprobs is None and plain.token_ids == out.token_ids
+
+
+def test_prompt_top_logprobs_follow_prompt_logprobs(eng):
+    [out] = _score(eng, [PROMPT], TOP5)
+    ids = eng.tokenizer.encode(PROMPT)
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(ids) - 2
+    _assert_sorted_top(out.prompt_top_logprobs, 5)
+    for target, lp, (top_ids, top_lps) in zip(ids[2:], out.prompt_logprobs, out.prompt_top_logprobs):
+        assert top_lps[0] >= lp - 1e-5
+        if target in top_ids:  # the scored token's own entry is the same number
+            assert top_lps[top_ids.index(target)] == pytest.approx(lp, abs=1e-5)
+    assert len(out.top_logprobs) == 4
+    [plain] = _score(eng, [PROMPT], SamplingParams(max_new_tokens=1, logprobs=True))
+    assert plain.prompt_top_logprobs is None and plain.top_logprobs is None
+    assert plain.prompt_logprobs == pytest.approx(out.prompt_logprobs, abs=1e-5)
+
+
+def test_top_logprobs_in_a_mixed_batch(eng):
+    alone = eng.generate(PROMPT, TOP5)[0]
+    sampled = SamplingParams(max_new_tokens=4, temperature=0.9, seed=3, logprobs=True, top_logprobs=2,
+                             ignore_eos=True)
+    only_lp = SamplingParams(max_new_tokens=4, temperature=0, logprobs=True, ignore_eos=True)
+    outs = eng.generate([PROMPT, "x = ", "for i in", "while"], [TOP5, only_lp, sampled, GREEDY4])
+    assert outs[0].token_ids == alone.token_ids
+    for (_, lps), (_, lps0) in zip(outs[0].top_logprobs, alone.top_logprobs):
+        assert lps == pytest.approx(lps0, abs=1e-4)
+    assert outs[1].top_logprobs is None and len(outs[1].logprobs) == 4
+    _assert_sorted_top(outs[2].top_logprobs, 2)
+    for lp, (_, lps) in zip(outs[2].logprobs, outs[2].top_logprobs):
+        assert lp <= lps[0] + 1e-5
+    assert outs[3].top_logprobs is None and outs[3].logprobs is None
+
+
+
+@pytest.mark.parametrize("cfg, stat", [({"max_total_tokens": 160, "new_token_ratio": 0.0}, "retractions"),
+                                       ({"chunked_prefill_size": 16}, "prefill_chunks")])
+def test_prompt_top_logprobs_under_retraction_and_chunking(tiny_llama, engine_factory, eng, cfg, stat):
+    sp = SamplingParams(max_new_tokens=16, temperature=0, logprobs=True, top_logprobs=3, ignore_eos=True)
+    want = _score(eng, SCORED, sp, start=5)
+    other = engine_factory(tiny_llama, **cfg)
+    got = _score(other, SCORED, sp, start=5)
+    assert other.stats()[stat] > 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        n = g.prompt_tokens - 5  # every scored position exactly once
+        assert len(g.prompt_logprobs) == len(g.prompt_top_logprobs) == n
+        assert g.prompt_logprobs == pytest.approx(w.prompt_logprobs, abs=1e-4)
+        for (_, lps), (_, want_lps) in zip(g.prompt_top_logprobs, w.prompt_top_logprobs):
+            assert lps == pytest.approx(want_lps, abs=1e-4)
+        assert len(g.top_logprobs) == len(g.logprobs) == 16
+
+
+def test_top_logprobs_through_the_server_messages(eng):
+    """The scheduler process's deltas, over the wire and through the Detokenizer, add up to
+    the Engine's output."""
+    from radixrt.protocol import BatchTokenOut, decode, encode
+    from radixrt.server.detokenizer import Detokenizer
+    from radixrt.server.scheduler_process import token_delta
+    req = eng.add_request(eng.tokenizer.encode(PROMPT), TOP5, logprob_start_len=3)
+    detok, sent, deltas = Detokenizer(eng.tokenizer), 0, []
+    while not req.finished:
+        eng.step()
+        n = len(req.output_ids)
+        if n > sent or req.finished:
+            batch = decode(encode(BatchTokenOut(items=[token_delta(req, sent, n)])))
+            deltas += decode(encode(detok.process(batch))).items
+            sent = n
+    out = eng.make_output(req)
+    assert [t for d in deltas for t in d.top_logprobs] == out.top_logprobs
+    assert all(len(d.top_logprobs) == len(d.token_ids) for d in deltas)
+    assert deltas[-1].prompt_top_logprobs == out.prompt_top_logprobs
+    assert all(d.prompt_top_logprobs is None for d in deltas[:-1])

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from radixrt.sampling import Sampler, SamplingParams, make_generator
+from radixrt.sampling import MAX_TOP_LOGPROBS, Sampler, SamplingParams, make_generator
 
 V = 32
 
@@ -25,11 +25,22 @@ def _logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
     ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 3]), ("stop", 5),
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
     ("ignore_eos", 1), ("logprobs", "yes"), ("seed", 1.5), ("seed", 2**64),
+    ("top_logprobs", -1), ("top_logprobs", MAX_TOP_LOGPROBS + 1), ("top_logprobs", 2.0),
+    ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", None),
 ])
 def test_validation_names_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} ") as info:
         SamplingParams(**{field: value})
     assert repr(value) in str(info.value)
+
+
+def test_top_logprobs_needs_logprobs():
+    with pytest.raises(ValueError, match=r"SamplingParams\.top_logprobs .*SamplingParams\.logprobs"):
+        SamplingParams(top_logprobs=3)
+    assert SamplingParams(logprobs=True, top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == MAX_TOP_LOGPROBS
+    assert SamplingParams(top_logprobs=0).top_logprobs == 0
+    p = SamplingParams(logprobs=True, top_logprobs=4)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
 
 
 def test_normalization_and_greedy():
@@ -172,6 +183,45 @@ def test_logprobs_are_model_log_softmax():
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
     expect = logits.float().log_softmax(-1).gather(1, out.token_ids[:, None]).squeeze(1)
     torch.testing.assert_close(out.logprobs, expect)
+
+
+def test_no_top_logprobs_unless_asked():
+    out = Sampler().sample(_logits(3), [SamplingParams(logprobs=True)] * 3, [None] * 3)
+    assert out.logprobs is not None and out.top_logprobs is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_logprobs_are_topk_of_model_log_softmax(dtype):
+    logits = _logits(6, vocab=64, seed=3).to(dtype)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.8, logprobs=True, top_logprobs=5, seed=1),
+              SamplingParams(temperature=0, logprobs=True),
+              SamplingParams(temperature=1.5, top_p=0.9, logprobs=True, top_logprobs=3),
+              SamplingParams(temperature=0.5),
+              SamplingParams(top_k=1, logprobs=True, top_logprobs=5)]
+    gens = [make_generator(1) if p.seed is not None else None for p in params]
+    out = Sampler().sample(logits, params, gens)
+    logp = logits.float().log_softmax(-1)
+    ids, lps = out.top_logprobs
+    assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and ids.shape == lps.shape == (6, 5)
+    want_lps, want_ids = logp.topk(5, dim=-1)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(lps, want_lps)
+    assert torch.equal(lps, logp.gather(1, ids))  # the same log_softmax, bit for bit
+    assert bool((lps[:, :-1] >= lps[:, 1:]).all())
+    torch.testing.assert_close(out.logprobs, logp.gather(1, out.token_ids[:, None]).squeeze(1))
+    greedy = [0, 2, 5]
+    assert torch.equal(out.token_ids[greedy], logits.float().argmax(-1)[greedy])
+    assert torch.equal(ids[greedy, 0], out.token_ids[greedy])
+    assert torch.equal(lps[greedy, 0], out.logprobs[greedy])
+
+
+def test_top_logprobs_at_most_the_vocabulary():
+    logits = _logits(2, vocab=3)
+    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=MAX_TOP_LOGPROBS)] * 2
+    ids, lps = Sampler().sample(logits, params, [None] * 2).top_logprobs
+    assert ids.shape == (2, 3)
+    assert sorted(ids[0].tolist()) == [0, 1, 2]
 
 
 def test_shape_mismatch_raises():
