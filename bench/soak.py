@@ -452,7 +452,7 @@ class OwnServer:
     def __init__(self, args, workdir: Path) -> None:
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--port", str(port)]
+        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--port", str(port), "--http-port", "0"]
         if args.model == "tiny":
             from radixrt.testing import tiny_model_path
             cmd += ["--model", tiny_model_path("llama"), "--dtype", "float32"]

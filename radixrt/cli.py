@@ -63,6 +63,8 @@ def _generate_remote(args: argparse.Namespace) -> int:
 
 SERVER_SETTINGS = {
     "host": "127.0.0.1", "port": 30000, "max_waiting_requests": None, "log_level": "warning",
+    "http_port": 8000,                  # the OpenAI-compatible HTTP API; 0 turns it off
+    "served_model_name": None,          # the model's name over HTTP (default: its folder's name)
     # reliability and security (see radixrt.server)
     "grace_period": 30.0,               # seconds a SIGTERM drain waits for running requests
     "max_message_bytes": 16 << 20,      # the largest client frame accepted
@@ -101,6 +103,14 @@ def _launch_settings(args: argparse.Namespace):
 def _check_server_settings(server: dict) -> None:
     positive = ("max_message_bytes", "max_prompt_tokens", "max_new_tokens_limit", "max_requests_per_client",
                 "max_forward_failures", "max_waiting_requests", "port")
+    port = server["http_port"]
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 <= port < 65536:
+        raise ValueError(f"http_port must be a port number (0: no HTTP), got {port!r}")
+    if port and port == server["port"]:
+        raise ValueError(f"http_port and port are both {port}")
+    name = server["served_model_name"]
+    if name is not None and (not isinstance(name, str) or not name.strip()):
+        raise ValueError(f"served_model_name must be a non-empty string, got {name!r}")
     for name in positive:
         value = server[name]
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
@@ -140,7 +150,11 @@ def _add_launch_parser(sub) -> None:
     p = sub.add_parser("launch", help="start the server")
     p.add_argument("--model", default=None, help="HF model folder (default: SmolLM2-135M-Instruct)")
     p.add_argument("--host", default=None, help="default 127.0.0.1")
-    p.add_argument("--port", type=int, default=None, help="default 30000")
+    p.add_argument("--port", type=int, default=None, help="the ZeroMQ port (default 30000)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="the OpenAI-compatible HTTP API's port (default 8000; 0: no HTTP)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model's name in the HTTP API (default: the model folder's name)")
     p.add_argument("--config", default=None, help="a TOML file (configs/NAME.toml); flags override it")
     p.add_argument("--dtype", default=None)
     p.add_argument("--max-total-tokens", type=int, default=None)

@@ -181,10 +181,11 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     stop: list[str] | None = None  # set on a request's first delta
-    prompt_logprobs: list[float] | None = None  # on the final delta of a scoring request
+    prompt_logprobs: list[float] | None = None  # on the first delta of a scoring request
     # One (ids, logprobs) per token of token_ids, descending.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None  # like prompt_logprobs
+    first_token_at: float = 0.0  # on the first delta: time.monotonic() of the first token (0: none)
 
 
 class BatchTokenOut(_Msg, tag="batch_tokens"):
@@ -204,6 +205,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    first_token_at: float = 0.0
 
 
 class BatchTextOut(_Msg, tag="batch_text"):

@@ -260,7 +260,10 @@ class Scheduler:
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
+        now = time.monotonic()
         for j, req in enumerate(to_sample):
+            if not req.output_ids:
+                req.first_token_at = now
             req.output_ids.append(token_ids[j])
             if logprobs is not None:
                 req.output_logprobs.append(logprobs[j])

@@ -95,7 +95,7 @@ class Detokenizer:
                          finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
                          cached_tokens=item.cached_tokens, prompt_logprobs=item.prompt_logprobs,
                          top_logprobs=item.top_logprobs,
-                         prompt_top_logprobs=item.prompt_top_logprobs)
+                         prompt_top_logprobs=item.prompt_top_logprobs, first_token_at=item.first_token_at)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -64,8 +64,11 @@ class Launcher:
             if info is None:
                 return 0 if self.stop_signal is not None else 1
             self.ready_printed = True
-            print(f"radixrt ready on tcp://{self.host}:{self.port} (model {info['model_name']}, "
-                  f"{info['kv_slots']} KV slots)", flush=True)
+            http = self.server.get("http_port")
+            host = f"[{self.host}]" if ":" in self.host else self.host
+            where = f"tcp://{host}:{self.port}" + (f" and http://{host}:{http}" if http else "")
+            print(f"radixrt ready on {where} (model {info['model_name']}, {info['kv_slots']} KV slots)",
+                  flush=True)
             return self.supervise()
         finally:
             self.shutdown()

@@ -168,15 +168,18 @@ class SchedulerProcess:
 
 
 def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
-    """Output tokens ``[n0, n)`` of req; a finished scoring request's prompt scores with them."""
-    scored = req.finished and req.logprob_start_len is not None
+    """Output tokens ``[n0, n)`` of req; a scoring request's prompt scores come with its first delta
+    (its prompt is all computed by then), as does the time of its first token."""
+    first = n0 == 0
+    scored = first and req.logprob_start_len is not None
     top = req.params.top_logprobs > 0
     return TokenDelta(
         rid=req.rid, token_ids=req.output_ids[n0:n],
         logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
         finish_reason=req.finish_reason if req.finished else None,
         prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-        stop=req.params.stop if n0 == 0 else None,
+        stop=req.params.stop if first else None,
+        first_token_at=(req.first_token_at or 0.0) if first else 0.0,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None)

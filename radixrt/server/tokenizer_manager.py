@@ -25,11 +25,22 @@ gets an ``ErrorReply``; nothing a client sends can stop the loop.
   socket is a CurveZMQ server (``server.key_secret`` in that folder).
 - Drain: SIGUSR1 (sent by the launcher on SIGTERM) makes new requests fail
   with ``shutting_down``; running ones finish, or are aborted once
-  ``grace_period`` seconds have passed; then ``Drained`` goes to the launcher.
+  ``grace_period`` seconds have passed; then ``Drained`` goes to the launcher
+  (once every HTTP response is written, too).
+- HTTP (``http_port`` > 0): the OpenAI and SGLang endpoints of
+  ``radixrt.server.http_api`` run in this process, on the same asyncio loop
+  as the sockets, sharing the request table, tokenizer, limits and keys. An
+  HTTP request is a ``ClientReq`` with a ``sink`` (an asyncio queue that
+  receives ``(index, TextDelta | RequestError)``) instead of a ZeroMQ
+  identity; its "client", for the in-flight limit, is its API key, or its
+  peer address without one.
+- Metrics: every answered request is observed in ``metrics``
+  (``radixrt.server.metrics``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import dataclasses
 import hashlib
@@ -37,6 +48,7 @@ import hmac
 import itertools
 import os
 import signal
+import socket
 import time
 
 import msgspec
@@ -48,6 +60,7 @@ from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, AbortRid, BatchTex
                               StreamChunk, TextDelta, TokenizedRequest, classify_bad_frame, decode, encode)
 from radixrt.sampling import SamplingParams
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+from radixrt.server.metrics import ServerMetrics
 
 CONTROL_KINDS = ("server_info", "flush_cache", "health")
 SCHEDULER_START_TIMEOUT_S = 600
@@ -79,21 +92,40 @@ def curve_server_keys(folder: str) -> tuple[bytes, bytes]:
 
 
 class RequestError(Exception):
-    def __init__(self, code: str, message: str) -> None:
+    def __init__(self, code: str, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.status = status  # the HTTP status, where the code alone does not decide it
 
 
 class ClientReq:
     """One request in flight: who asked, and what it has produced so far."""
 
-    __slots__ = ("identity", "req_id", "stream", "texts", "token_ids", "logprobs")
+    __slots__ = ("identity", "req_id", "stream", "texts", "token_ids", "logprobs", "sink", "index",
+                 "arrived", "last_token_at", "generated")
 
-    def __init__(self, identity: bytes, req_id: str, stream: bool) -> None:
+    def __init__(self, identity: bytes, req_id: str, stream: bool,
+                 sink: asyncio.Queue | None = None, index: int = 0) -> None:
         self.identity, self.req_id, self.stream = identity, req_id, stream
         self.texts: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[float] | None = None
+        self.sink, self.index = sink, index  # HTTP: the handler's queue, and this choice's index
+        self.arrived = time.monotonic()
+        self.last_token_at: float | None = None
+        self.generated = 0
+
+
+def http_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket for the HTTP server, made before the process reports ready: a taken
+    port fails start-up, and connections made once the ready line is out wait in its backlog."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 class TokenizerManager:
@@ -131,6 +163,12 @@ class TokenizerManager:
         self.drain_deadline: float | None = None
         self.drain_aborted = 0
         self.drained = False
+        self.wake: asyncio.Event | None = None  # set to run pump() now
+        self.metrics = ServerMetrics()
+        self.http_open = 0  # HTTP responses not yet fully written
+        self.http_controls: dict[str, asyncio.Future] = {}
+        self.http_port = int(args.get("http_port") or 0)
+        self.http_sock = http_socket(args["host"], self.http_port) if self.http_port else None
 
     # ------------------------------------------------------------ loop
 
@@ -145,31 +183,60 @@ class TokenizerManager:
                     return
         raise TimeoutError("the scheduler did not report its limits")
 
-    def loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.router, zmq.POLLIN)
-        poller.register(self.from_detok, zmq.POLLIN)
-        poller.register(self.monitor, zmq.POLLIN)
+    def run(self) -> None:
+        """Serve until the process is stopped: the sockets, and HTTP when it is on."""
+        try:
+            import uvloop
+            runner = uvloop.run
+        except ImportError:
+            runner = asyncio.run
+        runner(self.serve())
+
+    async def serve(self) -> None:
+        tasks = [self.socket_loop()]
+        if self.http_sock is not None:
+            from radixrt.server.http_api import serve_http
+            tasks.append(serve_http(self, self.http_sock))
+        await asyncio.gather(*tasks)
+
+    async def socket_loop(self) -> None:
+        """Wake when a ZeroMQ socket has something (their FDs signal edges), or every POLL_MS."""
+        loop = asyncio.get_running_loop()
+        socks = (self.from_detok, self.router, self.monitor)
+        wake = self.wake = asyncio.Event()
+        loop.add_signal_handler(signal.SIGUSR1, self.on_drain_signal)
+        for sock in socks:
+            loop.add_reader(sock.getsockopt(zmq.FD), wake.set)
         while True:
-            exit_if_orphaned(self.args)
-            events = dict(poller.poll(POLL_MS))
-            if self.from_detok in events:
-                self.drain(self.from_detok, lambda frames: self.on_backend(frames[0]))
-            if self.router in events:
-                self.drain(self.router, self.on_client)
-            if self.monitor in events:
-                self.drain(self.monitor, lambda frames: None)
-                self.ping_clients()
-            if time.monotonic() >= self.next_probe:
-                self.next_probe = time.monotonic() + PROBE_S
-                self.ping_clients()
-            if self.drain_requested:
-                self.step_drain()
+            self.pump()
+            wake.clear()
+            if any(sock.getsockopt(zmq.EVENTS) & zmq.POLLIN for sock in socks):
+                await asyncio.sleep(0)  # more came in meanwhile; let the HTTP side run first
+                continue
+            try:
+                await asyncio.wait_for(wake.wait(), POLL_MS / 1000)
+            except TimeoutError:
+                pass
+
+    def pump(self) -> None:
+        """Handle what the sockets hold, probe clients when due, advance a drain."""
+        exit_if_orphaned(self.args)
+        self.drain(self.from_detok, lambda frames: self.on_backend(frames[0]))
+        self.drain(self.router, self.on_client)
+        if self.drain(self.monitor, lambda frames: None):
+            self.ping_clients()
+        if time.monotonic() >= self.next_probe:
+            self.next_probe = time.monotonic() + PROBE_S
+            self.ping_clients()
+        if self.drain_requested:
+            self.step_drain()
 
     # ----------------------------------------------------------- drain
 
-    def on_drain_signal(self, signum, frame) -> None:
+    def on_drain_signal(self, *_) -> None:
         self.drain_requested = True
+        if self.wake is not None:
+            self.wake.set()
 
     def step_drain(self) -> None:
         """Advance the SIGTERM drain: wait, abort what outlives the grace period, report."""
@@ -178,7 +245,7 @@ class TokenizerManager:
             self.drain_deadline = now + float(self.args.get("grace_period") or 0.0)
         if self.drained:
             return
-        if not self.reqs:
+        if not self.reqs and not self.http_open:
             self.drained = True
             if self.ready_sock is not None:
                 self.ready_sock.send(encode(Drained(aborted=self.drain_aborted)))
@@ -188,13 +255,15 @@ class TokenizerManager:
                 self.to_sched.send(encode(AbortRid(rid=rid)))
 
     @staticmethod
-    def drain(sock: zmq.Socket, handle) -> None:
-        for _ in range(1024):  # bounded, so neither side starves the other
+    def drain(sock: zmq.Socket, handle) -> int:
+        """Handle up to 1024 messages (bounded, so neither side starves the other); how many."""
+        for n in range(1024):
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return n
             handle(frames)
+        return 1024
 
     def reply(self, identity: bytes, msg: msgspec.Struct) -> None:
         try:
@@ -206,7 +275,8 @@ class TokenizerManager:
 
     def ping_clients(self) -> None:
         """Probe every client with work in flight; the ones that left get dropped."""
-        identities = {st.identity for st in self.reqs.values()} | {c[0] for c in self.controls.values()}
+        identities = {st.identity for st in self.reqs.values() if st.sink is None} | \
+            {c[0] for c in self.controls.values()}
         for identity in identities:
             self.reply(identity, Ping())
 
@@ -271,39 +341,68 @@ class TokenizerManager:
         return any(hmac.compare_digest(given, k) for k in self.api_keys)
 
     def generate(self, identity: bytes, msg: GenerateRequest) -> None:
-        if self.drain_requested:
-            raise RequestError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests")
-        key = (identity, msg.req_id)
-        if key in self.rids:
-            raise RequestError(ErrorCode.DUPLICATE_RID, f"request {msg.req_id!r} is already in flight")
-        per_client = self.args.get("max_requests_per_client")
-        if per_client is not None and self.in_flight[identity] >= per_client:
-            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"this client has {self.in_flight[identity]} "
-                               f"requests in flight; the limit is {per_client}")
+        self.check_admission(identity, msg.req_id)
         try:
             sp = SamplingParams.from_dict(msg.sampling_params or {})
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
+        sp = self.limit_new_tokens(sp, "max_new_tokens" in (msg.sampling_params or {}))
+        self.admit(identity, msg.req_id, self.tokenize(msg), sp, api_key=msg.api_key,
+                   logprob_start_len=msg.logprob_start_len, stream=msg.stream)
+
+    def check_admission(self, identity: bytes, req_id: str, count: int = 1) -> None:
+        """Raise unless ``count`` new requests from this client may start now."""
+        if self.drain_requested:
+            raise RequestError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests")
+        if (identity, req_id) in self.rids:
+            raise RequestError(ErrorCode.DUPLICATE_RID, f"request {req_id!r} is already in flight")
+        per_client = self.args.get("max_requests_per_client")
+        if per_client is not None and self.in_flight[identity] + count > per_client:
+            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"this client has {self.in_flight[identity]} "
+                               f"requests in flight; the limit is {per_client}", status=429)
+
+    def limit_new_tokens(self, sp: SamplingParams, given: bool) -> SamplingParams:
+        """Apply ``max_new_tokens_limit``: a default yields to it, an explicit value over it is refused."""
         limit = self.args.get("max_new_tokens_limit")
-        if limit is not None and "max_new_tokens" not in (msg.sampling_params or {}):
-            sp.max_new_tokens = min(sp.max_new_tokens, limit)  # the default yields to the limit
+        if limit is not None and not given:
+            sp.max_new_tokens = min(sp.max_new_tokens, limit)
         if limit is not None and sp.max_new_tokens > limit:
             raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"max_new_tokens {sp.max_new_tokens} is over "
                                f"the server's limit of {limit}")
+        return sp
+
+    def admit(self, identity: bytes, req_id: str, ids: list[int], sp: SamplingParams, *,
+              api_key: str | None, logprob_start_len: int | None = None, stream: bool = False,
+              sink: asyncio.Queue | None = None, index: int = 0) -> str:
+        """Validate and send one request to the scheduler (after ``check_admission``); its rid."""
         if self.isolate:
-            tenant = hashlib.sha256(f"{msg.api_key}\0{sp.cache_salt or ''}".encode()).hexdigest()
+            tenant = hashlib.sha256(f"{api_key}\0{sp.cache_salt or ''}".encode()).hexdigest()
             sp = dataclasses.replace(sp, cache_salt=f"tenant:{tenant[:32]}")
-        ids = self.validate(self.tokenize(msg))
-        start = msg.logprob_start_len
+        ids = self.validate(ids)
+        start = logprob_start_len
         if start is not None and not 1 <= start < len(ids):
             raise RequestError(ErrorCode.INVALID_REQUEST, f"logprob_start_len {start} is outside "
                                f"[1, {len(ids)}) for a {len(ids)}-token prompt")
         rid = str(next(self.counter))
-        self.rids[key] = rid
-        self.reqs[rid] = ClientReq(identity, msg.req_id, msg.stream)
+        self.rids[(identity, req_id)] = rid
+        self.reqs[rid] = ClientReq(identity, req_id, stream, sink, index)
         self.in_flight[identity] += 1
         self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp,
-                                                      logprob_start_len=start, stream=msg.stream)))
+                                                      logprob_start_len=start, stream=stream)))
+        return rid
+
+    def abort_rid(self, rid: str) -> None:
+        """Abort a request this process still tracks (an HTTP client went away); its KV is freed."""
+        if self.forget(rid) is not None:
+            self.to_sched.send(encode(AbortRid(rid=rid)))
+
+    def control_async(self, kind: str) -> asyncio.Future:
+        """Send a control request to the scheduler; the future gets its ``data`` (or a RequestError)."""
+        qid = f"h{next(self.counter)}"
+        fut = asyncio.get_running_loop().create_future()
+        self.http_controls[qid] = fut
+        self.to_sched.send(encode(ControlRequest(req_id=qid, kind=kind)))
+        return fut
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
@@ -311,14 +410,15 @@ class TokenizerManager:
             raise RequestError(ErrorCode.INVALID_REQUEST, "pass exactly one of prompt, input_ids, messages")
         if msg.input_ids is not None:
             return list(msg.input_ids)
-        text = msg.prompt
-        if msg.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template(msg.messages, tokenize=False,
-                                                          add_generation_prompt=True)
-            except Exception as e:  # a template error is the request's fault
-                raise RequestError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from None
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(msg.prompt if msg.messages is None else self.chat_prompt(msg.messages))
+
+    def chat_prompt(self, messages: list[dict], **template_kwargs) -> str:
+        """The chat template applied to messages, ending with the assistant's turn."""
+        template_kwargs.setdefault("add_generation_prompt", True)
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, **template_kwargs)
+        except Exception as e:  # a template error is the request's fault
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"chat template failed: {e}") from None
 
     def validate(self, ids: list[int]) -> list[int]:
         limits = self.limits
@@ -371,7 +471,9 @@ class TokenizerManager:
         elif isinstance(msg, RidError):
             self.to_sched.send(encode(AbortRid(rid=msg.rid)))  # frees its KV if it still runs
             st = self.forget(msg.rid)
-            if st is not None:
+            if st is not None and st.sink is not None:
+                st.sink.put_nowait((st.index, RequestError(msg.code, msg.message)))
+            elif st is not None:
                 self.error(st.identity, st.req_id, msg.code, msg.message)
         elif isinstance(msg, (ControlReply, ErrorReply)):
             self.on_control_reply(msg)
@@ -386,15 +488,44 @@ class TokenizerManager:
         return st
 
     def on_text_batch(self, batch: BatchTextOut) -> None:
-        """Reply to each client once per step: one message, or a ReplyBatch of several."""
+        """Reply to each client once per step: one message, or a ReplyBatch of several; an HTTP
+        request's deltas go to its sink."""
         replies: dict[bytes, list] = {}
+        now = time.monotonic()
         for item in batch.items:
             st = self.reqs.get(item.rid)
-            reply = self.on_delta(st, item) if st is not None else None  # None: client gone
+            if st is None:  # client gone
+                continue
+            self.observe(st, item, now)
+            if st.sink is not None:
+                if item.finish_reason is not None:
+                    self.forget(item.rid)
+                st.sink.put_nowait((st.index, item))
+                continue
+            reply = self.on_delta(st, item)
             if reply is not None:
                 replies.setdefault(st.identity, []).append(reply)
         for identity, items in replies.items():
             self.reply(identity, items[0] if len(items) == 1 else ReplyBatch(items=items))
+
+    def observe(self, st: ClientReq, item: TextDelta, now: float) -> None:
+        """Metrics of one delta: first token, token gaps, the request's end. A streamed request's
+        gaps are measured here as its deltas arrive; an unstreamed one's single delta carries the
+        scheduler's time of its first token (the same monotonic clock), and its mean gap after it."""
+        n = len(item.token_ids)
+        if n and st.last_token_at is None:
+            first = item.first_token_at if not st.stream and item.first_token_at else now
+            self.metrics.on_first_token(first - st.arrived)
+            if n > 1:
+                self.metrics.on_tokens(now - first, n - 1)
+        elif n:
+            self.metrics.on_tokens(now - st.last_token_at, n)
+        if n:
+            st.last_token_at = now
+        st.generated += n
+        if item.finish_reason is not None:
+            self.metrics.on_finish(item.finish_reason, item.prompt_tokens, item.cached_tokens, st.generated,
+                                   now - st.arrived)
 
     def on_delta(self, st: ClientReq, item: TextDelta) -> StreamChunk | GenerateReply | None:
         done = item.finish_reason is not None
@@ -403,7 +534,8 @@ class TokenizerManager:
         if st.stream:
             return StreamChunk(req_id=st.req_id, text=item.text, token_ids=item.token_ids,
                                logprobs=item.logprobs, finish_reason=item.finish_reason,
-                               prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens)
+                               prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
+                               top_logprobs=item.top_logprobs)
         st.texts.append(item.text)
         st.token_ids.extend(item.token_ids)
         if item.logprobs is not None:
@@ -413,10 +545,17 @@ class TokenizerManager:
         out = GenerateOutput(rid=st.req_id, text="".join(st.texts), token_ids=st.token_ids,
                              prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
                              finish_reason=item.finish_reason, logprobs=st.logprobs,
-                             prompt_logprobs=item.prompt_logprobs)
+                             prompt_logprobs=item.prompt_logprobs, top_logprobs=item.top_logprobs,
+                             prompt_top_logprobs=item.prompt_top_logprobs)
         return GenerateReply(req_id=st.req_id, output=out)
 
     def on_control_reply(self, msg: ControlReply | ErrorReply) -> None:
+        fut = self.http_controls.pop(msg.req_id, None)
+        if fut is not None:
+            if not fut.done():
+                fut.set_result(RequestError(msg.code, msg.message) if isinstance(msg, ErrorReply)
+                               else {**self.info(), **msg.data})
+            return
         target = self.controls.pop(msg.req_id, None)
         if target is None:
             return
@@ -431,9 +570,9 @@ def run_tokenizer_manager(args: dict) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         tm = TokenizerManager(args, ctx)
         tm.ready_sock = ready
-        signal.signal(signal.SIGUSR1, tm.on_drain_signal)
+        signal.signal(signal.SIGUSR1, tm.on_drain_signal)  # until the event loop takes it over
         tm.wait_for_scheduler()
         report_ready(ready, "tokenizer_manager", tm.info())
-        tm.loop()
+        tm.run()
 
     run_child("tokenizer_manager", args, main)

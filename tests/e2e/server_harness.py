@@ -47,13 +47,18 @@ def free_port() -> int:
 
 
 class Server:
-    """A `python -m radixrt.cli launch` subprocess (tiny llama, fp32) and its ready line."""
+    """A `python -m radixrt.cli launch` subprocess (tiny llama, fp32) and its ready line; HTTP on
+    a free port (``http``: its base URL)."""
 
     def __init__(self, *extra: str, env: dict | None = None) -> None:
-        self.port = free_port()
+        self.port, self.http_port = free_port(), free_port()
+        while self.http_port == self.port:
+            self.http_port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
+        self.http = f"http://127.0.0.1:{self.http_port}"
         cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
-               "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(self.port), *extra]
+               "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(self.port),
+               "--http-port", str(self.http_port), *extra]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env=env)
         self.lines: queue.Queue[str] = queue.Queue()

@@ -61,7 +61,7 @@ def engine():
 def server_address():
     port = _free_port()
     cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
-           "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(port)]
+           "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(port), "--http-port", "0"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()

@@ -75,7 +75,7 @@ def test_detokenizer_deltas_concatenate_to_engine_text(stop):
 
 
 def test_ready_line(server):
-    assert server.ready_line == (f"radixrt ready on {server.address} "
+    assert server.ready_line == (f"radixrt ready on {server.address} and {server.http} "
                                  f"(model {os.path.basename(tiny_model_path('llama'))}, 8192 KV slots)\n")
 
 
