@@ -276,5 +276,9 @@ def test_top_logprobs_through_the_server_messages(eng):
     out = eng.make_output(req)
     assert [t for d in deltas for t in d.top_logprobs] == out.top_logprobs
     assert all(len(d.top_logprobs) == len(d.token_ids) for d in deltas)
-    assert deltas[-1].prompt_top_logprobs == out.prompt_top_logprobs
-    assert all(d.prompt_top_logprobs is None for d in deltas[:-1])
+    # the prompt's scores and the first token's time come with the first delta
+    assert deltas[0].prompt_top_logprobs == out.prompt_top_logprobs
+    assert deltas[0].prompt_logprobs == out.prompt_logprobs
+    assert all(d.prompt_top_logprobs is None and d.prompt_logprobs is None for d in deltas[1:])
+    assert deltas[0].first_token_at == req.first_token_at > 0
+    assert all(d.first_token_at == 0.0 for d in deltas[1:])
