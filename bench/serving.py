@@ -1,4 +1,6 @@
-"""Online serving benchmark over the RPC client (``radixrt.AsyncClient``).
+"""Online serving benchmark: radixrt's RPC client (``--backend radixrt``, ``radixrt.AsyncClient``)
+or the OpenAI-compatible HTTP API (``--backend openai`` for /v1/completions, ``openai-chat`` for
+/v1/chat/completions), with the same workloads.
 
 Requests arrive as a Poisson process (``--request-rate``, default: all at
 once) and/or under a concurrency cap (``--max-concurrency``). Workloads:
@@ -10,7 +12,14 @@ Reports throughput, TTFT / ITL p50 / p99 and the prefix-cache hit rate;
 writes JSON (and a PNG when matplotlib is installed) under bench/results/.
 
     python bench/serving.py --server tcp://127.0.0.1:30000 [--workload shared-prefix] ...
+    python bench/serving.py --backend openai --server http://127.0.0.1:8000 ...
     python bench/serving.py --server ADDR --compare-engine [--dtype float32]
+
+Over HTTP every request streams with ``stream_options.include_usage`` (token counts and
+cached tokens from the final usage chunk; TTFT at the first chunk with a choice, which
+radixrt sends with the first token). The chat
+backend sends text: its shared-prefix and random workloads are words (about one token each
+with the default model's tokenizer) instead of token ids.
 
 ``--compare-engine`` runs the shared-prefix workload on the server (all at
 once streamed, all at once not streamed, then one request at a time) and on
@@ -33,6 +42,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from radixrt import AsyncClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -51,19 +62,34 @@ class Record:
 
 # ------------------------------------------------------------ workloads
 
+WORDS = ("radix tree cache prefix token batch decode schedule memory page request reply kernel slot "
+         "evict lock split match insert stream").split()
+
+
+def _prompt(ids: list[int], chat: bool, system: int = 0) -> dict:
+    """Token ids as a request; for chat, as words (``system``: how many make the system prompt)."""
+    if not chat:
+        return {"input_ids": ids}
+    words = [WORDS[t % len(WORDS)] for t in ids]
+    messages = [{"role": "system", "content": " ".join(words[:system])}] if system else []
+    return {"messages": messages + [{"role": "user", "content": " ".join(words[system:])}]}
+
+
 def shared_prefix(args, rng: random.Random, vocab: int) -> list[dict]:
     reqs = []
+    chat = args.backend == "openai-chat"
     for _ in range(args.groups):
         system = [rng.randrange(10, vocab - 10) for _ in range(args.prefix_len)]
         for _ in range(args.questions):
-            reqs.append({"input_ids": system + [rng.randrange(10, vocab - 10)
-                                                for _ in range(args.question_len)]})
+            question = [rng.randrange(10, vocab - 10) for _ in range(args.question_len)]
+            reqs.append(_prompt(system + question, chat, len(system)))
     rng.shuffle(reqs)
     return reqs
 
 
 def random_prompts(args, rng: random.Random, vocab: int) -> list[dict]:
-    return [{"input_ids": [rng.randrange(10, vocab - 10) for _ in range(rng.randint(16, args.prefix_len))]}
+    chat = args.backend == "openai-chat"
+    return [_prompt([rng.randrange(10, vocab - 10) for _ in range(rng.randint(16, args.prefix_len))], chat)
             for _ in range(args.num_requests)]
 
 
@@ -74,37 +100,153 @@ def percentile(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-# ---------------------------------------------------------------- runner
+# --------------------------------------------------------------- backends
 
-async def one_request(client: AsyncClient, kwargs: dict, sp: dict,
-                      stream: bool = True) -> tuple[Record, str]:
-    """One request; without ``stream`` TTFT is the whole latency and ITL is not measured."""
-    rec, text, t0 = Record(), [], time.perf_counter()
-    last = t0
-    try:
+class RadixrtBackend:
+    """radixrt's ZeroMQ RPC client."""
+
+    def __init__(self, server: str, timeout: float) -> None:
+        self.client = AsyncClient(server, timeout=timeout)
+
+    async def __aenter__(self):
+        await self.client.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.__aexit__(*exc)
+
+    async def flush_cache(self) -> None:
+        await self.client.flush_cache()
+
+    async def server_info(self) -> dict:
+        return await self.client.server_info()
+
+    async def request(self, kwargs: dict, sp: dict, stream: bool) -> tuple[Record, str]:
+        """One request; without ``stream`` TTFT is the whole latency and ITL is not measured."""
+        rec, text, t0 = Record(), [], time.perf_counter()
+        last = t0
+        client = self.client
         if not stream:
             out = await client.generate(sampling_params=sp, **kwargs)
             rec.ttft = time.perf_counter() - t0
             rec.output_tokens, rec.prompt_tokens, rec.cached_tokens = \
                 len(out.token_ids), out.prompt_tokens, out.cached_tokens
-            text.append(out.text)
-        else:
-            async for chunk in await client.generate(sampling_params=sp, stream=True, **kwargs):
+            return rec, out.text
+        async for chunk in await client.generate(sampling_params=sp, stream=True, **kwargs):
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if rec.output_tokens == 0:
+                    rec.ttft = now - t0
+                else:
+                    rec.itl.append(now - last)
+                last = now
+                rec.output_tokens += len(chunk.token_ids)
+            text.append(chunk.text)
+            if chunk.finish_reason is not None:
+                rec.prompt_tokens, rec.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
+        return rec, "".join(text)
+
+
+class OpenAIBackend:
+    """The OpenAI-compatible HTTP API (``chat``: /v1/chat/completions, else /v1/completions), with
+    SGLang's /flush_cache and /get_server_info for the rest."""
+
+    def __init__(self, server: str, timeout: float, chat: bool, api_key: str | None = None) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        self.http = httpx.AsyncClient(base_url=server, timeout=timeout, headers=headers, limits=limits)
+        self.chat = chat
+        self.path = "/v1/chat/completions" if chat else "/v1/completions"
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.aclose()
+
+    async def flush_cache(self) -> None:
+        (await self.http.post("/flush_cache")).raise_for_status()
+
+    async def server_info(self) -> dict:
+        resp = await self.http.get("/get_server_info")
+        resp.raise_for_status()
+        return resp.json()["internal_states"][0]
+
+    def body(self, kwargs: dict, sp: dict, stream: bool) -> dict:
+        body = {"max_tokens": sp["max_new_tokens"], "temperature": sp.get("temperature", 1.0),
+                "stream": stream, **({"ignore_eos": True} if sp.get("ignore_eos") else {})}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        if self.chat:
+            if "messages" not in kwargs:
+                raise ValueError("--backend openai-chat sends messages (a workload made for it)")
+            return {**body, "messages": kwargs["messages"]}
+        if "input_ids" not in kwargs:
+            raise ValueError("--backend openai sends prompts of token ids; the multi-turn workload "
+                             "needs --backend openai-chat or radixrt")
+        return {**body, "prompt": kwargs["input_ids"]}
+
+    def text_of(self, choice: dict) -> str:
+        if self.chat:
+            return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
+        return choice.get("text") or ""
+
+    async def request(self, kwargs: dict, sp: dict, stream: bool) -> tuple[Record, str]:
+        rec, text, t0 = Record(), [], time.perf_counter()
+        body = self.body(kwargs, sp, stream)
+        if not stream:
+            resp = await self.http.post(self.path, json=body)
+            resp.raise_for_status()
+            data = resp.json()
+            rec.ttft = time.perf_counter() - t0
+            self._usage(rec, data["usage"])
+            return rec, self.text_of(data["choices"][0])
+        last, chunks = t0, 0
+        async with self.http.stream("POST", self.path, json=body) as resp:
+            resp.raise_for_status()
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                data = json.loads(line[6:])
+                if "error" in data:
+                    raise RuntimeError(data["error"]["message"])
                 now = time.perf_counter()
-                if chunk.token_ids:
-                    if rec.output_tokens == 0:
+                if data["choices"]:  # radixrt sends a chunk per step with new tokens
+                    if not chunks:
                         rec.ttft = now - t0
                     else:
                         rec.itl.append(now - last)
                     last = now
-                    rec.output_tokens += len(chunk.token_ids)
-                text.append(chunk.text)
-                if chunk.finish_reason is not None:
-                    rec.prompt_tokens, rec.cached_tokens = chunk.prompt_tokens, chunk.cached_tokens
-    except Exception as e:  # overloaded, timeouts: counted, not fatal
+                    chunks += 1
+                    text.append("".join(self.text_of(c) for c in data["choices"]))
+                if data.get("usage"):
+                    self._usage(rec, data["usage"])
+        return rec, "".join(text)
+
+    @staticmethod
+    def _usage(rec: Record, usage: dict) -> None:
+        rec.prompt_tokens, rec.output_tokens = usage["prompt_tokens"], usage["completion_tokens"]
+        rec.cached_tokens = usage["prompt_tokens_details"]["cached_tokens"]
+
+
+def make_backend(args):
+    if args.backend == "radixrt":
+        return RadixrtBackend(args.server, args.timeout)
+    return OpenAIBackend(args.server, args.timeout, chat=args.backend == "openai-chat", api_key=args.api_key)
+
+
+# ---------------------------------------------------------------- runner
+
+async def one_request(backend, kwargs: dict, sp: dict, stream: bool = True) -> tuple[Record, str]:
+    """One request through the backend; errors (overloaded, timeouts) are counted, not fatal."""
+    t0 = time.perf_counter()
+    try:
+        rec, text = await backend.request(kwargs, sp, stream)
+    except Exception as e:
+        rec, text = Record(), ""
         rec.error = f"{type(e).__name__}: {e}"
     rec.latency = time.perf_counter() - t0
-    return rec, "".join(text)
+    return rec, text
 
 
 class Progress:
@@ -126,7 +268,7 @@ class Progress:
             self.bar.close()
 
 
-async def run_requests(client: AsyncClient, reqs: list[dict], sp: dict, rate: float,
+async def run_requests(client, reqs: list[dict], sp: dict, rate: float,
                        concurrency: int | None, progress: Progress, seed: int,
                        stream: bool = True) -> list[Record]:
     sem = asyncio.Semaphore(concurrency or len(reqs) or 1)
@@ -146,7 +288,7 @@ async def run_requests(client: AsyncClient, reqs: list[dict], sp: dict, rate: fl
     return list(await asyncio.gather(*tasks))
 
 
-async def run_multi_turn(client: AsyncClient, args, sp: dict, progress: Progress) -> list[Record]:
+async def run_multi_turn(client, args, sp: dict, progress: Progress) -> list[Record]:
     rng = random.Random(args.seed)
     words = "radix tree cache prefix token batch decode schedule memory page request reply".split()
     sem = asyncio.Semaphore(args.max_concurrency or args.conversations)
@@ -188,7 +330,7 @@ def summarize(recs: list[Record], elapsed: float) -> dict:
 async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: int | None,
                        show: bool = True, stream: bool = True) -> tuple[dict, list[Record]]:
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
-    async with AsyncClient(args.server, timeout=args.timeout) as client:
+    async with make_backend(args) as client:
         if args.flush:
             await client.flush_cache()
         total = args.conversations * args.turns if reqs is None else len(reqs)
@@ -285,7 +427,7 @@ def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -
             conn.send((False, f"{type(e).__name__}: {e}"))
 
 
-async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict]) -> dict:
+async def paired_ttft(client, engine: EngineRunner, reqs: list[dict]) -> dict:
     """TTFT added by the server, measured in pairs: for each prompt (cold cache each time) the
     server's first streamed chunk and the Engine's 1-token generate, back to back. The median
     of the differences is robust to the machine's drift between whole runs.
@@ -299,22 +441,19 @@ async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict
     scheduling: what the server adds) and the difference between the two forwards."""
     added, outside, forward_diff, server, local = [], [], [], [], []
 
-    async def on_server(ids: list[int]) -> tuple[float, float]:
+    async def on_server(prompt: dict) -> tuple[float, float]:
         await client.flush_cache()
         before = (await client.server_info()).get("forward_s", 0.0)
-        t0, first = time.perf_counter(), None
-        async for _ in await client.generate(input_ids=ids, stream=True,
-                                             sampling_params={"max_new_tokens": 1, "temperature": 0.0}):
-            first = first if first is not None else time.perf_counter() - t0
-        return first, (await client.server_info()).get("forward_s", 0.0) - before
+        rec, _ = await client.request(prompt, {"max_new_tokens": 1, "temperature": 0.0}, True)
+        return rec.ttft, (await client.server_info()).get("forward_s", 0.0) - before
 
     for i, r in enumerate(reqs):
         if i % 2 == 0:
-            first, s_fwd = await on_server(r["input_ids"])
+            first, s_fwd = await on_server(r)
             mine, e_fwd = engine.first_token(r["input_ids"])
         else:
             mine, e_fwd = engine.first_token(r["input_ids"])
-            first, s_fwd = await on_server(r["input_ids"])
+            first, s_fwd = await on_server(r)
         server.append(first)
         local.append(mine)
         added.append(first - mine)
@@ -337,7 +476,9 @@ async def paired_ttft(client: AsyncClient, engine: EngineRunner, reqs: list[dict
 
 async def compare(args, reqs: list[dict]) -> dict:
     """Best of ``--repeats`` interleaved runs of each mode (robust to a busy machine)."""
-    async with AsyncClient(args.server, timeout=args.timeout) as client:
+    if args.backend == "openai-chat":
+        raise SystemExit("--compare-engine sends token ids: use --backend openai or radixrt")
+    async with make_backend(args) as client:
         info = await client.server_info()
     engine = EngineRunner(info["model"], args.dtype or info.get("dtype", "auto"), info.get("kv_slots"))
     args.flush = True
@@ -355,7 +496,7 @@ async def compare(args, reqs: list[dict]) -> dict:
                 (await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
             runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
             runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
-        async with AsyncClient(args.server, timeout=args.timeout) as client:
+        async with make_backend(args) as client:
             paired = await paired_ttft(client, engine, reqs[:args.pairs])
     finally:
         engine.close()
@@ -392,7 +533,9 @@ def plot(recs: list[Record], path: Path) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", required=True, help="tcp://HOST:PORT")
+    ap.add_argument("--server", required=True, help="tcp://HOST:PORT (radixrt) or http://HOST:PORT (openai*)")
+    ap.add_argument("--backend", choices=("radixrt", "openai", "openai-chat"), default="radixrt")
+    ap.add_argument("--api-key", default=None, help="HTTP backends: sent as Authorization: Bearer KEY")
     ap.add_argument("--workload", choices=("shared-prefix", "multi-turn", "random"), default="shared-prefix")
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s)")
     ap.add_argument("--max-concurrency", type=int, default=None)
@@ -417,7 +560,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def amain(args) -> dict:
-    async with AsyncClient(args.server, timeout=args.timeout) as client:
+    if args.workload == "multi-turn" and args.backend == "openai":
+        raise SystemExit("the multi-turn workload sends messages: use --backend openai-chat or radixrt")
+    async with make_backend(args) as client:
         vocab = (await client.server_info())["vocab_size"]
     rng = random.Random(args.seed)
     if args.compare_engine:
@@ -433,6 +578,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     result = asyncio.run(amain(args))
     name = "serving_compare" if args.compare_engine else f"serving_{args.workload.replace('-', '_')}"
+    if args.backend != "radixrt":
+        name += f"_{args.backend.replace('-', '_')}"
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if not k.startswith("_")}

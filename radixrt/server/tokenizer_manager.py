@@ -28,7 +28,7 @@ gets an ``ErrorReply``; nothing a client sends can stop the loop.
   ``grace_period`` seconds have passed; then ``Drained`` goes to the launcher
   (once every HTTP response is written, too).
 - HTTP (``http_port`` > 0): the OpenAI and SGLang endpoints of
-  ``radixrt.server.http_api`` run in this process, on the same asyncio loop
+  ``radixrt.server.http`` run in this process, on the same asyncio loop
   as the sockets, sharing the request table, tokenizer, limits and keys. An
   HTTP request is a ``ClientReq`` with a ``sink`` (an asyncio queue that
   receives ``(index, TextDelta | RequestError)``) instead of a ZeroMQ
@@ -195,7 +195,7 @@ class TokenizerManager:
     async def serve(self) -> None:
         tasks = [self.socket_loop()]
         if self.http_sock is not None:
-            from radixrt.server.http_api import serve_http
+            from radixrt.server.http import serve_http
             tasks.append(serve_http(self, self.http_sock))
         await asyncio.gather(*tasks)
 

@@ -42,8 +42,9 @@ class ApiError(Exception):
         self.status, self.message, self.code, self.param = status, message, code, param
 
     @classmethod
-    def from_code(cls, code: str, message: str, param: str | None = None) -> ApiError:
-        return cls(STATUS_OF_CODE.get(code, 500), message, code, param)
+    def from_code(cls, code: str, message: str, param: str | None = None, status: int | None = None) -> ApiError:
+        """The error for a ZeroMQ error code (``status``: where the code alone does not decide it)."""
+        return cls(status or STATUS_OF_CODE.get(code, 500), message, code, param)
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
