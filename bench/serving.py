@@ -42,8 +42,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
-
 from radixrt import AsyncClient
 
 RESULTS = Path(__file__).parent / "results"
@@ -152,25 +150,29 @@ class OpenAIBackend:
     SGLang's /flush_cache and /get_server_info for the rest."""
 
     def __init__(self, server: str, timeout: float, chat: bool, api_key: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-        self.http = httpx.AsyncClient(base_url=server, timeout=timeout, headers=headers, limits=limits)
+        self.server, self.timeout = server.rstrip("/"), timeout
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.chat = chat
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
 
     async def __aenter__(self):
+        import aiohttp  # a C HTTP parser: the client takes little of the server's CPU
+        self.http = aiohttp.ClientSession(self.server, headers=self.headers,
+                                          timeout=aiohttp.ClientTimeout(total=self.timeout),
+                                          connector=aiohttp.TCPConnector(limit=0))
         return self
 
     async def __aexit__(self, *exc) -> None:
-        await self.http.aclose()
+        await self.http.close()
 
     async def flush_cache(self) -> None:
-        (await self.http.post("/flush_cache")).raise_for_status()
+        async with self.http.post("/flush_cache") as resp:
+            resp.raise_for_status()
 
     async def server_info(self) -> dict:
-        resp = await self.http.get("/get_server_info")
-        resp.raise_for_status()
-        return resp.json()["internal_states"][0]
+        async with self.http.get("/get_server_info") as resp:
+            resp.raise_for_status()
+            return (await resp.json())["internal_states"][0]
 
     def body(self, kwargs: dict, sp: dict, stream: bool) -> dict:
         body = {"max_tokens": sp["max_new_tokens"], "temperature": sp.get("temperature", 1.0),
@@ -195,17 +197,18 @@ class OpenAIBackend:
         rec, text, t0 = Record(), [], time.perf_counter()
         body = self.body(kwargs, sp, stream)
         if not stream:
-            resp = await self.http.post(self.path, json=body)
-            resp.raise_for_status()
-            data = resp.json()
+            async with self.http.post(self.path, json=body) as resp:
+                resp.raise_for_status()
+                data = await resp.json()
             rec.ttft = time.perf_counter() - t0
             self._usage(rec, data["usage"])
             return rec, self.text_of(data["choices"][0])
         last, chunks = t0, 0
-        async with self.http.stream("POST", self.path, json=body) as resp:
+        async with self.http.post(self.path, json=body) as resp:
             resp.raise_for_status()
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+            async for raw in resp.content:  # one SSE line at a time
+                line = raw.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 data = json.loads(line[6:])
                 if "error" in data:
@@ -531,6 +534,24 @@ def plot(recs: list[Record], path: Path) -> None:
     fig.savefig(path)
 
 
+def table(result: dict, compare: bool) -> str:
+    """The figures as a Markdown table (the JSON holds everything)."""
+    cols = ("elapsed_s", "output_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "hit_rate")
+    rows = ([(k, result[k]) for k in ("server", "server_no_stream", "server_low_load", "engine")]
+            if compare else [("run", result)])
+    lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    for name, r in rows:
+        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "-" for c in cols) + " |")
+    if compare:
+        p = result["ttft_paired_low_load"]
+        lines.append(f"\nthroughput server/engine: {result['throughput_ratio']:.3f} streamed, "
+                     f"{result['throughput_ratio_no_stream']:.3f} unstreamed; TTFT added at low load "
+                     f"(paired p50): {p['added_p50_ms']:.2f} ms ({p['added_outside_forward_p50_ms']:.2f} ms "
+                     f"outside the forward); TTFT p50 one request at a time: server "
+                     f"{result['ttft_ms_low_load']['server']:.1f} ms, Engine {result['ttft_ms_low_load']['engine']:.1f} ms")
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--server", required=True, help="tcp://HOST:PORT (radixrt) or http://HOST:PORT (openai*)")
@@ -588,6 +609,7 @@ def main(argv=None) -> None:
     if getattr(args, "_recs", None):
         plot(args._recs, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
+    print(table(result, args.compare_engine))
     print(f"wrote {out}")
 
 

@@ -298,6 +298,10 @@ def test_sglang_generate(http, engine):
     assert [len(o["output_ids"]) for o in batch] == [3, 3]
     assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 3
     assert all(len(t) == 2 for t in batch[0]["meta_info"]["output_top_logprobs"])
+    scored = http.post("/generate", json={"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 0,
+                                          "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    assert [t[1] for t in scored["input_token_logprobs"]] == [5, 6, 7, 8]
+    assert scored["input_token_logprobs"][0][0] is None and all(t[0] <= 0 for t in scored["input_token_logprobs"][1:])
     with http.stream("POST", "/generate", json={"text": "Native API", "stream": True,
                                                 "sampling_params": {"max_new_tokens": 6, "temperature": 0}}) as s:
         events = sse_events(s)

@@ -131,33 +131,22 @@ class HttpFront:
         return text
 
     async def run_job(self, request: Request, key: str | None, prompts: list[Prompt], stream: bool,
-                      render_stream) -> Response:
-        """Admit prompts; answer with the stream ``render_stream(job, first)`` makes, or with the
-        finished choices (``render_stream`` None: the caller renders ``job.choices``)."""
+                      render_stream) -> Job | SSEResponse:
+        """Admit prompts. Unstreamed: wait for every choice and return the Job (the caller renders
+        ``job.choices``). Streamed: wait for the first delta, so that a request failing before its
+        first token still gets its HTTP status, then stream ``render_stream(job, first)``."""
         job = Job(self.tm, request, key, stream)
         job.start(prompts)
-        self.tm.http_open += 1
-        closed = False
-
-        def close() -> None:
-            nonlocal closed
-            if not closed:
-                closed = True
-                job.close()
-                self.tm.http_open -= 1
-
         try:
             if not stream:
                 await job.collect()
+                job.close()
                 return job
-            first = await job.next()  # errors before the first token still get their status
+            first = await job.next()
         except BaseException:
-            close()
+            job.close()
             raise
-        finally:
-            if not stream:
-                close()
-        return SSEResponse(render_stream(job, first), close)
+        return SSEResponse(render_stream(job, first), job.close)
 
     def make_params(self, fields: dict, given: bool) -> SamplingParams:
         try:

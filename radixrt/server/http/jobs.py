@@ -105,6 +105,7 @@ class Job:
         self.choices: list[Choice] = []
         self.unfinished: set[int] = set()
         self.watcher: asyncio.Task | None = None
+        self.open = False  # admitted and not closed
         client = api_key if api_key is not None else (request.client.host if request.client else "?")
         self.identity = b"http\0" + client.encode()
         self.key = f"h{next(self._ids)}"
@@ -116,6 +117,8 @@ class Job:
             raise api.ApiError(400, f"{len(prompts)} choices in one request; at most {MAX_CHOICES}",
                                ErrorCode.INVALID_REQUEST, "n")
         self.tm.check_admission(self.identity, f"{self.key}:0", count=len(prompts))
+        self.open = True
+        self.tm.http_open += 1  # the drain waits for this answer to be written
         try:
             for i, p in enumerate(prompts):
                 self.rids.append(self.tm.admit(self.identity, f"{self.key}:{i}", p.ids, p.params,
@@ -155,11 +158,37 @@ class Job:
         return not self.unfinished
 
     def close(self) -> None:
+        """Abort what has not finished, stop watching the client; once, however the answer ended."""
+        if not self.open:
+            return
+        self.open = False
         for i in self.unfinished:
             self.tm.abort_rid(self.rids[i])
         self.unfinished.clear()
         if self.watcher is not None:
             self.watcher.cancel()
+        self.tm.http_open -= 1
+
+
+async def sse_events(job: Job, first: tuple[int, TextDelta], render, tail=None) -> AsyncIterator[bytes]:
+    """A job's stream: ``render(index, delta)`` (a chunk, or None to send nothing) for each delta
+    from ``first`` on; an error event if one of its requests failed; then ``tail()`` (a last
+    chunk, or None) and ``[DONE]``."""
+    item = first
+    try:
+        while True:
+            chunk = render(*item)
+            if chunk is not None:
+                yield sse(chunk)
+            if job.finished:
+                break
+            item = await job.next()
+    except api.ApiError as e:
+        yield b"data: " + api.error_body(e) + b"\n\n"
+    last = tail() if tail is not None else None
+    if last is not None:
+        yield sse(last)
+    yield DONE
 
 
 class SSEResponse:

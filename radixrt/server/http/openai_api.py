@@ -20,7 +20,7 @@ from starlette.responses import Response
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
-from radixrt.server.http.jobs import DONE, MAX_CHOICES, Choice, Job, Prompt, json_response, sse
+from radixrt.server.http.jobs import MAX_CHOICES, Choice, Job, Prompt, json_response, sse_events
 
 if TYPE_CHECKING:
     from radixrt.server.http.front import HttpFront
@@ -117,31 +117,25 @@ class OpenAIApi:
                                   self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                                   if body.logprobs else None)
                    for i, c in enumerate(result.choices)]
-        return json_response(api.ChatCompletion(meta[0], meta[1], meta[2], choices,
-                                                self.usage(result.choices, body.n)))
+        return json_response(api.ChatCompletion(*meta, choices, self.usage(result.choices, body.n)))
 
-    async def chat_stream(self, job: Job, first, body: api.ChatCompletionRequest, meta) -> AsyncIterator[bytes]:
+    def chat_stream(self, job: Job, first, body: api.ChatCompletionRequest, meta) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
-        item = first
-        try:
-            while True:
-                index, d = item
-                if d.text or d.finish_reason is not None or index not in started or d.token_ids and body.logprobs:
-                    delta = api.ChatDelta(content=d.text, role=None if index in started else "assistant")
-                    started.add(index)
-                    lp = self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs) if body.logprobs else None
-                    choice = api.ChatChunkChoice(index, delta, d.finish_reason, lp)
-                    usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
-                    yield sse(api.ChatCompletionChunk(meta[0], meta[1], meta[2], [choice], usage))
-                if job.finished:
-                    break
-                item = await job.next()
-        except api.ApiError as e:
-            yield b"data: " + api.error_body(e) + b"\n\n"
-        if opts.include_usage:
-            yield sse(api.ChatCompletionChunk(meta[0], meta[1], meta[2], [], self.usage(job.choices, body.n)))
-        yield DONE
+
+        def render(index: int, d) -> api.ChatCompletionChunk | None:
+            if not (d.text or d.finish_reason is not None or index not in started or d.token_ids and body.logprobs):
+                return None  # text held back (a stop string may begin there)
+            delta = api.ChatDelta(content=d.text, role=None if index in started else "assistant")
+            started.add(index)
+            lp = self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs) if body.logprobs else None
+            usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
+            return api.ChatCompletionChunk(*meta, [api.ChatChunkChoice(index, delta, d.finish_reason, lp)], usage)
+
+        def tail() -> api.ChatCompletionChunk | None:
+            return api.ChatCompletionChunk(*meta, [], self.usage(job.choices, body.n)) if opts.include_usage else None
+
+        return sse_events(job, first, render, tail)
 
     def chat_logprobs(self, ids: list[int], lps: list[float] | None, tops: list | None) -> api.ChoiceLogprobs:
         content = []
@@ -210,46 +204,36 @@ class OpenAIApi:
             head = self.echo_text(p) if body.echo else ""
             lp = self.completion_logprobs(c, p, body.echo) if want_lp else None
             choices.append(api.CompletionChoice(i, head + c.text, c.finish_reason, lp))
-        return json_response(api.Completion(meta[0], meta[1], meta[2], choices, self.usage(result.choices, body.n)))
+        return json_response(api.Completion(*meta, choices, self.usage(result.choices, body.n)))
 
     def echo_text(self, p: Prompt) -> str:
         return p.text if p.text is not None else self.front.tm.tokenizer.decode(p.ids)
 
-    async def completion_stream(self, job: Job, first, body: api.CompletionRequest, prompts: list[Prompt],
-                                meta) -> AsyncIterator[bytes]:
+    def completion_stream(self, job: Job, first, body: api.CompletionRequest, prompts: list[Prompt],
+                          meta) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
-        offsets = [0] * len(prompts)
+        offsets = [0] * len(prompts)  # text offset of each choice's next token
         sent = [0] * len(prompts)  # tokens whose logprobs went out
-        item = first
-        try:
-            while True:
-                index, d = item
-                c, p = job.choices[index], prompts[index]
-                text = d.text
-                if body.echo and index not in started:
-                    text = self.echo_text(p) + text
-                if text or d.finish_reason is not None or index not in started:
-                    lp = None
-                    if body.logprobs is not None:
-                        lp = self.completion_logprobs(c, p, body.echo and index not in started, sent[index],
-                                                      offsets[index])
-                        offsets[index] += sum(len(t) for t in lp.tokens)
-                        sent[index] = len(c.token_ids)
-                    started.add(index)
-                    usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
-                    chunk = api.Completion(meta[0], meta[1], meta[2], [api.CompletionChoice(index, text,
-                                                                                           d.finish_reason, lp)],
-                                           usage)
-                    yield sse(chunk)
-                if job.finished:
-                    break
-                item = await job.next()
-        except api.ApiError as e:
-            yield b"data: " + api.error_body(e) + b"\n\n"
-        if opts.include_usage:
-            yield sse(api.Completion(meta[0], meta[1], meta[2], [], self.usage(job.choices, body.n)))
-        yield DONE
+
+        def render(index: int, d) -> api.Completion | None:
+            c, p, first_chunk = job.choices[index], prompts[index], index not in started
+            text = self.echo_text(p) + d.text if body.echo and first_chunk else d.text
+            if not (text or d.finish_reason is not None or first_chunk):
+                return None
+            started.add(index)
+            lp = None
+            if body.logprobs is not None:
+                lp = self.completion_logprobs(c, p, body.echo and first_chunk, sent[index], offsets[index])
+                offsets[index] += sum(len(t) for t in lp.tokens)
+                sent[index] = len(c.token_ids)
+            usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
+            return api.Completion(*meta, [api.CompletionChoice(index, text, d.finish_reason, lp)], usage)
+
+        def tail() -> api.Completion | None:
+            return api.Completion(*meta, [], self.usage(job.choices, body.n)) if opts.include_usage else None
+
+        return sse_events(job, first, render, tail)
 
     def completion_logprobs(self, c: Choice, p: Prompt, echo: bool, since: int = 0,
                             offset: int = 0) -> api.CompletionLogprobs:

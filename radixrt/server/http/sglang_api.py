@@ -16,7 +16,7 @@ from starlette.responses import Response
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
-from radixrt.server.http.jobs import DONE, Job, Prompt, json_response, sse
+from radixrt.server.http.jobs import Choice, Job, Prompt, json_response, sse_events
 
 if TYPE_CHECKING:
     from radixrt.server.http.front import HttpFront
@@ -106,30 +106,26 @@ class SGLangApi:
                 "completion_tokens": len(c.token_ids), "cached_tokens": c.cached_tokens,
                 "e2e_latency": time.monotonic() - t0}
         if body.return_logprob:
-            text = body.return_text_in_logprobs
-            meta["output_token_logprobs"] = [[lp, t, self.front.token_text(t) if text else None]
-                                             for lp, t in zip(c.logprobs, c.token_ids)]
-            meta["output_top_logprobs"] = [[[lp, t, self.front.token_text(t) if text else None] for t, lp in zip(*top)]
-                                           for top in c.top_logprobs] if body.top_logprobs_num else []
-            if p.logprob_start_len is not None:
-                tail = p.ids[p.logprob_start_len:]
-                first = [[None, p.ids[0], None]] if body.logprob_start_len == 0 else []
-                meta["input_token_logprobs"] = first + [[lp, t, self.front.token_text(t) if text else None]
-                                                        for lp, t in zip(c.prompt_logprobs or (), tail)]
+            meta.update(self.logprobs(c, p, body))
         return {"text": c.text, "output_ids": list(c.token_ids), "meta_info": meta, "index": index}
 
-    async def generate_stream(self, job: Job, first, body: api.GenerateReqInput, prompts: list[Prompt],
-                              t0: float) -> AsyncIterator[bytes]:
-        item = first
-        try:
-            while True:
-                index, d = item
-                yield sse(self.sglang_output(index, job, prompts[index], body, t0))
-                if job.finished:
-                    break
-                item = await job.next()
-        except api.ApiError as e:
-            yield b"data: " + api.error_body(e) + b"\n\n"
-        yield DONE
+    def logprobs(self, c: Choice, p: Prompt, body: api.GenerateReqInput) -> dict:
+        """SGLang's logprob fields: ``[logprob, token id, token text or None]`` per token."""
+        def entry(lp: float | None, token: int) -> list:
+            return [lp, token, self.front.token_text(token) if body.return_text_in_logprobs else None]
 
+        def tops(top_lists: list | None) -> list:
+            return [[entry(lp, t) for t, lp in zip(*top)] for top in top_lists or ()] if body.top_logprobs_num else []
 
+        out = {"output_token_logprobs": [entry(lp, t) for lp, t in zip(c.logprobs, c.token_ids)],
+               "output_top_logprobs": tops(c.top_logprobs)}
+        if p.logprob_start_len is not None:
+            first = [entry(None, p.ids[0])] if body.logprob_start_len == 0 else []
+            scored = p.ids[p.logprob_start_len:]
+            out["input_token_logprobs"] = first + [entry(lp, t) for lp, t in zip(c.prompt_logprobs or (), scored)]
+            out["input_top_logprobs"] = [None] * len(first) + tops(c.prompt_top_logprobs)
+        return out
+
+    def generate_stream(self, job: Job, first, body: api.GenerateReqInput, prompts: list[Prompt],
+                        t0: float) -> AsyncIterator[bytes]:
+        return sse_events(job, first, lambda index, d: self.sglang_output(index, job, prompts[index], body, t0))
