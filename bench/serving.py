@@ -14,6 +14,7 @@ writes JSON (and a PNG when matplotlib is installed) under bench/results/.
     python bench/serving.py --server tcp://127.0.0.1:30000 [--workload shared-prefix] ...
     python bench/serving.py --backend openai --server http://127.0.0.1:8000 ...
     python bench/serving.py --server ADDR --compare-engine [--dtype float32]
+    python bench/serving.py --backend openai --server http://HOST:8000 --compare-fronts tcp://HOST:30000
 
 Over HTTP every request streams with ``stream_options.include_usage`` (token counts and
 cached tokens from the final usage chunk; TTFT at the first chunk with a choice, which
@@ -336,6 +337,7 @@ async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: 
     async with make_backend(args) as client:
         if args.flush:
             await client.flush_cache()
+        forward_before = (await client.server_info()).get("forward_s", 0.0)
         total = args.conversations * args.turns if reqs is None else len(reqs)
         progress = Progress(total, show and not args.no_progress)
         t0 = time.perf_counter()
@@ -348,7 +350,31 @@ async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: 
         summary = summarize(recs, elapsed)
         info = await client.server_info()
         summary["server_hit_rate"] = info.get("hit_rate", 0.0)
+        # the scheduler's forward passes during the run; the rest of elapsed_s is everything else
+        summary["server_forward_s"] = info.get("forward_s", 0.0) - forward_before
     return summary, recs
+
+
+async def compare_fronts(args, reqs: list[dict]) -> dict:
+    """The shared-prefix workload through this backend (``--server``) and through the RPC
+    client (``--compare-fronts tcp://...``, the same server), streamed and not, interleaved
+    ``--repeats`` times: medians of the wall time, of the scheduler's forward passes in it, and
+    of the rest (sockets, processes, HTTP, the client)."""
+    rpc = argparse.Namespace(**{**vars(args), "backend": "radixrt", "server": args.compare_fronts})
+    args.flush = rpc.flush = True
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats + 1):  # the first round warms up, untimed
+        for name, a in ((args.backend, args), ("radixrt", rpc)):
+            for stream in (True, False):
+                summary, _ = await bench_server(a, reqs, float("inf"), None, show=False, stream=stream)
+                runs.setdefault(f"{name}_{'stream' if stream else 'no_stream'}", []).append(summary)
+    med = statistics.median
+    return {k: {"elapsed_s_median": med(r["elapsed_s"] for r in v[1:]),
+                "forward_s_median": med(r["server_forward_s"] for r in v[1:]),
+                "outside_forward_s_median": med(r["elapsed_s"] - r["server_forward_s"] for r in v[1:]),
+                "output_throughput_median": med(r["output_throughput"] for r in v[1:]),
+                "output_throughput_runs": [r["output_throughput"] for r in v[1:]]}
+            for k, v in runs.items()}
 
 
 # ------------------------------------------------------- engine compare
@@ -500,19 +526,26 @@ async def compare(args, reqs: list[dict]) -> dict:
             runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
             runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
         async with make_backend(args) as client:
-            paired = await paired_ttft(client, engine, reqs[:args.pairs])
+            ttft_pairs = await paired_ttft(client, engine, reqs[:args.pairs])
     finally:
         engine.close()
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
     engine_ttft = min(r["ttft_p50_ms_low_load"] for r in runs["engine"])
     server_ttft = min(r["ttft_p50_ms"] for r in runs["server_low_load"])
-    return {**best, "repeats": args.repeats,
+    tput = {k: [r["output_throughput"] for r in v] for k, v in runs.items()}
+    # each repeat runs the server and the Engine back to back: the median of the per-repeat ratios
+    # does not move with the machine's drift between repeats
+    paired = {k: statistics.median(a / b for a, b in zip(tput[k], tput["engine"]))
+              for k in ("server", "server_no_stream")}
+    return {**best, "repeats": args.repeats, "output_throughput_runs": tput,
+            "throughput_ratio_paired_median": paired["server"],
+            "throughput_ratio_no_stream_paired_median": paired["server_no_stream"],
             "throughput_ratio": best["server"]["output_throughput"] / best["engine"]["output_throughput"],
             "throughput_ratio_no_stream": (best["server_no_stream"]["output_throughput"]
                                            / best["engine"]["output_throughput"]),
             "ttft_ms_low_load": {"server": server_ttft, "engine": engine_ttft},
             "ttft_added_ms_low_load": server_ttft - engine_ttft,
-            "ttft_paired_low_load": paired}
+            "ttft_paired_low_load": ttft_pairs}
 
 
 # ------------------------------------------------------------------ main
@@ -544,8 +577,10 @@ def table(result: dict, compare: bool) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "-" for c in cols) + " |")
     if compare:
         p = result["ttft_paired_low_load"]
-        lines.append(f"\nthroughput server/engine: {result['throughput_ratio']:.3f} streamed, "
-                     f"{result['throughput_ratio_no_stream']:.3f} unstreamed; TTFT added at low load "
+        lines.append(f"\nthroughput server/engine, best of each: {result['throughput_ratio']:.3f} streamed, "
+                     f"{result['throughput_ratio_no_stream']:.3f} unstreamed; median of the per-repeat "
+                     f"ratios: {result['throughput_ratio_paired_median']:.3f} streamed, "
+                     f"{result['throughput_ratio_no_stream_paired_median']:.3f} unstreamed; TTFT added at low load "
                      f"(paired p50): {p['added_p50_ms']:.2f} ms ({p['added_outside_forward_p50_ms']:.2f} ms "
                      f"outside the forward); TTFT p50 one request at a time: server "
                      f"{result['ttft_ms_low_load']['server']:.1f} ms, Engine {result['ttft_ms_low_load']['engine']:.1f} ms")
@@ -572,6 +607,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--flush", action="store_true", help="flush the server's cache first")
     ap.add_argument("--compare-engine", action="store_true")
+    ap.add_argument("--compare-fronts", default=None, metavar="tcp://HOST:PORT",
+                    help="with an HTTP --backend: the same server's RPC address, to compare the two fronts")
     ap.add_argument("--repeats", type=int, default=3, help="--compare-engine: best of N interleaved runs")
     ap.add_argument("--pairs", type=int, default=24, help="--compare-engine: prompts in the paired TTFT test")
     ap.add_argument("--dtype", default=None, help="Engine dtype for --compare-engine (default: the server's)")
@@ -588,6 +625,10 @@ async def amain(args) -> dict:
     rng = random.Random(args.seed)
     if args.compare_engine:
         return await compare(args, shared_prefix(args, rng, vocab))
+    if args.compare_fronts:
+        if args.backend == "radixrt":
+            raise SystemExit("--compare-fronts compares an HTTP backend (--backend openai) with the RPC client")
+        return await compare_fronts(args, shared_prefix(args, rng, vocab))
     reqs = {"shared-prefix": shared_prefix, "random": random_prompts}.get(args.workload)
     summary, recs = await bench_server(args, reqs(args, rng, vocab) if reqs else None,
                                        args.request_rate, args.max_concurrency)
@@ -598,7 +639,8 @@ async def amain(args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     result = asyncio.run(amain(args))
-    name = "serving_compare" if args.compare_engine else f"serving_{args.workload.replace('-', '_')}"
+    name = ("serving_compare" if args.compare_engine else "serving_fronts" if args.compare_fronts
+            else f"serving_{args.workload.replace('-', '_')}")
     if args.backend != "radixrt":
         name += f"_{args.backend.replace('-', '_')}"
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"
@@ -609,7 +651,13 @@ def main(argv=None) -> None:
     if getattr(args, "_recs", None):
         plot(args._recs, out.with_suffix(".png"))
     print(json.dumps(result, indent=2))
-    print(table(result, args.compare_engine))
+    if not args.compare_fronts:
+        print(table(result, args.compare_engine))
+    else:
+        for k, v in result.items():
+            print(f"| {k} | " + " | ".join(f"{v[c]:.3f}" for c in ("elapsed_s_median", "forward_s_median",
+                                                                 "outside_forward_s_median",
+                                                                 "output_throughput_median")) + " |")
     print(f"wrote {out}")
 
 

@@ -107,7 +107,9 @@ class Job:
         self.watcher: asyncio.Task | None = None
         self.open = False  # admitted and not closed
         client = api_key if api_key is not None else (request.client.host if request.client else "?")
-        self.identity = b"http\0" + client.encode()
+        # ZeroMQ reserves identities that start with a zero byte for the five-byte ones it
+        # generates, so no well-behaved ZeroMQ client shares this one.
+        self.identity = b"\0http:" + client.encode()
         self.key = f"h{next(self._ids)}"
 
     def start(self, prompts: list[Prompt]) -> None:
