@@ -18,7 +18,8 @@ writes JSON (and a PNG when matplotlib is installed) under bench/results/.
 
 Over HTTP every request streams with ``stream_options.include_usage`` (token counts and
 cached tokens from the final usage chunk; TTFT at the first chunk with a choice, which
-radixrt sends with the first token). The chat
+radixrt sends with the first token). The completions backend sends a multi-turn
+conversation as plain text (``role: content`` lines). The chat
 backend sends text: its shared-prefix and random workloads are words (about one token each
 with the default model's tokenizer) instead of token ids.
 
@@ -184,9 +185,9 @@ class OpenAIBackend:
             if "messages" not in kwargs:
                 raise ValueError("--backend openai-chat sends messages (a workload made for it)")
             return {**body, "messages": kwargs["messages"]}
-        if "input_ids" not in kwargs:
-            raise ValueError("--backend openai sends prompts of token ids; the multi-turn workload "
-                             "needs --backend openai-chat or radixrt")
+        if "messages" in kwargs:  # multi-turn as completions: the conversation as plain text
+            lines = [f"{m['role']}: {m['content']}\n" for m in kwargs["messages"]]
+            return {**body, "prompt": "".join(lines) + "assistant:"}
         return {**body, "prompt": kwargs["input_ids"]}
 
     def text_of(self, choice: dict) -> str:
@@ -618,8 +619,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 async def amain(args) -> dict:
-    if args.workload == "multi-turn" and args.backend == "openai":
-        raise SystemExit("the multi-turn workload sends messages: use --backend openai-chat or radixrt")
     async with make_backend(args) as client:
         vocab = (await client.server_info())["vocab_size"]
     rng = random.Random(args.seed)

@@ -234,9 +234,13 @@ def test_async_client_concurrent_streams(server):
 
         streamed = await asyncio.gather(*(one(i) for i in range(6)))
         whole = await aoai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "question 3"}],
-                                                   max_tokens=8, temperature=0)
-        await aoai.close()
+                                                   max_tokens=8, temperature=0, user="u-3")
         assert streamed[3] == whole.choices[0].message.content
+        done = await aoai.completions.create(model="tiny", prompt="async", max_tokens=6, temperature=0)
+        parts = [c.choices[0].text async for c in await aoai.completions.create(
+            model="tiny", prompt="async", max_tokens=6, temperature=0, stream=True)]
+        assert "".join(parts) == done.choices[0].text and done.usage.completion_tokens == 6
+        await aoai.close()
         return streamed
 
     assert len(asyncio.run(run())) == 6
