@@ -6,9 +6,9 @@ import torch
 
 from radixrt.cache.allocator import KVSlotAllocator
 from radixrt.cache.kv_pool import KVPool
-from radixrt.cache.radix_cache import MatchResult, NamespaceNode, RadixCache, TokenBuffer, TreeNode
+from radixrt.cache.radix_cache import MatchResult, NamespaceNode, PeekResult, RadixCache, TokenBuffer, TreeNode
 
-__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "RadixCache", "TokenBuffer",
+__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "PeekResult", "RadixCache", "TokenBuffer",
            "TreeNode", "check_slot_partition"]
 
 

@@ -122,6 +122,11 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
+class PeekResult(NamedTuple):
+    hit_len: int
+    last_node: TreeNode  # the node whose edge holds the hit's end (no split was made)
+
+
 class TokenBuffer:
     """A request's token ids as a growable int64 array: the form the tree reads fastest.
 
@@ -226,6 +231,20 @@ class RadixCache:
             return MatchResult(0, _EMPTY, node)
         kv = np.concatenate(values) if len(values) > 1 else values[0]
         return MatchResult(pos, torch.from_numpy(kv), node)
+
+    def peek_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PeekResult:
+        """The hit ``match_prefix`` would find, changing nothing: no split, no access time, no hit
+        count. For ranking and admission probes; ``match_prefix`` is the lookup that takes a hit.
+
+        ``last_node`` is the node whose edge holds the end of the hit (its whole edge when the hit
+        ends on a node); on a miss, the namespace node (or ``root``).
+        """
+        tokens = _as_tokens(token_ids)
+        node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
+        if node is None:
+            return PeekResult(0, self.root)
+        node, pos, _, _ = self._walk(node, tokens, self._aligned_len(tokens), split=False)
+        return PeekResult(pos, node)
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
                cache_salt: str | None = None) -> int:
@@ -433,12 +452,13 @@ class RadixCache:
     def _aligned_len(self, tokens: list[int] | np.ndarray) -> int:
         return len(tokens) // self.page_size * self.page_size
 
-    def _walk(self, node: TreeNode, tokens: list[int] | np.ndarray,
-              n: int) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
+    def _walk(self, node: TreeNode, tokens: list[int] | np.ndarray, n: int,
+              split: bool = True) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
         """Follow ``tokens[:n]`` down from ``node`` as far as the tree has it.
 
         Where the run leaves an edge part-way, that edge is split so the last
-        node ends exactly at the hit. Returns (last node, hit length in
+        node ends exactly at the hit (``split=False``: nothing changes, and the
+        last node is the child whose edge holds the hit's end). Returns (last node, hit length in
         tokens, the slot arrays along the path, the packed prefix of tokens
         it compared: at least ``hit`` tokens, at most n).
 
@@ -470,8 +490,8 @@ class RadixCache:
             off = pos * _TOKEN_BYTES
             hit = common_prefix_len(edge, packed[off:off + len(edge)]) // _TOKEN_BYTES
             hit -= hit % page  # > 0: the child's first page matched
-            node = self._split(child, hit)
-            values.append(node._np)
+            node = self._split(child, hit) if split else child
+            values.append(node._np[:hit])
             pos += hit
             break  # the run parts from the tree inside this edge
         return node, pos, values, packed

@@ -41,10 +41,10 @@ class KVManager:
         return self.allocator.available + self.tree.evictable_size
 
     def prefix_len_hint(self, req: Req) -> int:
-        """Cached prefix length for ``req`` (for ordering; locks nothing)."""
+        """Cached prefix length for ``req`` (for ordering and probes: changes nothing in the tree)."""
         if self.disabled:
             return 0
-        return self.tree.match_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt).hit_len
+        return self.tree.peek_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt).hit_len
 
     def admit(self, req: Req) -> bool:
         """Give ``req`` a row and lock its cached prefix. False if no row is free."""

@@ -38,8 +38,8 @@ def _dfs_weight(waiting: list[Req], kv: KVManager) -> list[Req]:
     tree = kv.tree
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
-    # Match all first: a later match may split nodes above an earlier one.
-    nodes = [tree.match_prefix(r.fill_ids[:r.fill_len - 1], r.params.cache_salt).last_node
+    # Peeks change nothing: ordering the queue neither splits nodes nor counts as an access.
+    nodes = [tree.peek_prefix(r.fill_ids[:r.fill_len - 1], r.params.cache_salt).last_node
              for r in waiting]
     for req, node in zip(waiting, nodes):
         at_node[node.id].append(req)

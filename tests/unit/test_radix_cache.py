@@ -711,6 +711,31 @@ def test_integrity_catches_broken_namespaces():
         cache.check_integrity()
 
 
+def tree_state(cache: RadixCache) -> tuple:
+    """Everything a lookup could change: the nodes (edges, parents, access times, hit counts,
+    locks), the eviction order and the clock."""
+    nodes = sorted((n.id, n._key, n.parent.id if n.parent is not None else -1, n.last_access, n.hit_count,
+                    n.lock_ref) for n in cache._nodes())
+    return nodes, [e[:-1] for e in cache._evictable], cache._clock, cache.evictable_size, cache.protected_size
+
+
+def test_peek_prefix_changes_nothing_and_finds_what_match_finds():
+    alloc, cache = make(64)
+    put(alloc, cache, [1, 2, 3, 4, 5, 6])
+    put(alloc, cache, [1, 2, 3, 9, 9])
+    before = tree_state(cache)
+    for _ in range(100):  # a scheduler polling its queue
+        assert cache.peek_prefix([1, 2, 3, 4, 7]).hit_len == 4  # ends inside an edge: no split
+        assert cache.peek_prefix([1, 2, 3]).hit_len == 3
+        assert cache.peek_prefix([8]).hit_len == 0
+        assert cache.peek_prefix([1, 2, 3, 4], cache_salt="other") == (0, cache.root)
+    assert tree_state(cache) == before
+    node = cache.peek_prefix([1, 2, 3, 4, 7]).last_node
+    assert node.key == [4, 5, 6]  # the edge that holds the hit's end
+    assert cache.match_prefix([1, 2, 3, 4, 7]).hit_len == 4 and tree_state(cache) != before  # a hit: split
+    cache.check_integrity()
+
+
 # ---------------------------------------------- stateful serving-trace test
 
 ALPHABET = st.integers(0, 3)
@@ -881,9 +906,16 @@ class ServingTrace(RuleBasedStateMachine):
         if not self.seen:
             return
         tokens = data.draw(st.sampled_from(self.seen), label="peek")
+        tokens = tokens[:data.draw(st.integers(1, len(tokens)), label="cut")]
         salt = data.draw(SALTS, label="salt")
+        before = tree_state(self.cache)
+        peeked = self.cache.peek_prefix(tokens, cache_salt=salt)
+        assert tree_state(self.cache) == before, "peek_prefix changed the tree"
         r = self.cache.match_prefix(tokens, cache_salt=salt)
         self._check_hit(tokens, salt, r.hit_len, r.kv_indices)
+        assert peeked.hit_len == r.hit_len
+        # the hit ends on a node, or inside the edge that match_prefix just split above it
+        assert peeked.last_node is r.last_node or peeked.last_node.parent is r.last_node
 
     # -- invariants
 

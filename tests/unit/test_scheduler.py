@@ -338,3 +338,25 @@ def test_a_failing_sampler_fails_the_requests_it_samples_for():
     assert a.output_ids == reference(a.prompt_ids, 5)
     again = run(sched, [b.prompt_ids], 5)[0]  # b's computed prompt KV was cached, and is right
     assert again.cached_tokens == len(b.prompt_ids) - 1 and again.output_ids == reference(b.prompt_ids, 5)
+
+
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
+def test_polling_the_queue_changes_neither_eviction_order_nor_hit_counts(policy):
+    from radixrt.scheduler.policy import order_waiting
+    sched = make(schedule_policy=policy, eviction_policy="lfu")
+    run(sched, shared_prompts(groups=3, per=2), 4)
+    tree = sched.kv.tree
+
+    def state():
+        nodes = sorted((n.id, n._key, n.last_access, n.hit_count) for n in tree._nodes())
+        return nodes, [e[:-1] for e in tree._evictable], tree._clock
+
+    before = state()
+    sp = SamplingParams(max_new_tokens=2, temperature=0)
+    waiting = [Req(f"w{i}", p[:len(p) - 3] + [1, 2], sp) for i, p in enumerate(shared_prompts(groups=3, per=2))]
+    orders = {tuple(r.rid for r in order_waiting(policy, waiting, sched.kv)) for _ in range(100)}
+    assert len(orders) == 1  # and the order does not drift either
+    assert state() == before
+    assert [sched.kv.prefix_len_hint(r) for r in waiting] == [sched.kv.prefix_len_hint(r) for r in waiting]
+    assert any(sched.kv.prefix_len_hint(r) > 0 for r in waiting)
+    assert state() == before
