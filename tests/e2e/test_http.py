@@ -112,7 +112,7 @@ def test_chat_greedy_equals_engine(oai, engine):
 
 
 def test_completion_greedy_equals_engine_for_text_and_ids(oai, engine):
-    want, ids = greedy(engine, "The radix tree", 10)
+    want, _ = greedy(engine, "The radix tree", 10)
     r = oai.completions.create(model="tiny", prompt="The radix tree", max_tokens=10, temperature=0)
     assert r.object == "text_completion" and r.choices[0].text == want
     prompt_ids = engine.tokenizer.encode("Token ids 1 2 3")
