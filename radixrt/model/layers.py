@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from radixrt.model import rope
 from radixrt_kernels import cpu_library, cpu_linear, cpu_ops
 
 
@@ -359,14 +360,9 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float,
                  scaling: dict | None = None) -> None:
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling and scaling.get("rope_type", scaling.get("type")) == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, scaling)
-        t = torch.arange(max_position, dtype=torch.int64).float()
-        freqs = torch.outer(t, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        cos, sin_signed = rope.cos_sin_tables(head_dim, max_position, base, scaling)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin_signed", sin_signed, persistent=False)
         self._memo: tuple | None = None  # (positions, its version, dtype, cos, sin±) of the last call
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -390,14 +386,3 @@ class RotaryEmbedding(nn.Module):
         self._memo = (positions, positions._version, dtype, cos, sin_signed)
         return cos, sin_signed
 
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
-    old_ctx = s["original_max_position_embeddings"]
-    wavelen = 2 * math.pi / inv_freq
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(mid, smoothed, scaled)
