@@ -144,7 +144,7 @@ class Engine:
         if len(ids) >= self.runner.max_context:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; the context is "
                              f"{self.runner.max_context} tokens")
-        capacity = self.scheduler.kv.allocator.capacity
+        capacity = self.scheduler.kv_capacity
         if len(ids) >= capacity:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; the KV pool holds {capacity}")
         bad = [t for t in ids if not 0 <= t < vocab]

@@ -87,6 +87,11 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.decoding or self.chunked)
 
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots the pool can hand out: no sequence longer than this fits."""
+        return self.kv.allocator.capacity
+
     # ---------------------------------------------------------------- step
 
     def step(self) -> list[Req]:

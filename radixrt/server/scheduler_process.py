@@ -60,7 +60,7 @@ class SchedulerProcess:
     def info(self) -> dict:
         eng = self.engine
         return {"model": eng.model_path, "model_name": os.path.basename(os.path.normpath(eng.model_path)),
-                "kv_slots": self.scheduler.kv.allocator.capacity, "max_context": eng.runner.max_context,
+                "kv_slots": self.scheduler.kv_capacity, "max_context": eng.runner.max_context,
                 "vocab_size": eng.model_config.vocab_size, "page_size": eng.config.page_size,
                 "max_waiting_requests": self.max_waiting, "dtype": eng.config.dtype}
 
