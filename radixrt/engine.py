@@ -5,10 +5,10 @@ from __future__ import annotations
 import itertools
 from typing import Sequence
 
-
 from radixrt.config import EngineConfig
 from radixrt.model.loader import ModelConfig, resolve_model_path
 from radixrt.model.runner import ModelRunner
+from radixrt.output import make_output
 from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams, make_generator
 from radixrt.scheduler.req import Req
@@ -62,7 +62,7 @@ class Engine:
         while not all(r.finished for r in reqs):
             self.scheduler.step()
         self._raise_if_failed(reqs)
-        return [self._output(r) for r in reqs]
+        return [self.make_output(r) for r in reqs]
 
     def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]], *,
               cache_salt: str | None = None) -> list[tuple[float, int]]:
@@ -101,7 +101,8 @@ class Engine:
         return self.scheduler.step()
 
     def make_output(self, req: Req) -> GenerateOutput:
-        return self._output(req)
+        """Everything req produced (``radixrt.output.make_output``); "abort" while unfinished."""
+        return make_output(req, self._decode)
 
     def stats(self) -> dict[str, float]:
         return self.scheduler.get_stats()
@@ -175,19 +176,3 @@ class Engine:
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _output(self, req: Req) -> GenerateOutput:
-        text = self._decode(req.output_ids)
-        for s in req.params.stop or ():
-            cut = text.find(s)
-            if cut != -1:
-                text = text[:cut]
-        scored, top = req.logprob_start_len is not None, req.params.top_logprobs > 0
-        return GenerateOutput(rid=req.rid, text=text, token_ids=list(req.output_ids),
-                              prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-                              finish_reason=req.finish_reason or "abort",
-                              logprobs=list(req.output_logprobs) if req.params.logprobs else None,
-                              prompt_logprobs=list(req.prompt_logprobs) if scored else None,
-                              top_logprobs=list(req.output_top_logprobs) if top else None,
-                              prompt_top_logprobs=(list(req.prompt_top_logprobs)
-                                                   if scored and top else None))

@@ -8,7 +8,8 @@ A program run's ``cache_salt`` travels in ``sp.cache_salt`` for ``generate``
 and as the ``cache_salt`` argument of ``cache_prefix`` and ``score``; every
 request a call sends carries it, so the run only shares KV within its salt.
 ``EngineBackend`` drives the engine from one thread, so programs running on many
-threads are batched together by the scheduler.
+threads are batched together by the scheduler; its deltas and outputs come from
+``radixrt.output``, as the server's do.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import threading
 from concurrent.futures import Future
 from typing import Iterator
 
-from radixrt.protocol import GenerateOutput, TokenDelta
+from radixrt.output import Detokenizer, OutputTracker
+from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams
 
 
@@ -69,16 +71,15 @@ class EngineBackend(Backend):
 
     def _drive(self) -> None:
         """Owns the engine: add queued requests, step, resolve finished ones; exit when idle."""
-        from radixrt.server.detokenizer import Detokenizer
-        detok = Detokenizer(self.tokenizer)
-        live: dict[str, tuple] = {}  # rid -> (req, future, deltas, tokens sent)
+        detok, outputs = Detokenizer(self.tokenizer), OutputTracker()
+        live: dict[str, tuple[Future, queue.Queue | None]] = {}  # rid -> (future, text deltas)
         while True:
             block = not live
             try:
                 while True:
                     item = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
                     block = False
-                    self._add(item, live)
+                    self._add(item, live, outputs)
             except queue.Empty:
                 if not live:
                     with self._lock:
@@ -89,33 +90,34 @@ class EngineBackend(Backend):
             try:
                 self.engine.step()
             except Exception as e:  # fail every request rather than hang
-                for req, fut, _, _ in live.values():
+                for rid, (fut, _) in live.items():
                     fut.set_exception(e)
+                    outputs.remove(rid)
+                    detok.forget(rid)
                 live.clear()
                 continue
-            self._emit(live, detok)
+            self._emit(outputs, live, detok)
 
-    def _add(self, item, live: dict) -> None:
+    def _add(self, item, live: dict, outputs: OutputTracker) -> None:
         ids, sp, start, fut, deltas = item
         try:
             req = self.engine.add_request(ids, sp, logprob_start_len=start)
         except Exception as e:
             fut.set_exception(e)
             return
-        live[req.rid] = (req, fut, deltas, 0)
+        live[req.rid] = (fut, deltas)
+        outputs.add(req, stream=deltas is not None)
 
-    def _emit(self, live: dict, detok) -> None:
-        for rid, (req, fut, deltas, sent) in list(live.items()):
-            n = len(req.output_ids)
-            if deltas is not None and (n > sent or req.finished):
-                delta = detok.delta(TokenDelta(rid=rid, token_ids=req.output_ids[sent:n],
-                                               finish_reason=req.finish_reason if req.finished else None,
-                                               stop=req.params.stop if sent == 0 else None))
-                if delta.text:
-                    deltas.put(delta.text)
-                live[rid] = (req, fut, deltas, n)
+    def _emit(self, outputs: OutputTracker, live: dict, detok: Detokenizer) -> None:
+        """Stream the new text of each request; resolve the finished ones' futures."""
+        for req, delta in outputs.collect():
+            fut, deltas = live[req.rid]
+            if deltas is not None:
+                text = detok.delta(delta).text
+                if text:
+                    deltas.put(text)
             if req.finished:
-                del live[rid]
+                del live[req.rid]
                 fut.set_result(self.engine.make_output(req))
 
     def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:

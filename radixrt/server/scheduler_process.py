@@ -4,8 +4,8 @@ Loop: read every pending message (non-blocking while there is work, blocking
 up to ``POLL_MS`` when idle), then run one ``Scheduler.step()``, then send the
 new token ids of every streamed request that produced some, and the whole
 output of every request that finished, to the Detokenizer as one
-``BatchTokenOut`` (a non-streamed request costs nothing downstream until it
-finishes). Control replies and per-request errors
+``BatchTokenOut`` (``radixrt.output.OutputTracker``: a non-streamed request
+costs nothing downstream until it finishes). Control replies and per-request errors
 travel the same way, so the TokenizerManager sees them in order.
 
 A request the Scheduler failed (finish_reason "error": a fault in its own
@@ -24,9 +24,10 @@ import sys
 
 import zmq
 
+from radixrt.output import OutputTracker
 from radixrt.protocol import (AbortRid, BatchTokenOut, ControlReply, ControlRequest, ErrorCode,
-                              ErrorReply, RidError, SchedulerReady, TokenDelta, TokenizedRequest,
-                              decode, encode)
+                              ErrorReply, RidError, SchedulerReady, TokenizedRequest, decode,
+                              encode)
 from radixrt.sampling import make_generator
 from radixrt.scheduler.req import Req
 from radixrt.server import faults
@@ -43,19 +44,15 @@ class SchedulerProcess:
         self.args = args
         self.engine = Engine(**args["engine"])
         self.scheduler = self.engine.scheduler
-        self.max_waiting = args.get("max_waiting_requests")
-        limit = args.get("max_forward_failures")
-        self.max_forward_failures = 3 if limit is None else int(limit)
-        if self.max_forward_failures < 1:
-            raise ValueError(f"max_forward_failures must be >= 1, got {limit}")
-        armed = faults.parse(args.get("debug_faults"))
+        server = args["server"]  # a radixrt.config.ServerConfig
+        self.max_waiting = server.max_waiting_requests
+        self.max_forward_failures = server.max_forward_failures
+        armed = faults.parse(server.debug_faults)
         if armed is not None:
             faults.install_in_scheduler(self.scheduler, armed)
         self.recv = pull(ctx, args["scheduler_addr"])
         self.send = push(ctx, args["detokenizer_addr"])
-        self.tracked: dict[str, Req] = {}
-        self.sent: dict[str, int] = {}  # rid -> output tokens already sent
-        self.unstreamed: set[str] = set()  # rids whose output goes out only when they finish
+        self.outputs = OutputTracker()  # every request this process still answers for
 
     def info(self) -> dict:
         eng = self.engine
@@ -82,7 +79,7 @@ class SchedulerProcess:
         why = (f"the forward pass failed {sched.forward_failures} times in a row "
                f"(max_forward_failures {self.max_forward_failures}); last error: "
                f"{sched.last_forward_error}")
-        for rid in list(self.tracked):
+        for rid in self.outputs.rids():
             self.send.send(encode(RidError(rid=rid, code=ErrorCode.INTERNAL,
                                            message=f"scheduler stopping: {why}")))
         print(f"radixrt: error: scheduler: {why}; exiting", file=sys.stderr, flush=True)
@@ -117,10 +114,7 @@ class SchedulerProcess:
         req = Req(msg.rid, msg.input_ids, sp, self.engine.model_config.eos_token_ids, gen,
                   msg.logprob_start_len)
         self.scheduler.add_request(req)
-        self.tracked[msg.rid] = req
-        self.sent[msg.rid] = 0
-        if not msg.stream:
-            self.unstreamed.add(msg.rid)
+        self.outputs.add(req, stream=msg.stream)
 
     def control(self, msg: ControlRequest) -> None:
         if msg.kind == "server_info":
@@ -140,49 +134,20 @@ class SchedulerProcess:
             return
         self.send.send(encode(ControlReply(req_id=msg.req_id, data=data)))
 
-    def untrack(self, rid: str) -> None:
-        del self.tracked[rid], self.sent[rid]
-        self.unstreamed.discard(rid)
-
     def emit(self) -> None:
         """Send what every tracked request produced since the last emit (unstreamed ones: once,
         when they finish)."""
         items, errors = [], []
-        for rid, req in list(self.tracked.items()):
-            n0, n = self.sent[rid], len(req.output_ids)
-            if not req.finished and (n == n0 or rid in self.unstreamed):
-                continue
+        for req, delta in self.outputs.collect():
             if req.finish_reason == "error":
-                errors.append(RidError(rid=rid, code=ErrorCode.INTERNAL,
+                errors.append(RidError(rid=req.rid, code=ErrorCode.INTERNAL,
                                        message=req.error or "internal error"))
-                self.untrack(rid)
-                continue
-            items.append(token_delta(req, n0, n))
-            self.sent[rid] = n
-            if req.finished:
-                self.untrack(rid)
+            else:
+                items.append(delta)
         if items:
             self.send.send(encode(BatchTokenOut(items=items)))
         for err in errors:
             self.send.send(encode(err))
-
-
-def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
-    """Output tokens ``[n0, n)`` of req; a scoring request's prompt scores come with its first delta
-    (its prompt is all computed by then), as does the time of its first token."""
-    first = n0 == 0
-    scored = first and req.logprob_start_len is not None
-    top = req.params.top_logprobs > 0
-    return TokenDelta(
-        rid=req.rid, token_ids=req.output_ids[n0:n],
-        logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
-        finish_reason=req.finish_reason if req.finished else None,
-        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
-        stop=req.params.stop if first else None,
-        first_token_at=(req.first_token_at or 0.0) if first else 0.0,
-        prompt_logprobs=list(req.prompt_logprobs) if scored else None,
-        top_logprobs=req.output_top_logprobs[n0:n] if top else None,
-        prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None)
 
 
 def run_scheduler_process(args: dict) -> None:

@@ -261,18 +261,18 @@ def test_prompt_top_logprobs_under_retraction_and_chunking(tiny_llama, engine_fa
 def test_top_logprobs_through_the_server_messages(eng):
     """The scheduler process's deltas, over the wire and through the Detokenizer, add up to
     the Engine's output."""
+    from radixrt.output import Detokenizer, OutputTracker
     from radixrt.protocol import BatchTokenOut, decode, encode
-    from radixrt.server.detokenizer import Detokenizer
-    from radixrt.server.scheduler_process import token_delta
     req = eng.add_request(eng.tokenizer.encode(PROMPT), TOP5, logprob_start_len=3)
-    detok, sent, deltas = Detokenizer(eng.tokenizer), 0, []
+    detok, outputs, deltas = Detokenizer(eng.tokenizer), OutputTracker(), []
+    outputs.add(req)
     while not req.finished:
         eng.step()
-        n = len(req.output_ids)
-        if n > sent or req.finished:
-            batch = decode(encode(BatchTokenOut(items=[token_delta(req, sent, n)])))
+        items = [d for _, d in outputs.collect()]
+        if items:
+            batch = decode(encode(BatchTokenOut(items=items)))
             deltas += decode(encode(detok.process(batch))).items
-            sent = n
+    assert len(outputs) == 0
     out = eng.make_output(req)
     assert [t for d in deltas for t in d.top_logprobs] == out.top_logprobs
     assert all(len(d.top_logprobs) == len(d.token_ids) for d in deltas)

@@ -56,7 +56,7 @@ def test_detokenizer_deltas_concatenate_to_engine_text(stop):
     import random
     from transformers import AutoTokenizer
     from radixrt.protocol import BatchTokenOut, TokenDelta
-    from radixrt.server.detokenizer import Detokenizer, cut_at_stop
+    from radixrt.output import Detokenizer, cut_at_stop
     tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
     detok = Detokenizer(tok)
     rng = random.Random(0)
