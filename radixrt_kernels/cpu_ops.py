@@ -23,6 +23,13 @@ def usable(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype in DTYPES
 
 
+def _is_bf16(x: torch.Tensor, what: str) -> int:
+    """1 for bf16, 0 for float32 (the C functions' dtype flag); other dtypes are refused."""
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{what}: the CPU kernel takes float32 or bfloat16, got {x.dtype}")
+    return int(x.dtype == torch.bfloat16)
+
+
 def _check(rc: int, what: str) -> None:
     if rc != 0:
         raise ValueError(f"{what}: a size the CPU kernel does not take")
@@ -44,7 +51,7 @@ def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float
     out = torch.empty(t, n, dtype=x.dtype)
     _check(lib.radixrt_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
                                 out.data_ptr(), weight.data_ptr(), t, n, eps,
-                                int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rms_norm")
+                                _is_bf16(x, "rms_norm"), torch.get_num_threads()), "rms_norm")
     return out
 
 
@@ -60,7 +67,7 @@ def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch
         positions = positions.to(torch.int64).contiguous()
     _check(lib.radixrt_rope(x.data_ptr(), x.stride(0), t, heads, d, positions.data_ptr(),
                             cos.data_ptr(), sin_signed.data_ptr(),
-                            int(x.dtype == torch.bfloat16), torch.get_num_threads()), "rope_")
+                            _is_bf16(x, "rope_"), torch.get_num_threads()), "rope_")
     return x
 
 
@@ -70,7 +77,7 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(t, n2 // 2, dtype=x.dtype)
-    _check(lib.radixrt_silu_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, int(x.dtype == torch.bfloat16),
+    _check(lib.radixrt_silu_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, _is_bf16(x, "silu_mul"),
                                 torch.get_num_threads()), "silu_mul")
     return out
 
@@ -82,6 +89,6 @@ def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(b, dtype=torch.int64)
-    _check(lib.radixrt_argmax(x.data_ptr(), b, n, x.stride(0), int(x.dtype == torch.bfloat16), out.data_ptr(),
+    _check(lib.radixrt_argmax(x.data_ptr(), b, n, x.stride(0), _is_bf16(x, "argmax"), out.data_ptr(),
                               torch.get_num_threads()), "argmax")
     return out

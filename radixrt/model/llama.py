@@ -19,68 +19,57 @@ import torch
 from torch import nn
 
 from radixrt.attention.base import ForwardBatch, attention, forward_context
-from radixrt.model.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
-                                  RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul,
-                                  VocabParallelEmbedding)
+from radixrt.model.kernels import Kernels
+from radixrt.model.layers import (DEFAULT_KERNELS, GateUpLinear, Linear, LMHead, QKVLinear, RMSNorm,
+                                  RotaryEmbedding, RotaryQKVLinear, VocabEmbedding, prepare_weights)
 from radixrt.model.loader import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 kernels: Kernels) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads,
-                                          cfg.num_kv_heads, bias=cfg.attention_bias, rope_follows=not cfg.qk_norm)
-        self.num_heads = self.qkv_proj.num_heads
-        self.num_kv_heads = self.qkv_proj.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
-        self.rotary = rotary  # one for the model: its cos/sin are looked up once per forward
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        heads = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
+        if cfg.qk_norm:  # q and k are normed per head, then rotated
+            self.qkv_proj = QKVLinear(*heads, bias=cfg.attention_bias, kernels=kernels)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
+        else:  # the projection hands q and k over rotated
+            self.qkv_proj = RotaryQKVLinear(*heads, rotary, bias=cfg.attention_bias, kernels=kernels)
+            self.q_norm = self.k_norm = None
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, kernels=kernels)
+        self.rotary = rotary  # one for the model
         self.scaling = cfg.head_dim ** -0.5
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
-        t, d = h.shape[0], self.head_dim
-        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
-        if self.qkv_proj.fused_rope:  # q and k rotated in the linear's own pass
-            qkv = self.qkv_proj.rotated(h, positions, self.rotary)
-            q = qkv[:, :q_size].view(t, self.num_heads, d)
-            k = qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d)
-        elif self.q_norm is None:  # q and k lie side by side in qkv: one rotation for both
-            qkv = self.qkv_proj(h)
-            qk = self.rotary(positions, qkv[:, :q_size + kv_size].view(t, -1, d))
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        else:
-            qkv = self.qkv_proj(h)
-            q = self.q_norm(qkv[:, :q_size].view(t, self.num_heads, d))
-            k = self.k_norm(qkv[:, q_size:q_size + kv_size].view(t, self.num_kv_heads, d))
-            q, k = self.rotary(positions, q), self.rotary(positions, k)
-        v = qkv[:, q_size + kv_size:].view(t, self.num_kv_heads, d)
+        q, k, v = self.qkv_proj(h, positions)
+        if self.q_norm is not None:
+            q = self.rotary(positions, self.q_norm(q))
+            k = self.rotary(positions, self.k_norm(k))
         o = attention(q, k, v, self.layer_id, batch, self.scaling)
-        return self.o_proj(o.reshape(t, q_size))
+        return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
-                                                       silu_gated=True)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.act = SiluAndMul()
+        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, kernels)  # SiLU-and-mul included
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.gate_up_proj(x)
-        return self.down_proj(h if self.gate_up_proj.fused_act else self.act(h))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 kernels: Kernels) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.mlp = LlamaMLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LlamaAttention(cfg, layer_id, rotary, kernels)
+        self.mlp = LlamaMLP(cfg, kernels)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
                 batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,12 +85,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                 kernels)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,11 +107,11 @@ class LlamaForCausalLM(nn.Module):
     STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
                ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, kernels)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, kernels)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.compiled = None  # see enable_torch_compile
@@ -158,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
             param = params[target]
             tensor = tensor.to(param.dtype)
             if shard is None:
-                param.weight_loader(param, tensor) if hasattr(param, "weight_loader") else param.data.copy_(tensor)
+                getattr(param, "weight_loader", _copy_whole)(param, tensor)
             else:
                 param.weight_loader(param, tensor, shard)
             loaded.add(target)
@@ -167,9 +157,16 @@ class LlamaForCausalLM(nn.Module):
             missing.discard("lm_head.weight")
         if missing:
             raise ValueError(f"checkpoint is missing parameters: {sorted(missing)[:8]}")
+        prepare_weights(self)
 
     def _map_name(self, name: str) -> tuple[str, str | int | None]:
         for ckpt, ours, shard in self.STACKED:
             if f".{ckpt}." in name:
                 return name.replace(ckpt, ours), shard
         return name, None
+
+
+def _copy_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+    param.data.copy_(loaded)

@@ -6,17 +6,20 @@ the scheduler only calls ``forward``.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
 from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory, keep_freed_memory
-from radixrt.model.layers import pack_cpu_weights, use_cpu_kernels
+from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
 from radixrt_kernels import cpu_library
 
+logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BUDGET_BYTES = 1 << 30
 MAX_AUTO_SLOTS = 1 << 17
@@ -60,7 +63,10 @@ class ModelRunner:
         # outgrows its window, so the window bounds the context.
         self.max_context = min(model_cfg.max_position_embeddings,
                                model_cfg.sliding_window or model_cfg.max_position_embeddings)
-        self.model = self._load_model(model_path)
+        lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
+        self.kernels = choose_kernels(self.device, self.dtype, lib, compiled=config.enable_torch_compile)
+        self.model = self._load_model(model_path, self.kernels)
+        logger.info("kernels: %s", self.kernels.describe())
         num_slots = self._num_slots(config)
         self.pool = KVPool(num_slots, model_cfg.num_layers, self.model.model.layers[0].self_attn.num_kv_heads,
                            model_cfg.head_dim, self.dtype, config.running_limit,
@@ -75,18 +81,15 @@ class ModelRunner:
             self.model.enable_torch_compile()
             self._compile_graphs()
 
-    def _load_model(self, path: str) -> LlamaForCausalLM:
+    def _load_model(self, path: str, kernels: Kernels) -> LlamaForCausalLM:
         default = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = LlamaForCausalLM(self.model_cfg)
+                model = LlamaForCausalLM(self.model_cfg, kernels)
         finally:
             torch.set_default_dtype(default)
-        model.load_weights(iter_weights(path))
-        lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
-        self.weight_packing = pack_cpu_weights(model, lib)  # bf16 on CPU: "amx" or "onednn"
-        use_cpu_kernels(model, lib)  # the elementwise layers in C in eager mode (no library: PyTorch's)
+        model.load_weights(iter_weights(path))  # each linear's weight laid out for its method
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:

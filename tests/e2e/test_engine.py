@@ -90,6 +90,7 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     time, so no forward has over 32 rows, where the kernel adds the products in oneDNN's order
     (bit-equal logits)."""
     from radixrt.model import runner
+    from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels
     from radixrt_kernels import cpu_linear
     if not cpu_linear.available(cpu_library.load(cache_dir())):
         pytest.skip("no AMX linear kernel on this CPU")
@@ -98,13 +99,17 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
         path = _with_head_dim_64(path, tmp_path / "hd64")
     requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + i)] for i in range(4)]
     eng = engine_factory(path, dtype="bfloat16")
-    assert eng.runner.weight_packing == "amx"
+    assert eng.runner.kernels.linear.name == "amx"
     attn = eng.runner.model.model.layers[0].self_attn
-    assert attn.qkv_proj.fused_rope == ("head dim 64" in model) and attn.head_dim == (64 if attn.qkv_proj.fused_rope else 32)
+    fused_rope = attn.qkv_proj.method.name == "amx + rotary"
+    assert fused_rope == ("head dim 64" in model) and attn.head_dim == (64 if fused_rope else 32)
+    assert eng.runner.model.model.layers[0].mlp.gate_up_proj.method.name == "amx + silu_mul"
     got = [eng.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
-    monkeypatch.setattr(runner, "pack_cpu_weights", lambda model, lib: None)
+    lib = cpu_library.load(cache_dir())  # PyTorch's linears, the C library's separate steps
+    monkeypatch.setattr(runner, "choose_kernels", lambda *args, **kw: Kernels(
+        norm=CRMSNorm(lib), rotary=CRotary(lib), act=CSiluMul(lib)))
     plain = engine_factory(path, dtype="bfloat16")
-    assert plain.runner.weight_packing is None
+    assert plain.runner.model.lm_head.method.name == "torch"
     want = [plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
     assert got == want
     assert len({tuple(ids) for ids in got}) == len(requests) and all(len(set(ids)) > 3 for ids in got)

@@ -9,7 +9,8 @@ import shutil
 import pytest
 import torch
 
-from radixrt.model.layers import RMSNorm, RotaryEmbedding, SiluAndMul
+from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels, TorchSiluMul, choose_kernels
+from radixrt.model.layers import RMSNorm, RotaryEmbedding
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_ops
 
@@ -36,9 +37,9 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
 
 def _pair(module_cls, *args):
     """(the layer through the kernels, the same layer on PyTorch's ops)."""
-    fast, plain = module_cls(*args), module_cls(*args)
-    fast.cpu_lib = cpu_library.load(cache_dir())
-    return fast, plain
+    lib = cpu_library.load(cache_dir())
+    kernels = Kernels(norm=CRMSNorm(lib), rotary=CRotary(lib), act=CSiluMul(lib))
+    return module_cls(*args, kernels=kernels), module_cls(*args)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,16 +78,19 @@ def test_rope_in_place_on_a_qkv_view(lib, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul(lib, dtype: torch.dtype) -> None:
     torch.manual_seed(2)
-    fast, plain = _pair(SiluAndMul)
+    fast, plain = CSiluMul(lib), TorchSiluMul()
     x = (torch.randn(19, 2 * 100) * 4).to(dtype)
     x[0, :8] = torch.tensor([-100.0, -88.0, -20.0, -1e-3, 0.0, 1e-3, 20.0, 100.0])
     _close(fast(x), plain(x))
 
 
-def test_unusable_tensors_take_pytorch_ops(lib) -> None:
-    fast, plain = _pair(SiluAndMul)
-    x = torch.randn(4, 16, dtype=torch.float16)  # no fp16 kernel
-    torch.testing.assert_close(fast(x), plain(x))
+def test_other_dtypes_get_pytorchs_ops(lib) -> None:
+    kernels = choose_kernels(torch.device("cpu"), torch.float16, lib)  # no fp16 kernel
+    assert {kernels.norm.name, kernels.rotary.name, kernels.act.name} == {"torch"}
+    assert choose_kernels(torch.device("cpu"), torch.float32, lib).norm.name == "c"
+    assert choose_kernels(torch.device("cpu"), torch.float32, None).norm.name == "torch"
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        cpu_ops.silu_mul(lib, torch.randn(4, 16, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,23 +1,22 @@
-"""Model layers: packed CPU weights (bf16: the AMX kernel's layout, or oneDNN's) give the plain
-layers' results."""
+"""Model layers on the kernels chosen at load: packed CPU weights (bf16: the AMX kernel's layout,
+or oneDNN's) and the fused forms give the plain layers' results."""
 
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
 from torch import nn
 
-from radixrt.model import layers
-from radixrt.model.layers import (MergedColumnParallelLinear, ParallelLMHead, RowParallelLinear,
-                                  SiluAndMul, pack_cpu_weights)
+from radixrt.model import linear_methods
+from radixrt.model.kernels import Kernels, choose_kernels
+from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
+from radixrt.model.linear_methods import AmxLinear, OneDNNLinear
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_linear
 
-needs_onednn = pytest.mark.skipif(
-    layers._ONEDNN_LINEAR is None or not torch.backends.mkldnn.is_available(),
-    reason="this PyTorch build has no oneDNN linear ops")
+HAS_ONEDNN = linear_methods.onednn_works()
+needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch build has no oneDNN linear ops")
+CPU = torch.device("cpu")
 
 
 def amx_library():
@@ -27,26 +26,30 @@ def amx_library():
     return lib
 
 
-def library_for(packing: str):
-    return amx_library() if packing == "amx" else None  # no library: oneDNN's layout
+def kernels_for(packing: str) -> Kernels:
+    if packing == "amx":
+        lib = amx_library()
+        return Kernels(AmxLinear(lib), OneDNNLinear() if HAS_ONEDNN else None, amx_lib=lib)
+    return Kernels(OneDNNLinear())
 
 
 class Tiny(nn.Module):
-    """An MLP ([gate; up], SiLU-and-mul, down with a bias) and an LM head."""
+    """An MLP ([gate; up] with SiLU-and-mul, down with a bias) and an LM head."""
 
-    def __init__(self, dtype: torch.dtype, hidden: int = 32) -> None:
+    def __init__(self, dtype: torch.dtype, kernels: Kernels | None = None, hidden: int = 32) -> None:
         super().__init__()
+        kernels = kernels or Kernels()
         torch.manual_seed(0)
-        self.up = MergedColumnParallelLinear(hidden, [64, 64], silu_gated=True)
-        self.down = RowParallelLinear(64, hidden, bias=True)
-        self.head = ParallelLMHead(100, hidden)
+        self.up = GateUpLinear(hidden, 64, kernels)
+        self.down = Linear(64, hidden, bias=True, kernels=kernels)
+        self.head = LMHead(100, hidden, kernels)
         for p in self.parameters():
             p.data.normal_(std=0.3)
         self.to(dtype)
+        prepare_weights(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.up(x)
-        return self.head(self.down(h if self.up.fused_act else SiluAndMul()(h)))
+        return self.head(self.down(self.up(x)))
 
 
 PACKINGS = [pytest.param("onednn", marks=needs_onednn), "amx"]
@@ -56,18 +59,21 @@ PACKINGS = [pytest.param("onednn", marks=needs_onednn), "amx"]
 @pytest.mark.parametrize("rows", [1, 5, 64])
 def test_packed_bf16_model_matches_plain(packing: str, rows: int) -> None:
     plain = Tiny(torch.bfloat16)
-    packed = copy.deepcopy(plain)
-    assert pack_cpu_weights(packed, library_for(packing)) == packing
-    assert packed.up.packing == packed.down.packing == packed.head.packing == packing
-    assert packed.up.fused_act == (packing == "amx")  # SiLU-and-mul in the AMX kernel's pass
+    packed = Tiny(torch.bfloat16, kernels_for(packing))
+    assert packed.down.method.name == packed.head.method.name == packing
+    # SiLU-and-mul in the AMX kernel's pass; with oneDNN's layout, PyTorch's after it
+    assert packed.up.method.name == {"amx": "amx + silu_mul", "onednn": "onednn, then torch"}[packing]
+    assert plain.up.method.name == "torch, then torch"
     assert packed.up.weight.is_mkldnn == (packing == "onednn")
-    assert packed.head.packed_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
+    assert packed.head.matmul_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
     x = torch.randn(rows, 32, dtype=torch.bfloat16)
     with torch.inference_mode():
         got, want = packed(x), plain(x)
     assert got.dtype == want.dtype == torch.float32  # logits
     torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-1)
-    assert pack_cpu_weights(packed, library_for(packing)) is None  # nothing left to pack
+    weight = packed.down.weight
+    prepare_weights(packed)  # nothing left to lay out
+    assert packed.down.weight is weight
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 45, 64, 100, 700])
@@ -117,49 +123,58 @@ def test_gated_amx_linear_is_silu_and_mul_of_the_two_products(rows: int) -> None
 
 
 def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
-    from radixrt.model.layers import MergedColumnParallelLinear, RowParallelLinear, SiluAndMul
-    lib = amx_library()
-    torch.manual_seed(0)
-    mlp = nn.ModuleDict({"gate_up": MergedColumnParallelLinear(64, [96, 96], silu_gated=True),
-                         "down": RowParallelLinear(96, 64)})
-    for p in mlp.parameters():
-        p.data.normal_(std=0.2)
-    mlp.to(torch.bfloat16)
-    plain = copy.deepcopy(mlp)
-    assert pack_cpu_weights(mlp, lib) == "amx" and mlp.gate_up.fused_act
+    kernels = kernels_for("amx")
+
+    def mlp(kernels: Kernels) -> nn.ModuleDict:
+        torch.manual_seed(0)
+        m = nn.ModuleDict({"gate_up": GateUpLinear(64, 96, kernels), "down": Linear(96, 64, kernels=kernels)})
+        for p in m.parameters():
+            p.data.normal_(std=0.2)
+        m.to(torch.bfloat16)
+        prepare_weights(m)
+        return m
+    fused, plain = mlp(kernels), mlp(Kernels())
+    assert fused.gate_up.method.name == "amx + silu_mul"
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
-        assert mlp.gate_up(x).shape == (5, 96)
-        want = plain.down(SiluAndMul()(plain.gate_up(x)))
-        torch.testing.assert_close(mlp.down(mlp.gate_up(x)), want, rtol=2 ** -6, atol=2e-2)
+        assert fused.gate_up(x).shape == (5, 96)
+        want = plain.down(plain.gate_up(x))
+        torch.testing.assert_close(fused.down(fused.gate_up(x)), want, rtol=2 ** -6, atol=2e-2)
 
 
 @pytest.mark.parametrize("head_dim,bias", [(64, False), (64, True), (128, True)])
 def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -> None:
-    # QKVParallelLinear.rotated (fused_rope): [q, k, v] with q and k rotated, bit-equal to the
-    # linear followed by the rotary embedding (cpu_ops.rope_), eager and under torch.compile.
-    from radixrt.model.layers import QKVParallelLinear, RotaryEmbedding
+    # RotaryQKVLinear on the AMX kernel: q and k rotated in the linear's own pass, bit-equal to the
+    # same kernel's plain output followed by the rotary embedding (cpu_ops.rope_), eager and under
+    # torch.compile.
+    from radixrt.model.layers import QKVLinear, RotaryEmbedding, RotaryQKVLinear
     from radixrt_kernels import cpu_ops
-    lib = amx_library()
-    torch.manual_seed(head_dim)
-    qkv = QKVParallelLinear(96, head_dim, 4, 2, bias=bias, rope_follows=True)
-    for p in qkv.parameters():
-        p.data.normal_(std=0.3)
-    qkv.to(torch.bfloat16)
-    plain = copy.deepcopy(qkv)
+    kernels = kernels_for("amx")
+    lib = kernels.amx_lib
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
-    assert pack_cpu_weights(qkv, lib) == "amx" and qkv.fused_rope
-    rotated = torch.compile(lambda x, pos: qkv.rotated(x, pos, rotary), dynamic=True)
+
+    def build(cls, *extra):
+        torch.manual_seed(head_dim)
+        m = cls(96, head_dim, 4, 2, *extra, bias=bias, kernels=kernels)
+        for p in m.parameters():  # bf16 weights; the rotary tables stay float32
+            p.data = p.data.normal_(std=0.3).bfloat16()
+        prepare_weights(m)
+        return m
+    fused, unrotated = build(RotaryQKVLinear, rotary), build(QKVLinear)
+    assert fused.method.name == "amx + rotary" and unrotated.method.name == "amx"
+
+    def flat(x, positions, layer=fused):
+        return torch.cat([t.reshape(x.shape[0], -1) for t in layer(x, positions)], dim=1)
+    compiled = torch.compile(flat, dynamic=True)
     with torch.inference_mode():
         for rows in (1, 33, 300):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
             positions = torch.randint(0, 4096, (rows,))
-            want = qkv(x)  # the same kernel without the rotation
-            assert torch.equal(want, plain(x)) or rows > 32  # (bit-equal to F.linear up to 32 rows)
+            want = flat(x, positions, unrotated)
             cpu_ops.rope_(lib, want[:, :6 * head_dim].view(rows, 6, head_dim), positions, rotary.cos,
                           rotary.sin_signed)
-            assert torch.equal(qkv.rotated(x, positions, rotary), want)
-            assert torch.equal(rotated(x, positions), want)
+            assert torch.equal(flat(x, positions), want)
+            assert torch.equal(compiled(x, positions), want)
 
 
 def test_amx_linear_rejects_what_it_cannot_take() -> None:
@@ -177,11 +192,15 @@ def test_amx_linear_rejects_what_it_cannot_take() -> None:
 
 
 def test_amx_packing_needs_packable_weights() -> None:
-    # in_features that are not a multiple of 32: no AMX layout; oneDNN's, where it exists
-    lib = amx_library()
-    model = Tiny(torch.bfloat16, hidden=40)
-    expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
-    assert pack_cpu_weights(model, lib) == expected
+    # in_features that are not a multiple of 32: no AMX layout for that weight; oneDNN's, where it
+    # exists, and the AMX kernel for the others
+    model = Tiny(torch.bfloat16, kernels_for("amx"), hidden=40)
+    fallback = "onednn" if HAS_ONEDNN else "torch"
+    assert model.up.method.name == f"{fallback}, then torch" and model.head.method.name == fallback
+    assert model.down.method.name == "amx"  # in_features 64
+    with torch.inference_mode():
+        x = torch.randn(3, 40, dtype=torch.bfloat16)
+        torch.testing.assert_close(model(x), Tiny(torch.bfloat16, hidden=40)(x), rtol=1e-2, atol=1e-1)
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -191,8 +210,7 @@ def test_packed_layers_compile(packing: str) -> None:
     # kernels eager runs: with AMX (SiLU-and-mul inside the op) the same results bit for bit;
     # with oneDNN's layout Inductor fuses the SiLU-and-mul itself, rounding once instead of
     # twice, so there: equal up to that rounding.
-    packed = Tiny(torch.bfloat16)
-    assert pack_cpu_weights(packed, library_for(packing)) == packing
+    packed = Tiny(torch.bfloat16, kernels_for(packing))
     compiled = torch.compile(packed, dynamic=True)
     exact = packing == "amx"
     with torch.inference_mode():
@@ -201,20 +219,30 @@ def test_packed_layers_compile(packing: str) -> None:
             torch.testing.assert_close(compiled(x), packed(x), rtol=0 if exact else 0.05, atol=0 if exact else 0.5)
 
 
-def test_other_dtypes_stay_plain() -> None:
-    model = Tiny(torch.float32)
-    assert pack_cpu_weights(model, cpu_library.load(cache_dir())) is None
-    assert model.up.packing is None and not model.up.weight.is_mkldnn and model.head.packed_weight is None
+def test_kernels_chosen_for_dtype_device_and_compile() -> None:
+    lib = cpu_library.load(cache_dir())
+    fp32 = choose_kernels(CPU, torch.float32, lib)
+    assert fp32.linear.name == "torch" and fp32.amx_lib is None
+    assert choose_kernels(torch.device("meta"), torch.bfloat16, lib).describe() == Kernels().describe()
+    bf16 = choose_kernels(CPU, torch.bfloat16, lib)
+    want = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
+    assert bf16.linear.name == want
+    assert bf16.norm.name == ("c" if lib is not None else "torch")
+    compiled = choose_kernels(CPU, torch.bfloat16, lib, compiled=True)
+    assert compiled.linear.name == want and compiled.norm.name == "torch"  # Inductor fuses those
+    model = Tiny(torch.float32, fp32)
+    assert model.up.method.name == f"torch, then {fp32.act.name}" and not model.up.weight.is_mkldnn
 
 
 def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
     from radixrt import Engine
     lib = cpu_library.load(cache_dir())
-    expected = "amx" if cpu_linear.available(lib) else "onednn" if layers._ONEDNN_LINEAR is not None else None
+    expected = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
     with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=256) as eng:
-        assert eng.runner.weight_packing == expected
+        assert eng.runner.kernels.linear.name == expected
+        assert eng.runner.model.model.layers[0].self_attn.o_proj.method.name == expected
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
-        assert eng.runner.weight_packing is None
+        assert eng.runner.kernels.linear.name == "torch"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -246,6 +274,4 @@ def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
     packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
     assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 0, None, None, None,
                               0, 0, 2, 64, 32, 1) == -1
-    model = Tiny(torch.bfloat16)
-    expected = "onednn" if layers._ONEDNN_LINEAR is not None and torch.backends.mkldnn.is_available() else None
-    assert pack_cpu_weights(model, lib) == expected
+    assert choose_kernels(CPU, torch.bfloat16, lib).linear.name == ("onednn" if HAS_ONEDNN else "torch")

@@ -1,0 +1,246 @@
+"""Linear methods: how a linear layer's weight is laid out and multiplied.
+
+A method is chosen once, when the model is built (``radixrt.model.kernels``),
+and the layer calls it on every forward:
+
+- ``prepare(w)`` runs once after the weights are loaded and returns the
+  weight in the method's layout (the layer keeps that tensor);
+- ``apply(x, w, bias, n)`` is x [.., K] · Wᵀ + bias → [.., n] in x's dtype,
+  for W [n, K] as ``prepare`` returned it;
+- ``logits(x, w, n)`` is the same without a bias, widened to float32 (an LM
+  head).
+
+``TorchLinear`` is PyTorch's ``F.linear``; ``OneDNNLinear`` keeps the weight
+in oneDNN's blocked bf16 layout; ``AmxLinear`` in the layout of the AMX kernel
+of ``radixrt_kernels.cpu_linear``. Two fused forms take the step after the
+linear into the same pass where the AMX kernel can:
+
+- a gated method turns [gate; up] (weight [2N, K]) into silu(gate)·up [.., N]:
+  ``AmxGatedLinear``, or ``ActAfter`` (any linear method, then the activation);
+- a rotary qkv method returns q, k, v with q and k rotated at the token
+  positions: ``AmxRotaryQKV``, or ``RotateAfter`` (any linear method, then
+  the rotary kernel).
+
+Inductor cannot lower the packed layouts, so under ``torch.compile`` the
+oneDNN and AMX kernels run as the opaque ops ``radixrt::onednn_linear`` and
+``radixrt::amx_linear``: the graph calls the very kernels eager mode runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Callable, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from radixrt_kernels import cpu_library, cpu_linear
+
+
+class LinearMethod:
+    """PyTorch's linear on the weight as loaded."""
+
+    name = "torch"
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return w
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+              n: int) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return self.apply(x, w, None, n).float()
+
+
+TorchLinear = LinearMethod
+
+
+class OneDNNLinear(LinearMethod):
+    """oneDNN's bf16 linear on a weight reordered once into its blocked layout (equal to
+    ``F.linear``, which reorders the weight on every call)."""
+
+    name = "onednn"
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return _ONEDNN_PACK(w, None)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+              n: int) -> torch.Tensor:
+        return onednn_linear(x, w, bias)
+
+
+class AmxLinear(LinearMethod):
+    """The AMX kernel (``radixrt_kernels.cpu_linear``) on a bf16 weight packed once."""
+
+    name = "amx"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.pack(self.lib, w)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+              n: int) -> torch.Tensor:
+        return amx_linear(x, w, bias, n)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return amx_linear(x, w, None, n, float_out=True)  # bf16 sums widened in the same pass
+
+
+# ---- [gate; up] → silu(gate)·up ------------------------------------------------------------
+
+class ActAfter:
+    """A linear method, then an activation of its [.., 2N] output: [.., N]."""
+
+    def __init__(self, linear: LinearMethod, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.linear, self.act = linear, act
+        self.name = f"{linear.name}, then {getattr(act, 'name', 'act')}"
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return self.linear.prepare(w)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return self.act(self.linear.apply(x, w, None, n))
+
+
+class AmxGatedLinear:
+    """The AMX kernel with SiLU-and-mul in its pass: gate and up blocks interleaved at packing,
+    rounded as ``cpu_ops.silu_mul`` rounds the two products."""
+
+    name = "amx + silu_mul"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.pack(self.lib, w, gated=True)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return amx_linear(x, w, None, n, gated=True)
+
+
+# ---- qkv with q and k rotated ---------------------------------------------------------------
+
+class QKVShape(NamedTuple):
+    """The head layout of a qkv output row: [q heads | k heads | v heads], each head_dim wide."""
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def qk_cols(self) -> int:
+        return (self.num_heads + self.num_kv_heads) * self.head_dim
+
+
+class RotateAfter:
+    """A linear method, then the rotary embedding of q and k side by side (one call for both)."""
+
+    def __init__(self, linear: LinearMethod, shape: QKVShape) -> None:
+        self.linear, self.shape = linear, shape
+        self.name = f"{linear.name}, then rotary"
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return self.linear.prepare(w)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int,
+              positions: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q and k rotated [T, H + KH, D], v [T, KH, D])."""
+        qkv = self.linear.apply(x, w, bias, n)
+        t, (d, cols) = qkv.shape[0], (self.shape.head_dim, self.shape.qk_cols)
+        qk = rotary(positions, qkv[:, :cols].view(t, -1, d))
+        return qk, qkv[:, cols:].view(t, -1, d)
+
+
+class AmxRotaryQKV:
+    """The AMX kernel rotating q and k while it writes them (heads of 64 or 128)."""
+
+    name = "amx + rotary"
+
+    def __init__(self, lib: ctypes.CDLL, shape: QKVShape) -> None:
+        self.lib, self.shape = lib, shape
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.pack(self.lib, w)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int,
+              positions: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        d, cols = self.shape.head_dim, self.shape.qk_cols
+        rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, d, cols)
+        qkv = amx_linear(x, w, bias, n, rope=rope)
+        t = qkv.shape[0]
+        return qkv[:, :cols].view(t, -1, d), qkv[:, cols:].view(t, -1, d)
+
+
+# ---- the kernels, and their opaque ops for torch.compile ------------------------------------
+
+_ONEDNN_PACK = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+_ONEDNN_LINEAR = getattr(torch.ops.mkldnn, "_linear_pointwise", None)
+
+
+def onednn_works() -> bool:
+    """Whether this PyTorch build has oneDNN's packed linear ops and they give F.linear's
+    results on a bf16 weight."""
+    if _ONEDNN_LINEAR is None or _ONEDNN_PACK is None or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(64, 96, generator=gen).bfloat16()
+        x = torch.randn(3, 96, generator=gen).bfloat16()
+        got = onednn_linear(x, _ONEDNN_PACK(w, None), None)
+        return torch.allclose(got.float(), F.linear(x, w).float(), rtol=1e-2, atol=1e-2)
+    except RuntimeError:
+        return False
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias for a oneDNN-packed weight."""
+    if torch.compiler.is_compiling():
+        return _onednn_linear_op(x, weight, bias, weight.shape[0])
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("radixrt::onednn_linear", mutates_args=())
+def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int) -> torch.Tensor:
+    return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+
+
+@_onednn_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+      out_features: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+               float_out: bool = False, gated: bool = False,
+               rope: cpu_linear.Rope | None = None) -> torch.Tensor:
+    """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
+    silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``; q and k rotated with
+    ``rope``)."""
+    if torch.compiler.is_compiling():
+        r = rope or cpu_linear.Rope(None, None, None, 0, 0)
+        return _amx_linear_op(x, packed, bias, out_features, float_out, gated, *r)
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated,
+                             rope)
+
+
+@torch.library.custom_op("radixrt::amx_linear", mutates_args=())
+def _amx_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                   out_features: int, float_out: bool, gated: bool,
+                   positions: torch.Tensor | None, cos: torch.Tensor | None,
+                   sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
+    rope = None
+    if positions is not None:
+        rope = cpu_linear.Rope(positions, cos, sin_signed, head_dim, rope_cols)
+    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated,
+                             rope)
+
+
+@_amx_linear_op.register_fake
+def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+      float_out: bool, gated: bool, positions: torch.Tensor | None, cos: torch.Tensor | None,
+      sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
+    width = out_features // 2 if gated else out_features
+    return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)
