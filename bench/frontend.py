@@ -62,7 +62,7 @@ def run(name: str, model, dtype: str, questions: list[str], threads: int, **kwar
     few_shot.run(question="warm up", backend=warm)
     eng.flush_cache()
     before = dict(eng.stats())
-    backend = rl.EngineBackend(eng)
+    backend = rl.EngineBackend(eng, request_log_len=None)  # every prompt, for the trie
     t0 = time.perf_counter()
     states = few_shot.run_batch([{"question": q} for q in questions], backend=backend,
                                 num_threads=threads)

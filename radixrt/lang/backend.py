@@ -10,18 +10,23 @@ request a call sends carries it, so the run only shares KV within its salt.
 ``EngineBackend`` drives the engine from one thread, so programs running on many
 threads are batched together by the scheduler; its deltas and outputs come from
 ``radixrt.output``, as the server's do.
+Each backend keeps the latest prompts it sent in ``request_log``, at most
+``request_log_len`` of them (``None``: every one, for a benchmark's finite run).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from typing import Iterator
 
 from radixrt.output import Detokenizer, OutputTracker
 from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams
+
+REQUEST_LOG_LEN = 64
 
 
 class Backend:
@@ -49,13 +54,13 @@ class Backend:
 class EngineBackend(Backend):
     """Runs programs on an in-process ``Engine`` (one driver thread owns it)."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, *, request_log_len: int | None = REQUEST_LOG_LEN) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self._inbox: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
-        self.request_log: list[list[int]] = []  # every prompt sent (for benchmarks)
+        self.request_log: deque[list[int]] = deque(maxlen=request_log_len)
 
     def _submit(self, ids: list[int], sp: SamplingParams, logprob_start_len: int | None = None,
                 deltas: queue.Queue | None = None) -> Future:
@@ -150,13 +155,14 @@ class RuntimeEndpoint(Backend):
     """
 
     def __init__(self, address: str, timeout: float | None = 120.0, connect_timeout: float = 5.0, *,
-                 api_key: str | None = None, curve_server_key: str | bytes | None = None) -> None:
+                 api_key: str | None = None, curve_server_key: str | bytes | None = None,
+                 request_log_len: int | None = REQUEST_LOG_LEN) -> None:
         self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
         self.api_key, self.curve_server_key = api_key, curve_server_key
         self._client = None
         self._tokenizer = None
         self._lock = threading.Lock()
-        self.request_log: list[list[int]] = []
+        self.request_log: deque[list[int]] = deque(maxlen=request_log_len)
 
     @property
     def client(self):

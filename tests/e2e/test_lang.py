@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import radixrt.lang as rl
+from radixrt.lang.backend import REQUEST_LOG_LEN
 from radixrt.sampling import SamplingParams
 from radixrt.testing import tiny_model_path
 
@@ -223,3 +224,16 @@ def test_cache_salt_reaches_select_and_run_batch(engine):
     assert states[3].get_meta_info("answer")["cached_tokens"] == 0  # its own salt: nothing cached
     assert states[3]["answer"] == states[0]["answer"]
     engine.check_memory()
+
+
+def test_request_log_keeps_the_latest_prompts(engine):
+    be = rl.EngineBackend(engine, request_log_len=2)
+    prompts = [be.tokenizer.encode(f"x{i} =") for i in range(3)]
+    for ids in prompts:
+        be.generate(ids, SamplingParams(max_new_tokens=1))
+    assert list(be.request_log) == prompts[1:]
+    every = rl.EngineBackend(engine, request_log_len=None)
+    for ids in prompts:
+        every.generate(ids, SamplingParams(max_new_tokens=1))
+    assert list(every.request_log) == prompts
+    assert rl.RuntimeEndpoint("tcp://127.0.0.1:1").request_log.maxlen == REQUEST_LOG_LEN
