@@ -1,47 +1,90 @@
-"""Engine configuration: one frozen dataclass, validated on construction.
+"""Configuration: one frozen, slotted dataclass per role, validated on construction.
 
-It can be built from keyword arguments, from a TOML file in ``configs/``
-(``EngineConfig.from_toml``), or both (keywords override the file).
+- ``EngineConfig``: the engine (model, KV pool, scheduling); ``radixrt.Engine``
+  takes its fields as keyword arguments.
+- ``ServerConfig``: what ``radixrt launch`` adds around the engine (addresses,
+  limits, keys, drain). It crosses into the server's child processes as a
+  pickled value (spawn), so every child reads the same validated settings.
+
+Every field carries its help text in ``dataclasses.field(metadata=...)`` (made
+by ``setting``); the ``radixrt launch`` flags are generated from those fields,
+so a field's name, default and help live in one place. ``load_config`` is the
+one way to build both from outside: defaults < a TOML file < the environment <
+flags. Neither dataclass is mutated after construction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import os
 import tomllib
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
+EVICTION_POLICIES = ("lru", "lfu")
+DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" picks one GPU
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def setting(default: object, help: str, *, unset: str | None = None, flag: str | None = None,
+            env: str | None = None, choices: tuple[str, ...] | None = None,
+            hidden: bool = False, cli: bool = True) -> typing.Any:
+    """A dataclass field with its documentation in ``metadata``.
+
+    ``help``: what the setting does (the ``--help`` line, which adds the default);
+    ``unset``: what a None default means; ``flag``: the flag when it is not
+    ``--field-name``; ``env``: an environment variable that sets it (a non-empty
+    value wins over the TOML file, a flag wins over it); ``choices``: the allowed
+    values (checked on construction); ``hidden``: a flag left out of ``--help``;
+    ``cli``: False for a field with no flag (TOML and keywords only).
+    """
+    metadata = {"help": help, "unset": unset, "flag": flag, "env": env, "choices": choices,
+                "hidden": hidden, "cli": cli}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None
-    dtype: str = "auto"
-    max_total_tokens: int | None = None       # KV slots; None: sized from memory
-    page_size: int = 1
-    schedule_policy: str = "lpm"
-    disable_radix_cache: bool = False
-    chunked_prefill_size: int | None = None    # tokens per prefill batch; None: no chunking
-    max_running_requests: int | None = None    # None: 256
-    attention_backend: str = "auto"
-    max_prefill_tokens: int = 16384            # token budget of one prefill batch
-    new_token_ratio: float = 0.5               # share of max_new_tokens reserved per running request
-    eviction_policy: str = "lru"
-    device: str = "auto"
-    seed: int = 0
-    enable_torch_compile: bool = False         # compile the model's forward (slow start, faster steps)
+    model: str | None = setting(None, "a Hugging Face model folder",
+                                unset="SmolLM2-135M-Instruct, the embedded model")
+    dtype: str = setting("auto", "weights and KV dtype; auto: bfloat16 on CPU, the model's own "
+                         "on GPU", choices=DTYPES)
+    max_total_tokens: int | None = setting(None, "KV slots in the pool",
+                                           unset="sized from free memory")
+    page_size: int = setting(1, "tokens per KV page; the prefix cache matches whole pages")
+    schedule_policy: str = setting("lpm", "the order waiting requests are admitted in",
+                                   choices=SCHEDULE_POLICIES)
+    disable_radix_cache: bool = setting(False, "turn the prefix cache off: every prompt is "
+                                        "prefilled in full")
+    chunked_prefill_size: int | None = setting(None, "tokens per prefill chunk of a long prompt",
+                                               unset="no chunking")
+    max_running_requests: int | None = setting(None, "requests decoding at once", unset="256")
+    attention_backend: str = setting("auto", "attention kernels; auto: triton on GPU, torch on "
+                                     "CPU", choices=ATTENTION_BACKENDS)
+    max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
+    new_token_ratio: float = setting(0.5, "share of a running request's remaining max_new_tokens "
+                                     "kept in reserve when admitting more, 0 to 1")
+    eviction_policy: str = setting("lru", "which cached prefixes go first under memory pressure",
+                                   choices=EVICTION_POLICIES)
+    device: str = setting("auto", "where the model runs: auto (cuda when present), cpu, cuda or "
+                          "cuda:N")
+    # Read by nothing yet (requests seed their own sampling): no flag until the engine uses it.
+    seed: int = setting(0, "a seed for the engine's random state", cli=False)
+    enable_torch_compile: bool = setting(False, "compile the model's forward with torch.compile "
+                                         "(slower start, faster steps)")
 
     def __post_init__(self) -> None:
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES)
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("eviction_policy", self.eviction_policy, ("lru", "lfu"))
+        _check_types(self)
+        _check_choices(self)
+        _check_optional_text("model", self.model)
         _check_positive("page_size", self.page_size)
-        for name in ("disable_radix_cache", "enable_torch_compile"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
             if getattr(self, name) is not None:
@@ -50,6 +93,9 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least 4 pages")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
+        kind, _, index = self.device.partition(":")
+        if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
 
     @property
     def prefill_budget(self) -> int:
@@ -60,23 +106,167 @@ class EngineConfig:
     def running_limit(self) -> int:
         return self.max_running_requests or 256
 
-    @classmethod
-    def from_toml(cls, path: str, **overrides) -> EngineConfig:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-        data = {k.replace("-", "_"): v for k, v in data.items()}
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"{path}: unknown settings {sorted(unknown)}")
-        data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = setting("127.0.0.1", "the interface both ports bind; a warning if it is not "
+                        "loopback and there is no API key")
+    port: int = setting(30000, "the ZeroMQ RPC port")
+    http_port: int = setting(8000, "the OpenAI-compatible HTTP API's port; 0: no HTTP")
+    served_model_name: str | None = setting(None, "the model's name in the HTTP API",
+                                            unset="the model folder's name")
+    max_waiting_requests: int | None = setting(None, "refuse new requests with 'overloaded' "
+                                               "past this many waiting", unset="no limit")
+    log_level: str = setting("warning", f"logging level, one of {', '.join(LOG_LEVELS)}, "
+                             "in any case")
+    grace_period: float = setting(30.0, "on SIGTERM, seconds running requests may take to finish "
+                                  "before the rest are aborted")
+    max_message_bytes: int = setting(16 << 20, "refuse client messages larger than this "
+                                     "with too_large")
+    max_prompt_tokens: int | None = setting(None, "refuse longer prompts with prompt_too_long",
+                                            unset="the model's context")
+    max_new_tokens_limit: int = setting(32768, "refuse requests asking for more max_new_tokens "
+                                        "with limit_exceeded")
+    max_requests_per_client: int = setting(256, "requests one client may have in flight; more "
+                                           "get limit_exceeded")
+    api_key: str | None = setting(None, "require this key (or one of KEY1,KEY2,...) on every "
+                                  "request", unset="none", env="RADIXRT_API_KEY")
+    isolate_by_api_key: bool = setting(False, "salt each request's prefix cache with its API key "
+                                       "(needs --api-key)")
+    curve_keys: str | None = setting(None, "CurveZMQ: a folder made by `radixrt curve-keygen`, "
+                                     "holding server.key_secret", unset="plaintext")
+    max_forward_failures: int = setting(3, "consecutive forward-pass failures before the server "
+                                        "exits")
+    debug_faults: str | None = setting(None, "test-only fault injection (radixrt.server.faults)",
+                                       unset="none", hidden=True)
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        _check_choices(self)
+        _check_optional_text("host", self.host)
+        _check_port("port", self.port, allow_zero=False)
+        _check_port("http_port", self.http_port, allow_zero=True)
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port and port are both {self.port}")
+        for name in ("max_message_bytes", "max_new_tokens_limit", "max_requests_per_client",
+                     "max_forward_failures"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_prompt_tokens", "max_waiting_requests"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
+        if self.grace_period < 0:
+            raise ValueError(f"grace_period must be a number of seconds >= 0, "
+                             f"got {self.grace_period!r}")
+        if self.log_level.lower() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        for name in ("served_model_name", "curve_keys", "debug_faults"):
+            _check_optional_text(name, getattr(self, name))
+        if self.api_key is not None and not self.api_keys:
+            raise ValueError(f"api_key must hold at least one key, got {self.api_key!r}")
+        if self.isolate_by_api_key and not self.api_keys:
+            raise ValueError("isolate_by_api_key needs an api_key")
+
+    @property
+    def api_keys(self) -> tuple[bytes, ...]:
+        """The accepted keys of ``api_key`` ("KEY" or "KEY1,KEY2"); empty: no key needed."""
+        return tuple(k.strip().encode() for k in (self.api_key or "").split(",") if k.strip())
+
+    @property
+    def loopback(self) -> bool:
+        """Whether ``host`` is reachable from this machine only."""
+        return self.host in LOOPBACK_HOSTS
+
+    @property
+    def logging_level(self) -> int:
+        return logging.getLevelName(self.log_level.upper())
 
 
-def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices}, got {value!r}")
+def launch_fields() -> Iterator[tuple[type, dataclasses.Field]]:
+    """(class, field) of every setting ``load_config`` knows, EngineConfig's first."""
+    for cls in (EngineConfig, ServerConfig):
+        for f in dataclasses.fields(cls):
+            yield cls, f
+
+
+def load_config(path: str | None = None, flags: Mapping[str, object] | None = None,
+                environ: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """The engine's and the server's settings from, lowest first: the defaults; the TOML file
+    at ``path`` (flat keys, ``-`` or ``_``); each field's ``env`` variable in ``environ``
+    (``os.environ`` when None) where set and non-empty; ``flags`` (field name -> value, None
+    meaning not given).
+
+    Raises ValueError naming unknown TOML keys or flags, or the first invalid field.
+    """
+    values = _read_toml(path) if path else {}
+    env = os.environ if environ is None else environ
+    for _, f in launch_fields():
+        if f.metadata["env"] and env.get(f.metadata["env"]):
+            values[f.name] = env[f.metadata["env"]]
+    given = {k: v for k, v in (flags or {}).items() if v is not None}
+    _reject_unknown(given, "flags")
+    values.update(given)
+    engine = {f.name: values[f.name] for f in dataclasses.fields(EngineConfig) if f.name in values}
+    server = {f.name: values[f.name] for f in dataclasses.fields(ServerConfig) if f.name in values}
+    return EngineConfig(**engine), ServerConfig(**server)
+
+
+def _read_toml(path: str) -> dict[str, object]:
+    with open(path, "rb") as f:
+        data = {k.replace("-", "_"): v for k, v in tomllib.load(f).items()}
+    _reject_unknown(data, path)
+    return data
+
+
+def _reject_unknown(values: Mapping[str, object], source: str) -> None:
+    unknown = sorted(set(values) - {f.name for _, f in launch_fields()})
+    if unknown:
+        raise ValueError(f"{source}: unknown settings {unknown} (each must be a field of "
+                         "EngineConfig or ServerConfig; see `radixrt launch --help`)")
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's (base type, whether None is allowed), read from the annotations."""
+    types = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint)
+        base = next(a for a in args if a is not type(None)) if args else hint
+        types[name] = (base, type(None) in args)
+    return types
+
+
+_TYPE_WORDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_types(config: object) -> None:
+    """Raise unless every field holds its annotated type (an int is a float; a bool is no int)."""
+    for name, (base, optional) in field_types(type(config)).items():
+        value = getattr(config, name)
+        if value is None and optional:
+            continue
+        wanted = (int, float) if base is float else base
+        if isinstance(value, bool) != (base is bool) or not isinstance(value, wanted):
+            raise ValueError(f"{name} must be {_TYPE_WORDS[base]}, got {value!r}")
+
+
+def _check_choices(config: object) -> None:
+    for f in dataclasses.fields(config):
+        choices = f.metadata["choices"]
+        if choices is not None and getattr(config, f.name) not in choices:
+            raise ValueError(f"{f.name} must be one of {choices}, got {getattr(config, f.name)!r}")
 
 
 def _check_positive(name: str, value: object) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_port(name: str, value: int, allow_zero: bool) -> None:
+    if not (0 if allow_zero else 1) <= value < 65536:
+        extra = " (0: off)" if allow_zero else ""
+        raise ValueError(f"{name} must be a port number{extra}, got {value!r}")
+
+
+def _check_optional_text(name: str, value: str | None) -> None:
+    if value is not None and not value.strip():
+        raise ValueError(f"{name} must be a non-empty string, got {value!r}")

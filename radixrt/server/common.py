@@ -1,8 +1,9 @@
 """What every server child process shares: start-up, orphan checks, sockets.
 
-Child entry points take one plain ``dict`` of strings and numbers (the spawn
-start method pickles only that); everything on the sockets is
-``radixrt.protocol`` msgpack.
+Child entry points take one ``dict``: the ipc addresses, ``parent_pid``, and
+``server``, the ``radixrt.config.ServerConfig`` (the spawn start method pickles
+the dict once, at start); everything on the sockets is ``radixrt.protocol``
+msgpack.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Test-only fault injection for the server processes.
 
 Reachable only through the hidden ``radixrt launch --debug-faults SPEC`` flag:
-the launcher hands SPEC to the scheduler and detokenizer processes as
-``args["debug_faults"]``. Without it ``parse`` returns None, nothing is
+the scheduler and detokenizer processes read SPEC from their
+``ServerConfig.debug_faults``. Without it ``parse`` returns None, nothing is
 installed and the serving path carries no fault checks at all (zero cost).
 
 SPEC is a comma-separated list of ``KIND`` or ``KIND:always``:

@@ -1,8 +1,10 @@
 """``radixrt launch``: start the three server processes and supervise them.
 
 Children are started with the "spawn" method (torch and fork do not mix) and
-get one plain dict each. The launcher waits until every child reports ready
-on an ipc PULL socket, prints exactly one ready line, then watches:
+get one dict each: the ipc addresses, the launcher's pid and the
+``ServerConfig`` (a frozen dataclass, pickled by spawn). The launcher waits
+until every child reports ready on an ipc PULL socket, prints exactly one
+ready line, then watches:
 
 - SIGTERM drains: the TokenizerManager (told by SIGUSR1) refuses new requests
   with "shutting_down", lets running ones finish for up to ``grace_period``
@@ -27,7 +29,7 @@ import time
 
 import zmq
 
-from radixrt.config import EngineConfig
+from radixrt.config import EngineConfig, ServerConfig
 from radixrt.protocol import Drained, ProcessFailed, ProcessReady, decode
 from radixrt.server.common import POLL_MS
 
@@ -37,10 +39,8 @@ DRAIN_SLACK_S = 10.0  # past the grace period, how long to wait for the abort re
 
 
 class Launcher:
-    def __init__(self, config: EngineConfig, server: dict) -> None:
-        """``server``: the settings of ``radixrt.cli.SERVER_SETTINGS`` (host, port, limits...)."""
-        self.config, self.server = config, dict(server)
-        self.host, self.port = server["host"], server["port"]
+    def __init__(self, config: EngineConfig, server: ServerConfig) -> None:
+        self.config, self.server = config, server
         self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
         self.addrs = {name: f"ipc://{self.tmpdir}/{name}" for name in
                       ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")}
@@ -64,9 +64,11 @@ class Launcher:
             if info is None:
                 return 0 if self.stop_signal is not None else 1
             self.ready_printed = True
-            http = self.server.get("http_port")
-            host = f"[{self.host}]" if ":" in self.host else self.host
-            where = f"tcp://{host}:{self.port}" + (f" and http://{host}:{http}" if http else "")
+            server = self.server
+            host = f"[{server.host}]" if ":" in server.host else server.host
+            where = f"tcp://{host}:{server.port}"
+            if server.http_port:
+                where += f" and http://{host}:{server.http_port}"
             print(f"radixrt ready on {where} (model {info['model_name']}, {info['kv_slots']} KV slots)",
                   flush=True)
             return self.supervise()
@@ -85,17 +87,15 @@ class Launcher:
         from radixrt.server.scheduler_process import run_scheduler_process
         from radixrt.server.tokenizer_manager import run_tokenizer_manager
         mp = multiprocessing.get_context("spawn")
-        base = {**self.addrs, "parent_pid": os.getpid(), "debug_faults": self.server.get("debug_faults")}
+        base = {**self.addrs, "parent_pid": os.getpid(), "server": self.server}
         self._spawn(mp, "scheduler", run_scheduler_process,
-                    {**base, "engine": dataclasses.asdict(self.config),
-                     "max_waiting_requests": self.server.get("max_waiting_requests"),
-                     "max_forward_failures": self.server.get("max_forward_failures", 3)})
+                    {**base, "engine": dataclasses.asdict(self.config)})
         from radixrt.model.loader import resolve_model_path
         base["model_path"] = resolve_model_path(self.config.model)
         self._spawn(mp, "detokenizer", run_detokenizer, base)
         pids = {name: p.pid for name, p in self.procs.items()}
         self._spawn(mp, "tokenizer_manager", run_tokenizer_manager,
-                    {**base, **self.server, "pids": pids})
+                    {**base, "pids": pids})
 
     def _spawn(self, mp, name: str, target, args: dict) -> None:
         proc = mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
@@ -133,10 +133,10 @@ class Launcher:
         while self.stop_signal is None:
             if self.drain_signal and not self.drain_announced:
                 self.drain_announced = True
-                print(f"radixrt: SIGTERM: draining (grace period {self.server.get('grace_period')} s; "
+                print(f"radixrt: SIGTERM: draining (grace period {self.server.grace_period} s; "
                       "a second SIGTERM stops at once)", file=sys.stderr, flush=True)
             if self.draining_since is not None and time.monotonic() > self.draining_since + \
-                    float(self.server.get("grace_period", 0)) + DRAIN_SLACK_S:
+                    self.server.grace_period + DRAIN_SLACK_S:
                 print("radixrt: error: the drain did not finish; stopping", file=sys.stderr)
                 return 1
             dead = self.dead_child()

@@ -12,6 +12,7 @@ gets an ``ErrorReply``; nothing a client sends can stop the loop.
   aborted (their KV is freed). Clients with work in flight are sent a ``Ping``
   when the socket monitor reports a disconnect and every ``PROBE_S`` seconds
   (the disconnect event may arrive before the peer's pipe is gone).
+- Settings: ``args["server"]``, the ``radixrt.config.ServerConfig``.
 - Limits (``radixrt launch --help``): frames over ``max_message_bytes`` get
   ``too_large`` (ZeroMQ drops a connection that sends a frame over four times
   that, unread, so memory stays bounded); prompts over ``max_prompt_tokens``
@@ -54,6 +55,7 @@ import time
 import msgspec
 import zmq
 
+from radixrt.config import ServerConfig
 from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, AbortRid, BatchTextOut, ControlReply,
                               ControlRequest, Drained, ErrorCode, ErrorReply, GenerateOutput, GenerateReply,
                               GenerateRequest, Hello, HelloReply, Ping, ReplyBatch, RidError, SchedulerReady,
@@ -72,11 +74,6 @@ class _ReqIdOnly(msgspec.Struct):
     """Reads just the req_id of a frame too large to decode in full."""
 
     req_id: str = ""
-
-
-def api_keys(setting: str | None) -> list[bytes]:
-    """The accepted keys of an ``api_key`` setting ("KEY" or "KEY1,KEY2")."""
-    return [k.strip().encode() for k in (setting or "").split(",") if k.strip()]
 
 
 def curve_server_keys(folder: str) -> tuple[bytes, bytes]:
@@ -132,22 +129,20 @@ class TokenizerManager:
     def __init__(self, args: dict, ctx: zmq.Context) -> None:
         from transformers import AutoTokenizer
         self.args = args
+        self.server: ServerConfig = args["server"]
         self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"])
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, 0)
         self.router.setsockopt(zmq.RCVHWM, 0)
         self.router.setsockopt(zmq.LINGER, 0)
-        self.max_message_bytes = int(args.get("max_message_bytes") or 16 << 20)
-        self.router.setsockopt(zmq.MAXMSGSIZE, HARD_SIZE_FACTOR * self.max_message_bytes)
-        self.api_keys = api_keys(args.get("api_key"))
-        self.isolate = bool(args.get("isolate_by_api_key"))
-        if self.isolate and not self.api_keys:
-            raise ValueError("--isolate-by-api-key needs --api-key")
-        if args.get("curve_keys"):
-            self.router.curve_publickey, self.router.curve_secretkey = curve_server_keys(args["curve_keys"])
+        self.router.setsockopt(zmq.MAXMSGSIZE, HARD_SIZE_FACTOR * self.server.max_message_bytes)
+        self.api_keys = self.server.api_keys  # derived once: checked on every message
+        if self.server.curve_keys is not None:
+            public, secret = curve_server_keys(self.server.curve_keys)
+            self.router.curve_publickey, self.router.curve_secretkey = public, secret
             self.router.curve_server = True
-        self.router.bind(f"tcp://{args['host']}:{args['port']}")
+        self.router.bind(f"tcp://{self.server.host}:{self.server.port}")
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.from_detok = pull(ctx, args["tokenizer_addr"])
         self.to_sched = push(ctx, args["scheduler_addr"])
@@ -167,8 +162,8 @@ class TokenizerManager:
         self.metrics = ServerMetrics()
         self.http_open = 0  # HTTP responses not yet fully written
         self.http_controls: dict[str, asyncio.Future] = {}
-        self.http_port = int(args.get("http_port") or 0)
-        self.http_sock = http_socket(args["host"], self.http_port) if self.http_port else None
+        port = self.server.http_port
+        self.http_sock = http_socket(self.server.host, port) if port else None
 
     # ------------------------------------------------------------ loop
 
@@ -242,7 +237,7 @@ class TokenizerManager:
         """Advance the SIGTERM drain: wait, abort what outlives the grace period, report."""
         now = time.monotonic()
         if self.drain_deadline is None:
-            self.drain_deadline = now + float(self.args.get("grace_period") or 0.0)
+            self.drain_deadline = now + self.server.grace_period
         if self.drained:
             return
         if not self.reqs and not self.http_open:
@@ -298,13 +293,14 @@ class TokenizerManager:
         identity = frames[0]
         if len(frames) != 2:
             return self.error(identity, "", ErrorCode.MALFORMED, "a message is exactly one frame")
-        if len(frames[1]) > self.max_message_bytes:
+        limit = self.server.max_message_bytes
+        if len(frames[1]) > limit:
             try:
                 req_id = msgspec.msgpack.decode(frames[1], type=_ReqIdOnly).req_id
             except (msgspec.DecodeError, msgspec.ValidationError):
                 req_id = ""
             return self.error(identity, req_id, ErrorCode.TOO_LARGE, f"a {len(frames[1])}-byte message; "
-                              f"the server accepts at most {self.max_message_bytes} bytes")
+                              f"the server accepts at most {limit} bytes")
         try:
             msg = decode(frames[1])
         except Exception:  # any undecodable frame is the sender's problem, never the loop's
@@ -356,17 +352,17 @@ class TokenizerManager:
             raise RequestError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests")
         if (identity, req_id) in self.rids:
             raise RequestError(ErrorCode.DUPLICATE_RID, f"request {req_id!r} is already in flight")
-        per_client = self.args.get("max_requests_per_client")
-        if per_client is not None and self.in_flight[identity] + count > per_client:
+        per_client = self.server.max_requests_per_client
+        if self.in_flight[identity] + count > per_client:
             raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"this client has {self.in_flight[identity]} "
                                f"requests in flight; the limit is {per_client}", status=429)
 
     def limit_new_tokens(self, sp: SamplingParams, given: bool) -> SamplingParams:
         """Apply ``max_new_tokens_limit``: a default yields to it, an explicit value over it is refused."""
-        limit = self.args.get("max_new_tokens_limit")
-        if limit is not None and not given:
+        limit = self.server.max_new_tokens_limit
+        if not given:
             sp.max_new_tokens = min(sp.max_new_tokens, limit)
-        if limit is not None and sp.max_new_tokens > limit:
+        if sp.max_new_tokens > limit:
             raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"max_new_tokens {sp.max_new_tokens} is over "
                                f"the server's limit of {limit}")
         return sp
@@ -375,7 +371,7 @@ class TokenizerManager:
               api_key: str | None, logprob_start_len: int | None = None, stream: bool = False,
               sink: asyncio.Queue | None = None, index: int = 0) -> str:
         """Validate and send one request to the scheduler (after ``check_admission``); its rid."""
-        if self.isolate:
+        if self.server.isolate_by_api_key:
             tenant = hashlib.sha256(f"{api_key}\0{sp.cache_salt or ''}".encode()).hexdigest()
             sp = dataclasses.replace(sp, cache_salt=f"tenant:{tenant[:32]}")
         ids = self.validate(ids)
@@ -424,7 +420,7 @@ class TokenizerManager:
         limits = self.limits
         if not ids:
             raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
-        cap = self.args.get("max_prompt_tokens")
+        cap = self.server.max_prompt_tokens
         if cap is not None and len(ids) > cap:
             raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the server "
                                f"accepts at most {cap}")
@@ -456,9 +452,10 @@ class TokenizerManager:
 
     def info(self) -> dict:
         pids = {"launcher": os.getppid(), "tokenizer_manager": os.getpid(), **self.args.get("pids", {})}
-        limits = {k: self.args.get(k) for k in ("max_prompt_tokens", "max_new_tokens_limit",
-                                                 "max_requests_per_client")}
-        return {**self.limits, **limits, "max_message_bytes": self.max_message_bytes,
+        names = ("max_prompt_tokens", "max_new_tokens_limit", "max_requests_per_client",
+                 "max_message_bytes")
+        limits = {k: getattr(self.server, k) for k in names}
+        return {**self.limits, **limits,
                 "version": PROTOCOL_VERSION, "pids": pids, "in_flight": len(self.reqs),
                 "draining": self.drain_requested}
 

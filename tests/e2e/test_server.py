@@ -31,26 +31,6 @@ def server():
     srv.stop()
 
 
-
-
-def test_configs_parse():
-    import argparse
-    from radixrt.cli import ENGINE_FLAGS, SERVER_SETTINGS, _launch_settings
-    root = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
-    names = sorted(n for n in os.listdir(root) if n.endswith(".toml"))
-    assert {"default.toml", "tiny.toml", "llama3-8b-h200.toml"} <= set(names)
-    for name in names:
-        args = argparse.Namespace(config=os.path.join(root, name),
-                                  **{k: None for k in (*ENGINE_FLAGS, *SERVER_SETTINGS)})
-        config, server = _launch_settings(args)
-        assert server["port"] > 0
-    args.page_size, args.port = 32, 1234
-    config, server = _launch_settings(args)
-    assert config.page_size == 32 and server["port"] == 1234 and not config.enable_torch_compile
-    args.enable_torch_compile = True  # --enable-torch-compile
-    assert _launch_settings(args)[0].enable_torch_compile
-
-
 @pytest.mark.parametrize("stop", [None, ["a"], ["def", "\n\n"]])
 def test_detokenizer_deltas_concatenate_to_engine_text(stop):
     import random

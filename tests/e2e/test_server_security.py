@@ -56,16 +56,6 @@ def recv(sock: zmq.Socket, timeout_ms: int = 30000):
 
 # ------------------------------------------------------------------ who may connect
 
-def test_default_host_is_loopback():
-    import argparse
-    from radixrt.cli import ENGINE_FLAGS, SERVER_SETTINGS, _launch_settings
-    args = argparse.Namespace(config=None, **{k: None for k in (*ENGINE_FLAGS, *SERVER_SETTINGS)})
-    assert _launch_settings(args)[1]["host"] == "127.0.0.1"
-    args.max_requests_per_client = 0
-    with pytest.raises(ValueError, match="max_requests_per_client"):
-        _launch_settings(args)
-
-
 def test_requests_need_a_valid_api_key(guarded, alpha):
     assert "127.0.0.1" in guarded.ready_line
     for key in (None, "", "key-gamma", KEYS[0] + "x"):

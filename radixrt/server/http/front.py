@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -38,7 +39,7 @@ SAMPLING_NAMES = {"max_new_tokens": "max_tokens"}  # SamplingParams field -> Ope
 class HttpFront:
     def __init__(self, tm: TokenizerManager) -> None:
         self.tm = tm
-        self.model_name = tm.args.get("served_model_name") or tm.limits["model_name"]
+        self.model_name = tm.server.served_model_name or tm.limits["model_name"]
         self.created = int(time.time())
         self.token_texts: dict[int, str] = {}
         self.openai, self.sglang = OpenAIApi(self), SGLangApi(self)
@@ -96,7 +97,7 @@ class HttpFront:
 
     async def read(self, request: Request, cls: type) -> Any:
         """The JSON body as ``cls``, refused past ``max_message_bytes`` before it is all read."""
-        limit = self.tm.max_message_bytes
+        limit = self.tm.server.max_message_bytes
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
             raise api.ApiError(413 if length.isdigit() else 400, f"a body of {length} bytes; the server "
@@ -162,8 +163,7 @@ class HttpFront:
     def default_max_tokens(self, prompt_len: int) -> int:
         """A chat request without max_tokens may fill the context (within the server's limit)."""
         room = self.tm.limits["max_context"] - prompt_len
-        limit = self.tm.args.get("max_new_tokens_limit")
-        return max(1, min(room, limit) if limit is not None else room)
+        return max(1, min(room, self.tm.server.max_new_tokens_limit))
 
     # ------------------------------------------------------------ health
 
@@ -196,9 +196,8 @@ class HttpFront:
         state = {**data, "avg_spec_accept_length": None,
                  "last_gen_throughput": data.get("output_tokens", 0) / data["decode_forward_s"]
                  if data.get("decode_forward_s") else 0.0}
-        args = {k: v for k, v in self.tm.args.items()
-                if isinstance(v, (str, int, float, bool, type(None))) and not k.endswith("_addr")
-                and k not in ("api_key", "parent_pid", "debug_faults")}
+        args = {k: v for k, v in dataclasses.asdict(self.tm.server).items()
+                if k not in ("api_key", "debug_faults")}
         return json_response({**args, "model_path": data["model"], "served_model_name": self.model_name,
                               "internal_states": [state], "version": "radixrt"})
 
