@@ -55,8 +55,7 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     eng = Engine(model=None, dtype=dtype, **kwargs)
     startup = time.perf_counter() - t0
     backend = eng.runner.attn_backend
-    decode_attention = ("C kernel" if getattr(backend, "kernel", None) is not None
-                        else "PyTorch kernels" if hasattr(backend, "kernel") else type(backend).__name__)
+    decode_attention = {"cpu": "C kernel", "torch": "PyTorch SDPA"}.get(backend.name, backend.name)
     sp = SamplingParams(max_new_tokens=out, temperature=0, ignore_eos=True)
     eng.generate(input_ids=prompts, sampling_params=sp)
     runs = []

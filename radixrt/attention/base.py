@@ -53,7 +53,9 @@ class ForwardBatch:
 
 
 class AttentionBackend(ABC):
-    """Stores new K/V in the pool and computes attention over gathered slots."""
+    """Stores new K/V in the pool and computes attention over the requests' slots."""
+
+    name = "base"  # the attention_backend setting that selects it
 
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool

@@ -52,6 +52,8 @@ class _DecodeMeta:
 
 
 class TritonAttentionBackend(AttentionBackend):
+    name = "triton"
+
     def __init__(self, pool: KVPool) -> None:
         super().__init__(pool)
         if pool.device.type == "cuda":

@@ -41,8 +41,14 @@ def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> to
 
 
 def make_attention_backend(name: str, pool: KVPool) -> AttentionBackend:
+    """The backend ``name`` ("cpu", "triton", "torch"), or for "auto": Triton on CUDA, the C
+    kernel on the CPU where it takes the pool, else the reference backend ("torch")."""
     if name == "auto":
-        name = "triton" if pool.device.type == "cuda" else "torch"
+        from radixrt.attention.cpu_backend import unavailable_reason
+        name = "triton" if pool.device.type == "cuda" else "cpu" if unavailable_reason(pool) is None else "torch"
+    if name == "cpu":
+        from radixrt.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend(pool)
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
         return TorchAttentionBackend(pool)

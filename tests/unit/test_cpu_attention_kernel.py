@@ -1,4 +1,4 @@
-"""The C attention kernel (radixrt_kernels.cpu_attention) through the torch backend, against a
+"""The C attention kernel (radixrt_kernels.cpu_attention) through the cpu backend, against a
 float64 per-request reference. Decode: shared prefixes read once per group, private tails,
 requests in no group, row blocks over 32 rows. Extend: causal segments over cached prefixes and
 new tokens, with row blocks that end inside a key block. GQA ratios, head dims, fp32 and bf16."""
@@ -13,9 +13,11 @@ import torch
 import radixrt_kernels.cpu_attention as cpu_kernel
 import radixrt_kernels.cpu_library as cpu_library
 from radixrt.attention.base import ForwardBatch, ForwardMode
+from radixrt.attention.cpu_backend import MIN_GROUP_SIZE, MIN_SHARED_PREFIX, CpuAttentionBackend
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.loader import cache_dir
+from radixrt.model.runner import make_attention_backend
 
 PREFIX = 40
 
@@ -38,6 +40,13 @@ def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtyp
     return pool
 
 
+def _backend(pool: KVPool, use_kernel: bool | None):
+    """True: the C kernel's backend; False: the reference backend; None: as "auto" picks."""
+    if use_kernel is None:
+        return make_attention_backend("auto", pool)
+    return CpuAttentionBackend(pool) if use_kernel else TorchAttentionBackend(pool)
+
+
 def _decode(pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool) -> tuple[torch.Tensor, ...]:
     b, d = len(seq_lens), pool.head_dim
     rows = torch.arange(b)
@@ -46,7 +55,7 @@ def _decode(pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool) -> tupl
     k, v = (torch.randn(b, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
     batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
                          torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
-    backend = TorchAttentionBackend(pool, use_kernel=use_kernel)
+    backend = _backend(pool, use_kernel)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, d ** -0.5)
     ref = []
@@ -70,7 +79,7 @@ def _extend(pool: KVPool, seq_lens: list[int], ext_lens: list[int], h: int,
     k, v = (torch.randn(t, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
     batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
                          torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, ext_lens)
-    backend = TorchAttentionBackend(pool, use_kernel=use_kernel)
+    backend = _backend(pool, use_kernel)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, d ** -0.5)
     ref, pos, g = [], 0, h // pool.kv_heads
@@ -166,8 +175,8 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
     assert cpu_library.load(str(tmp_path / "cache")) is None
     assert "no-such-compiler" in cpu_library.why_unavailable()
     pool = _pool(2, 64, SPEC, torch.float32)
-    with pytest.raises(RuntimeError, match="CPU attention kernel is unavailable.*no-such-compiler"):
-        TorchAttentionBackend(pool, use_kernel=True)
+    with pytest.raises(RuntimeError, match="attention_backend='cpu' cannot run.*no-such-compiler"):
+        CpuAttentionBackend(pool)
     out, ref, meta = _decode(pool, [s for s, _ in SPEC], 6, use_kernel=None)  # PyTorch's kernels
     assert not isinstance(meta, cpu_kernel.Segments)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -215,31 +224,51 @@ def test_kernel_reads_q_k_v_as_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
         out_loc = torch.cat([pool.req_to_token[i, n - e:n] for i, (n, e) in enumerate(zip(seq_lens, EXTEND_LENS))])
         batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64), torch.zeros(t, dtype=torch.int64),
                              out_loc, torch.arange(len(seq_lens)), seq_lens, EXTEND_LENS)
-        backend = TorchAttentionBackend(pool, use_kernel=True)
+        backend = CpuAttentionBackend(pool)
         backend.init_forward_metadata(batch)
         runs.append((backend.forward(q, k, v, 0, batch, 0.125), pool.k_buffers[0].clone(), pool.v_buffers[0].clone()))
     for got, want in zip(*runs):
         assert torch.equal(got, want)
 
 
+def _shared_groups(rows: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The grouping's specification. rows int64 [B, Lmax] (pad -1), lens [B] → the qualifying
+    groups: their requests (NG × int64 [n_g], ascending) and prefix lengths c [NG]. Requests are
+    grouped by their first slot; a group's prefix is the longest run slots[:c] equal in all its
+    rows, capped at seq_len - 1 of each; kept from MIN_GROUP_SIZE requests and MIN_SHARED_PREFIX
+    slots."""
+    b, lmax = rows.shape
+    _, gid = torch.unique(rows[:, 0], return_inverse=True)
+    ng = int(gid.max()) + 1
+    first = torch.full((ng,), b).scatter_reduce(0, gid, torch.arange(b), "amin")
+    differs = rows != rows.index_select(0, first[gid])
+    run = torch.minimum(torch.where(differs.any(1), differs.int().argmax(1), lmax), lens - 1)
+    c = torch.full((ng,), lmax).scatter_reduce(0, gid, run, "amin")
+    size = torch.bincount(gid, minlength=ng)
+    keep = ((c >= MIN_SHARED_PREFIX) & (size >= MIN_GROUP_SIZE)).nonzero().squeeze(1)
+    return [(gid == g).nonzero().squeeze(1) for g in keep.tolist()], c[keep]
+
+
 def _reference_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int]) -> list:
-    """The decode segments built from the PyTorch path's grouping (torch_backend._step_rows):
-    [(slots, members, part)] per segment, and num_parts."""
-    from radixrt.attention.torch_backend import _step_rows
-    st = _step_rows(table, req_rows, seq_lens)
-    segs = [(st.rows[m[0], :c].tolist(), m.tolist(), 0) for m, c in zip(st.groups, st.prefix_lens.tolist())]
+    """The decode segments the specification's grouping gives: [(slots, members, part)] per
+    segment, and num_parts."""
+    lens = torch.tensor(seq_lens)
+    valid = torch.arange(max(seq_lens))[None, :] < lens[:, None]
+    rows = torch.where(valid, table[:, :max(seq_lens)].index_select(0, req_rows), -1)
+    groups, prefix_lens = _shared_groups(rows, lens)
+    start = torch.zeros_like(lens)
+    for members, c in zip(groups, prefix_lens.tolist()):
+        start.index_fill_(0, members, c)
+    segs = [(rows[m[0], :c].tolist(), m.tolist(), 0) for m, c in zip(groups, prefix_lens.tolist())]
     for i, n in enumerate(seq_lens):
-        start = int(st.start[i])
-        segs.append((st.rows[i, start:n].tolist(), [i], int(start > 0)))
-    return segs, (st.start > 0).long().add(1).tolist()
+        segs.append((rows[i, int(start[i]):n].tolist(), [i], int(start[i] > 0)))
+    return segs, (start > 0).long().add(1).tolist()
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_decode_segments_group_as_the_pytorch_path(seed: int) -> None:
-    """radixrt_decode_segments (one C call per decode step) groups requests as the PyTorch path's
-    _shared_groups does: groups by first slot, prefix = the run all share capped at len - 1,
-    kept from MIN_GROUP_SIZE requests and MIN_SHARED_PREFIX slots."""
-    from radixrt.attention.torch_backend import MIN_GROUP_SIZE, MIN_SHARED_PREFIX
+def test_decode_segments_group_as_specified(seed: int) -> None:
+    """radixrt_decode_segments (one C call per decode step) groups requests as _shared_groups
+    specifies."""
     lib = cpu_library.load(cache_dir())
     gen = torch.Generator().manual_seed(seed)
     table = torch.randint(1000, 100000, (24, 300), generator=gen)

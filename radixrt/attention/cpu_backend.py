@@ -1,0 +1,88 @@
+"""Attention through the C kernel of ``radixrt_kernels.cpu_attention`` (the default on CPU).
+
+One kernel call per layer reads K/V in place through the slots and also stores the forward's
+new K/V. Its work is described once per step as segments (``cpu_attention.Segments``):
+- decode: requests are grouped by the prefix they share through the radix cache (groups of
+  >= ``MIN_GROUP_SIZE`` requests whose rows start with the same >= ``MIN_SHARED_PREFIX``
+  slots, the prefix capped at seq_len - 1 of each); each group's prefix is one segment for
+  all its requests, then every request's private tail one of its own. The grouping is
+  computed in C (``cpu_attention.decode_segments``);
+- extend: each request's whole sequence (cached prefix and new tokens) is one causal segment
+  for its new tokens.
+The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
+from radixrt.cache.kv_pool import KVPool
+from radixrt.model.loader import cache_dir
+from radixrt_kernels import cpu_attention, cpu_library
+
+MIN_GROUP_SIZE = 2
+MIN_SHARED_PREFIX = 16
+
+
+def unavailable_reason(pool: KVPool) -> str | None:
+    """Why the C kernel cannot serve this pool (None: it can)."""
+    if pool.device.type != "cpu":
+        return f"the KV pool is on {pool.device}, not the CPU"
+    if cpu_library.load(cache_dir()) is None:
+        return f"the CPU kernels' library is unavailable: {cpu_library.why_unavailable()}"
+    if not cpu_attention.supports(pool.k_buffers[0]):
+        return (f"the kernel takes float32 or bf16 heads of a multiple of {cpu_attention.DIM_MULTIPLE}"
+                f" up to {cpu_attention.MAX_DIM}, not {pool.dtype} heads of {pool.head_dim}")
+    return None
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self, pool: KVPool) -> None:
+        super().__init__(pool)
+        why = unavailable_reason(pool)
+        if why is not None:
+            raise RuntimeError(f"attention_backend='cpu' cannot run: {why}")
+        self.lib = cpu_library.load(cache_dir())
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        table = self.pool.req_to_token
+        if batch.mode is ForwardMode.DECODE:
+            batch.attn_metadata = cpu_attention.decode_segments(
+                self.lib, table, batch.req_rows, batch.seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
+        else:
+            batch.attn_metadata = extend_segments(table, batch.req_rows, batch.seq_lens,
+                                                  batch.extend_lens)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
+                batch: ForwardBatch, scaling: float) -> torch.Tensor:
+        """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]."""
+        k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
+        dt, out_dtype = k_buf.dtype, q.dtype
+        if not q.dtype == k.dtype == v.dtype == dt:
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        o = cpu_attention.attention(self.lib, q, k_buf, v_buf, batch.attn_metadata, scaling,
+                                    (k, v, batch.out_cache_loc))
+        return o.to(out_dtype)
+
+
+def extend_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
+                    extend_lens: list[int]) -> cpu_attention.Segments:
+    """An extend's segments: per request its whole sequence, causal, with its new tokens as
+    members."""
+    dev = table.device
+    lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
+    valid = torch.arange(max(seq_lens), device=dev)[None, :] < lens[:, None]
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    ext = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
+    t, s = int(ext.sum()), len(seq_lens)
+    return cpu_attention.Segments(
+        slots=table[:, :valid.shape[1]].index_select(0, req_rows)[valid],  # request by request
+        slot_start=torch.cat([zero, lens.cumsum(0)]),
+        members=torch.arange(t, device=dev),
+        member_start=torch.cat([zero, ext.cumsum(0)]),
+        part=torch.zeros(s, dtype=torch.int64, device=dev),
+        num_parts=torch.ones(t, dtype=torch.int64, device=dev),
+        causal=torch.ones(s, dtype=torch.int64, device=dev))
