@@ -66,8 +66,9 @@ class EngineConfig:
     chunked_prefill_size: int | None = setting(None, "tokens per prefill chunk of a long prompt",
                                                unset="no chunking")
     max_running_requests: int | None = setting(None, "requests decoding at once", unset="256")
-    attention_backend: str = setting("auto", "attention kernels; auto: triton on GPU, torch on "
-                                     "CPU", choices=ATTENTION_BACKENDS)
+    attention_backend: str = setting("auto", "attention kernels; auto: triton on GPU, cpu (the "
+                                     "C kernel) on CPU where it builds, else torch (the reference)",
+                                     choices=ATTENTION_BACKENDS)
     max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
     new_token_ratio: float = setting(0.5, "share of a running request's remaining max_new_tokens "
                                      "kept in reserve when admitting more, 0 to 1")

@@ -122,6 +122,12 @@ class MatchResult(NamedTuple):
     last_node: TreeNode
 
 
+class InsertResult(NamedTuple):
+    cached_len: int           # tokens the tree already held (the caller's slots for them are its to free)
+    kv_indices: torch.Tensor  # int64 [inserted length]: the tree's slots for the whole inserted key
+    last_node: TreeNode       # the node that ends exactly at the inserted key
+
+
 class PeekResult(NamedTuple):
     hit_len: int
     last_node: TreeNode  # the node whose edge holds the hit's end (no split was made)
@@ -227,10 +233,7 @@ class RadixCache:
             return MatchResult(0, _EMPTY, self.root)  # nothing cached under this salt
         node, pos, values, _ = self._walk(node, tokens, self._aligned_len(tokens))
         self._touch_path(node, hit=True)
-        if not values:
-            return MatchResult(0, _EMPTY, node)
-        kv = np.concatenate(values) if len(values) > 1 else values[0]
-        return MatchResult(pos, torch.from_numpy(kv), node)
+        return MatchResult(pos, _concat(values), node)
 
     def peek_prefix(self, token_ids: Sequence[int], cache_salt: str | None = None) -> PeekResult:
         """The hit ``match_prefix`` would find, changing nothing: no split, no access time, no hit
@@ -248,13 +251,22 @@ class RadixCache:
 
     def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
                cache_salt: str | None = None) -> int:
-        """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many were cached.
+        """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many were cached
+        (``insert_prefix``'s ``cached_len``)."""
+        return self.insert_prefix(token_ids, kv_indices, cache_salt).cached_len
+
+    def insert_prefix(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
+                      cache_salt: str | None = None) -> InsertResult:
+        """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many tokens were
+        cached already, the tree's slots for the whole key and the node ending at it.
 
         The tree keeps its own slots for the already-cached prefix; the
         caller's slots for those tokens stay the caller's to free. Only the
         page-aligned part of the key is inserted. Splits edges where the new
-        path forks from an existing one. Only the salt's own namespace counts
-        as cached (created here on its first non-empty insert).
+        path forks from an existing one, or where the key ends inside an edge.
+        Only the salt's own namespace counts as cached (created here on its
+        first non-empty insert). Refreshes the path's last access, not its hit
+        count.
         """
         tokens = _as_tokens(token_ids)
         n = self._aligned_len(tokens)
@@ -262,12 +274,12 @@ class RadixCache:
         if slots.size < n:
             raise ValueError(f"insert: {n} tokens but only {slots.size} kv_indices")
         node = self.root if cache_salt is None else self._namespace(cache_salt, create=False)
-        pos, packed = 0, b""
+        pos, packed, values = 0, b"", []
         if node is not None:
-            node, pos, _, packed = self._walk(node, tokens, n)
+            node, pos, values, packed = self._walk(node, tokens, n)
         if pos == n:
-            self._touch_path(node or self.root, hit=False)
-            return pos
+            node = self._touch_path(node or self.root, hit=False)
+            return InsertResult(pos, _concat(values), node)
         # The leaf's key: the packed rest of the request (bytes are immutable,
         # so the tree never shares state with the caller). Packing may reject
         # the tokens: up to here the tree gained at most a split, no content.
@@ -278,8 +290,8 @@ class RadixCache:
         value = slots[pos:n].copy()
         if node is None:
             node = self._namespace(cache_salt)  # the salt's first key
-        self._touch_path(node, hit=False, new_leaf=(key, self._unpack_head(key), value))
-        return pos
+        leaf = self._touch_path(node, hit=False, new_leaf=(key, self._unpack_head(key), value))
+        return InsertResult(pos, _concat([*values, value]), leaf)
 
     def lock(self, node: TreeNode) -> None:
         """lock_ref += 1 on node and every ancestor below its root (root or namespace)."""
@@ -517,8 +529,10 @@ class RadixCache:
         return head[0] if self.page_size == 1 else head
 
     def _touch_path(self, node: TreeNode, hit: bool,
-                    new_leaf: tuple[bytes, int | tuple[int, ...], np.ndarray] | None = None) -> None:
-        """Refresh last_access (and hit_count) from node up to its root (root or namespace).
+                    new_leaf: tuple[bytes, int | tuple[int, ...], np.ndarray] | None = None
+                    ) -> TreeNode:
+        """Refresh last_access (and hit_count) from node up to its root (root or namespace);
+        returns the path's lowest node.
 
         With ``new_leaf`` = (packed key, head, value), first hang a new leaf
         under node and start the walk from it (so it enters the evictable set
@@ -547,6 +561,7 @@ class RadixCache:
             node.last_access = clock
             node.hit_count += hit
             node = node.parent
+        return leaf
 
     def _entry(self, node: TreeNode) -> tuple:
         if self.eviction_policy == "lfu":
@@ -561,6 +576,13 @@ class RadixCache:
         if node.entry is not None:
             self._evictable.remove(node.entry)
             node.entry = None
+
+
+def _concat(values: list[np.ndarray]) -> torch.Tensor:
+    """The slot arrays along a path as one int64 tensor (empty for none)."""
+    if not values:
+        return _EMPTY
+    return torch.from_numpy(np.concatenate(values) if len(values) > 1 else values[0])
 
 
 def _slots_np(slots: torch.Tensor | np.ndarray) -> np.ndarray:

@@ -104,13 +104,12 @@ class KVManager:
             return
         table = self.pool.req_to_token[req.row]
         ids, slots, salt = self._ids(req, req.kv_len), table[:req.kv_len], req.params.cache_salt
-        cached = self.tree.insert(ids, slots, salt)
-        self.allocator.free(slots[req.prefix_len:cached].clone())
-        match = self.tree.match_prefix(ids, salt)
-        table[:match.hit_len] = match.kv_indices
-        self.tree.lock(match.last_node)
+        inserted = self.tree.insert_prefix(ids, slots, salt)
+        self.allocator.free(slots[req.prefix_len:inserted.cached_len].clone())
+        table[:inserted.kv_indices.numel()] = inserted.kv_indices
+        self.tree.lock(inserted.last_node)
         self.tree.unlock(req.last_node)
-        req.last_node, req.prefix_len = match.last_node, match.hit_len
+        req.last_node, req.prefix_len = inserted.last_node, inserted.kv_indices.numel()
 
     def _ids(self, req: Req, n: int) -> np.ndarray:
         """``req.fill_ids[:n]`` from req's buffer, first extended with the tokens decoded since."""

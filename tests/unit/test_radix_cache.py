@@ -736,6 +736,31 @@ def test_peek_prefix_changes_nothing_and_finds_what_match_finds():
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("page_size", [1, 2])
+def test_insert_prefix_returns_the_path_and_takes_no_hit(page_size: int):
+    """insert_prefix hands back what a caller would otherwise re-match for: how much was cached,
+    the tree's slots for the whole key and the node ending at it; hit counts stay as they were."""
+    alloc, cache = make(64, page_size, policy="lfu")
+    first = alloc.alloc(6)
+    r = cache.insert_prefix([1, 2, 3, 4, 5, 6], first, cache_salt="s")
+    assert r.cached_len == 0 and r.kv_indices.tolist() == first.tolist() and r.last_node.key == [1, 2, 3, 4, 5, 6]
+    second = alloc.alloc(8)
+    r = cache.insert_prefix([1, 2, 3, 4, 9, 9, 7, 7], second, cache_salt="s")  # forks inside an edge
+    assert r.cached_len == 4
+    assert r.kv_indices.tolist() == first[:4].tolist() + second[4:].tolist()
+    assert r.last_node.key == [9, 9, 7, 7] and r.last_node.parent.key == [1, 2, 3, 4]
+    alloc.free(second[:4])
+    dup = alloc.alloc(2)
+    r = cache.insert_prefix([1, 2], dup, cache_salt="s")  # ends inside an edge: split there
+    assert r.cached_len == 2 and r.kv_indices.tolist() == first[:2].tolist() and r.last_node.key == [1, 2]
+    alloc.free(dup)
+    check(alloc, cache)
+    assert all(n.hit_count == 0 for n in cache._nodes())
+    match = cache.match_prefix([1, 2], cache_salt="s")
+    assert match.last_node is r.last_node and match.kv_indices.tolist() == r.kv_indices.tolist()
+    assert r.last_node.hit_count == 1  # a real hit counts
+
+
 # ---------------------------------------------- stateful serving-trace test
 
 ALPHABET = st.integers(0, 3)
