@@ -4,11 +4,8 @@
 
 A CPU forward streams the weights and activations through 4 KiB pages by
 default: a TLB entry per page, and the hardware prefetchers stop at each page
-boundary (plain reads here: 21 GB/s in 4 KiB pages, 28 GB/s in 2 MiB pages).
-Backed by 2 MiB pages, a SmolLM2-135M prefill of 544 tokens ran 1-8 % faster
-(9 of 9 pairs of fresh processes, THP in "madvise" mode, the common default);
-on the offline shared-prefix workload the gain (0-5 %) is within this VM's
-noise. oneDNN's packed decode linears alone gained nothing.
+boundary; 2 MiB pages take both costs away (THP in "madvise" mode, the common
+default, grants them on request).
 
 - ``huge_page_zeros`` allocates a large zeroed tensor advised for huge pages
   before anything touches it, so it is faulted in as 2 MiB pages (the KV pool).
@@ -17,8 +14,8 @@ noise. oneDNN's packed decode linears alone gained nothing.
   ``anonymous_regions()`` snapshot into huge pages: the weights (oneDNN's
   packed tensors do not expose their addresses) and the heap the activations
   will reuse, but not the large arrays the rest of a host process may hold.
-  It copies: ~1-3 ms per MiB, once; memory already in huge pages costs next
-  to nothing.
+  It copies the memory once; memory already in huge pages costs next to
+  nothing.
 - ``HeapCollapser`` collapses the heap's growth (where glibc puts activations
   under ``keep_freed_memory``) each time it has grown by a step: a few times
   while the first large batches arrive, then never.
@@ -67,9 +64,8 @@ def keep_freed_memory() -> bool:
     By default glibc serves large blocks with fresh mmaps, and hands the top of
     the heap back to the OS, under thresholds it adapts as blocks are freed.
     Depending on a process's allocation history, every large activation of
-    every forward can end up mapped, faulted in page by page and unmapped again:
-    seen here in about 1 process in 5, ~200,000 page faults in one 2,176-token
-    prefill, which then took 40-90 % longer. Fixed thresholds (blocks up to 32
+    every forward can end up mapped, faulted in page by page and unmapped again,
+    in some processes and not others. Fixed thresholds (blocks up to 32
     MiB from the heap; the heap trimmed only past 1 GiB free) keep that memory
     after the first forward. Process-wide; returns False (a no-op) off glibc.
     """

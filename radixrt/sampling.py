@@ -279,7 +279,7 @@ def _gumbel(shape: torch.Size, device: torch.device,
     Seeded rows draw ``V`` uniforms from their own generator; the others share
     one draw from the global RNG. Uniforms are float64 so the noise's upper
     tail (which decides low-probability tokens) is not quantized; on CPU this
-    is also ~4x faster than ``exponential_``. ``U == 0`` gives ``-inf``.
+    is also faster than ``exponential_``. ``U == 0`` gives ``-inf``.
     """
     u = torch.empty(shape, dtype=torch.float64, device=device)
     if any(g is None for g in generators):

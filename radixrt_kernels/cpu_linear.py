@@ -1,11 +1,10 @@
 """bfloat16 linear layers on the CPU with AMX (``cpu/linear.c``), on weights packed once.
 
-A decode step is bound by streaming the weights: on the 2-core VM this was
-built on, oneDNN's packed bf16 linears read them at 13-15 GB/s in a decode
-step, where two cores stream 24-26 GB/s; this kernel reads each weight as
-one sequential stream per thread and reaches 21-23 GB/s for 32 rows (the
-offline benchmark's decode batch). Its sums are added in the order oneDNN's
-AMX kernels add them, so results equal ``F.linear``'s bit for bit here.
+A decode step is bound by streaming the weights; this kernel reads each
+weight as one sequential stream per thread. Its sums are added in the order
+oneDNN's AMX kernels add them, so for up to 32 rows its results equal
+``F.linear``'s bit for bit (beyond, within the last bf16 bit: oneDNN picks
+kernels of other orders there).
 
 ``available(lib)`` says whether the library runs it (a CPU with AMX that
 the OS grants); ``pack(lib, w)`` packs a [N, K] bf16 weight (K a multiple of
@@ -84,8 +83,8 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
            rope: Rope | None = None) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
     bf16 results widened to float32 with ``float_out``; for a weight packed ``gated``,
-    silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``). (Called
-    ~120 times per decode step: the checks are kept to a few attribute reads.)"""
+    silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``). Called
+    for every linear of every step: the checks are kept to a few attribute reads."""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
         raise ValueError("linear: x and the bias must be bf16, the bias [n]")

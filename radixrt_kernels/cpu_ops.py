@@ -5,8 +5,8 @@ own dispatch and its own pass over memory: an RMS norm in float32 is a cast,
 a square, a mean, an rsqrt, two products and a cast back. Here each is one
 call into the library ``cpu_library`` builds, with the same roundings as the
 PyTorch ops it replaces (see the C file). ``argmax`` (greedy sampling) is
-here too: PyTorch's CPU argmax takes ~1 ms over a decode step's [32, 49152]
-float32 logits, ten times what reading them costs. Tensors are on the CPU,
+here too: PyTorch's CPU argmax over a decode step's logits costs many times
+what reading them does. Tensors are on the CPU,
 float32 or bfloat16 (``usable``); the library comes from ``cpu_library.load``.
 """
 

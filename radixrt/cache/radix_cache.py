@@ -1,6 +1,6 @@
 """The radix tree mapping token prefixes to KV slot indices.
 
-Contract (see shared DESIGN.md, "The KV cache"):
+Contract:
 - Every node but the roots holds a non-empty ``key`` (token ids) and a
   ``value`` (int64 slot tensor of the same length). With page_size > 1 every
   key is a whole number of pages. The tree stores a key packed, as the
@@ -39,11 +39,11 @@ Keys are compared as runs, never token by token in Python: a lookup packs
 the request's tokens once, in C (only as far as the edges it follows reach),
 and compares packed runs with memcmp. Token ids may come as a list, tuple,
 tensor or numpy array: packing an int64 array (or tensor) is a memcpy, a
-list costs ~5 ns a token on every call, so the scheduler keeps a running
+list costs a conversion per token on every call, so the scheduler keeps a running
 request's ids in a ``TokenBuffer`` (converted once). Slots stay in numpy
 from insert to evict (torch is touched once per match, to hand out the
-result): on the scheduler's path each torch call costs several µs, more
-than the rest of a tree operation.
+result): a torch call's dispatch costs more than the rest of a tree
+operation.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class TokenBuffer:
     """A request's token ids as a growable int64 array: the form the tree reads fastest.
 
     ``match_prefix``/``insert`` pack an int64 array with one memcpy, but a
-    list of Python ints token by token (~5 ns each), on every call. A request
+    list of Python ints token by token, on every call. A request
     converts its ids once, when admitted (``TokenBuffer(prompt_ids)``), and
     ``extend``s it as it decodes; ``array`` is what it hands the tree.
     """

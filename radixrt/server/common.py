@@ -76,9 +76,9 @@ def run_child(role: str, args: dict, main: Callable[[zmq.Context, zmq.Socket], N
 
 def report_ready(ready: zmq.Socket, role: str, info: dict | None = None) -> None:
     """Tell the launcher this process is set up. Everything it built so far (modules, model,
-    tokenizer: ~300k objects in the Scheduler) lives as long as the process, so it is moved
-    out of the garbage collector's sight first: a full collection would otherwise scan it all
-    (~80 ms here) in the middle of serving."""
+    tokenizer: hundreds of thousands of objects in the Scheduler) lives as long as the process,
+    so it is moved out of the garbage collector's sight first: a full collection would otherwise
+    scan it all in the middle of serving."""
     gc.collect()
     gc.freeze()
     ready.send(encode(ProcessReady(role=role, pid=os.getpid(), info=info or {})))

@@ -1,11 +1,9 @@
 /* Linear layers on the CPU in bfloat16 with AMX tile products: y = x·Wᵀ (+ bias).
  *
  * A decode step multiplies a few dozen rows by every weight of the model, so it
- * is bound by how fast the weights stream from memory. On the 2-core VM this
- * was built on, oneDNN's packed kernels read them at 13-15 GB/s in a decode
- * step, where two cores stream 24-26 GB/s. This kernel reads each weight as one
- * sequential stream per thread, in the order it multiplies it, with software
- * prefetch into L2 ahead of the products: 21-24 GB/s for up to 32 rows.
+ * is bound by how fast the weights stream from memory. This kernel reads each
+ * weight as one sequential stream per thread, in the order it multiplies it,
+ * with software prefetch into L2 ahead of the products.
  *
  * Packed layout (radixrt_linear_pack): W [N, K] row-major becomes, per block of
  * NB = 32 output features (N padded with zero rows to a whole block) and per
@@ -170,8 +168,7 @@ static inline void write_results(const struct output *o, const struct results *r
 
 /* Fetch for writing the output lines of rows r0 .. r0 + rows - 1 at features f0 .. f0 + NB - 1
  * (the next pass's, a pass ahead): output rows lie far apart, no hardware prefetcher follows
- * them, and a prefill's output is megabytes, so each line's first write would wait out a miss.
- * (Writing the results took 30 % of a large prefill's time before.) */
+ * them, and a prefill's output is megabytes, so each line's first write would wait out a miss. */
 static inline void claim_output(const struct output *o, int64_t r0, int64_t rows, int64_t f0) {
     const size_t elem = o->f32 ? 4 : 2;
     for (int64_t r = 0; r < rows; r++)
