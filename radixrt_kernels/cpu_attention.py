@@ -114,7 +114,7 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
 def decode_segments(lib: ctypes.CDLL, table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
                     min_prefix: int, min_group: int) -> Segments:
     """A decode step's segments (one C call instead of ~60 PyTorch ops): requests grouped by a
-    shared prefix as ``torch_backend._shared_groups`` groups them (groups of >= ``min_group``
+    shared prefix (``radixrt.attention.cpu_backend`` states the rule; groups of >= ``min_group``
     requests sharing >= ``min_prefix`` slots), each group's prefix one segment, then each
     request's remaining slots. table int64 [rows, max_context] (each row's slots), req_rows
     int64 [B] (the requests' rows), seq_lens [B] (each >= 1)."""
