@@ -76,8 +76,8 @@ class EngineConfig:
                                    choices=EVICTION_POLICIES)
     device: str = setting("auto", "where the model runs: auto (cuda when present), cpu, cuda or "
                           "cuda:N")
-    # Read by nothing yet (requests seed their own sampling): no flag until the engine uses it.
-    seed: int = setting(0, "a seed for the engine's random state", cli=False)
+    seed: int = setting(0, "seeds the sampling of requests without a seed of their own",
+                        flag="--random-seed")
     enable_torch_compile: bool = setting(False, "compile the model's forward with torch.compile "
                                          "(slower start, faster steps)")
 

@@ -26,7 +26,8 @@ Contract:
   vocabulary order; everything else about the row is computed row-wise. So a
   seeded request gets the same tokens whatever else is in the batch (exactly
   on CPU; on GPU up to reduction-order effects of batch size on the filter
-  masks). Rows without a generator use the global RNG of the logits' device.
+  masks). Rows without a generator share the sampler's own (seeded with
+  ``EngineConfig.seed``, ``--random-seed``), or the global RNG of the logits' device.
 - Logprobs: when any row asks for them, ``SampleOutput.logprobs[i]`` is
   ``log_softmax(logits[i].float())[token_i]`` (the model's distribution at
   temperature 1, unfiltered) for every row; otherwise it is ``None``.
@@ -188,7 +189,20 @@ class SampleOutput(NamedTuple):
 
 
 class Sampler:
-    """Batched sampler; stateless (per-request RNG state lives in generators)."""
+    """Batched sampler. A seeded request's RNG state lives in its generator; rows without one
+    share the sampler's own generator (seeded with ``seed``), or with ``seed`` None the global
+    RNG of the logits' device."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}  # one per device, made on first use
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator | None:
+        if self.seed is None:
+            return None
+        if device not in self._shared:
+            self._shared[device] = make_generator(self.seed, device)
+        return self._shared[device]
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams],
                generators: list[torch.Generator | None] | None = None) -> SampleOutput:
@@ -211,12 +225,13 @@ class Sampler:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # fast path: one argmax
             return _argmax(logits)
+        shared = self._shared_generator(logits.device)
         if len(rows) == len(params):
-            return _sample_rows(logits.float(), params, generators)
+            return _sample_rows(logits.float(), params, generators, shared)
         tokens = _argmax(logits)
         idx = torch.tensor(rows, device=logits.device)
         sub = _sample_rows(logits[idx].float(), [params[i] for i in rows],
-                           [generators[i] for i in rows])
+                           [generators[i] for i in rows], shared)
         return tokens.index_copy_(0, idx, sub)
 
 
@@ -239,7 +254,8 @@ def topk_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> torch.Tensor:
+                 generators: list[torch.Generator | None],
+                 shared: torch.Generator | None = None) -> torch.Tensor:
     """Sample one token per row of float32 ``logits``; no row is greedy."""
     temp = torch.tensor([p.temperature for p in params], device=logits.device)
     scaled = (logits - logits.amax(dim=1, keepdim=True)) / temp.unsqueeze(1)
@@ -251,7 +267,7 @@ def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
         sub = scaled[idx]
         sub.masked_fill_(_filter_mask(sub, [params[i] for i in rows]), float("-inf"))
         scaled.index_copy_(0, idx, sub)
-    return (scaled + _gumbel(scaled.shape, logits.device, generators)).argmax(dim=1)
+    return (scaled + _gumbel(scaled.shape, logits.device, generators, shared)).argmax(dim=1)
 
 
 def _filter_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -272,18 +288,18 @@ def _filter_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.empty_like(remove).scatter_(1, order, remove)
 
 
-def _gumbel(shape: torch.Size, device: torch.device,
-            generators: list[torch.Generator | None]) -> torch.Tensor:
+def _gumbel(shape: torch.Size, device: torch.device, generators: list[torch.Generator | None],
+            shared: torch.Generator | None = None) -> torch.Tensor:
     """Gumbel noise [n, V] (``-log E``, ``E ~ Exp(1)``), float32.
 
     Seeded rows draw ``V`` uniforms from their own generator; the others share
-    one draw from the global RNG. Uniforms are float64 so the noise's upper
+    one draw from ``shared`` (None: the global RNG). Uniforms are float64 so the noise's upper
     tail (which decides low-probability tokens) is not quantized; on CPU this
     is also faster than ``exponential_``. ``U == 0`` gives ``-inf``.
     """
     u = torch.empty(shape, dtype=torch.float64, device=device)
     if any(g is None for g in generators):
-        u.uniform_()
+        u.uniform_(generator=shared)
     for row, gen in enumerate(generators):
         if gen is not None:
             u[row].uniform_(generator=gen)

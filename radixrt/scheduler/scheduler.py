@@ -55,7 +55,7 @@ class Scheduler:
         self.max_context = max_context
         self.kv = KVManager(runner.pool, config.page_size, config.disable_radix_cache,
                             config.eviction_policy)
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
         self.decoding: list[Req] = []
         self.chunked: Req | None = None

@@ -229,3 +229,20 @@ def test_shape_mismatch_raises():
         Sampler().sample(_logits(2), [SamplingParams()], [None])
     with pytest.raises(ValueError):
         Sampler().sample(_logits(1), [SamplingParams()], [None, None])
+
+
+def test_unseeded_rows_follow_the_samplers_seed():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 500)
+    params = [SamplingParams(temperature=1.0)] * 6
+
+    def draws(sampler: Sampler, steps: int = 4) -> list[list[int]]:
+        return [sampler.sample(logits, params).token_ids.tolist() for _ in range(steps)]
+    first = draws(Sampler(seed=3))
+    assert draws(Sampler(seed=3)) == first  # the same seed, the same sequence of draws
+    assert draws(Sampler(seed=4)) != first
+    assert len({tuple(d) for d in first}) > 1  # the generator advances between steps
+    torch.manual_seed(7)
+    unseeded = draws(Sampler())
+    torch.manual_seed(7)
+    assert draws(Sampler()) == unseeded  # seed None: the global RNG
