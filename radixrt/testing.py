@@ -5,7 +5,8 @@
 loads with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` as well as
 with :mod:`radixrt.model.loader`.  Everything is derived from the seed and from
 text that ships with the Python standard library, so the result is identical
-from call to call and works offline.
+from call to call and works offline.  Its sizes, ``max_position_embeddings``
+and ``rope_scaling`` are :func:`tiny_config`'s arguments.
 
 :func:`tiny_model_path` builds such a folder once into the radixrt cache
 directory and reuses it afterwards.
@@ -21,8 +22,12 @@ import sys
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from radixrt.model.loader import cache_dir, make_shareable
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
     "ARCHS",
@@ -30,6 +35,7 @@ __all__ = [
     "SPECIAL_TOKENS",
     "TINY_MODEL_VERSION",
     "make_tiny_model",
+    "tiny_config",
     "tiny_model_path",
 ]
 
@@ -162,67 +168,8 @@ def _train_tokenizer(vocab_size: int, model_max_length: int):
     )
 
 
-def _build_config(
-    arch: str,
-    *,
-    num_layers: int,
-    hidden_size: int,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int | None,
-    intermediate_size: int,
-    vocab_size: int,
-    max_position_embeddings: int,
-    initializer_range: float,
-    tie_word_embeddings: bool,
-    rope_theta: float,
-    rope_scaling: dict | None,
-    rms_norm_eps: float,
-):
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    rope_parameters = {"rope_type": "default"}
-    if rope_scaling:
-        rope_parameters = dict(rope_scaling)
-        rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
-    rope_parameters["rope_theta"] = float(rope_theta)
-
-    common = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range,
-        rms_norm_eps=rms_norm_eps,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters=rope_parameters,
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=0,
-        dtype="float32",
-    )
-    if arch == "llama":
-        return LlamaConfig(**common, head_dim=head_dim or hidden_size // num_heads, attention_bias=False)
-    if arch == "qwen2":
-        if head_dim is not None and head_dim != hidden_size // num_heads:
-            raise ValueError("qwen2 has no explicit head_dim; it is always hidden_size // num_heads")
-        return Qwen2Config(**common, use_sliding_window=False)
-    if arch == "qwen3":
-        # Qwen3 stores head_dim explicitly and, in the real models, it differs
-        # from hidden_size // num_heads; default to twice that so the tiny
-        # model exercises the q/o projection shape mismatch too.
-        return Qwen3Config(**common, head_dim=head_dim or 2 * (hidden_size // num_heads), attention_bias=False)
-    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
-
-
-def make_tiny_model(
-    path: str | os.PathLike[str],
+def tiny_config(
     arch: str = "llama",
-    seed: int = 0,
     *,
     num_layers: int = 4,
     hidden_size: int = 256,
@@ -237,18 +184,79 @@ def make_tiny_model(
     rope_theta: float = 10000.0,
     rope_scaling: dict | None = None,
     rms_norm_eps: float = 1e-6,
-) -> str:
-    """Write a random-weight Hugging Face model folder to ``path`` and return it.
+) -> PretrainedConfig:
+    """The transformers config of a :func:`make_tiny_model` model (float32, SiLU).
 
     ``arch`` is ``"llama"``, ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k
     RMSNorm, explicit ``head_dim``; when ``head_dim`` is None it defaults to
     ``2 * hidden_size // num_heads`` for qwen3 and ``hidden_size // num_heads``
-    otherwise).  Weights are float32 and depend only on the arguments: linear
-    and embedding weights come from the transformers initialiser (normal with
-    std ``initializer_range``) under ``torch.manual_seed(seed)``; the RMSNorm
-    weights and the qwen2 biases are then drawn from a generator seeded with
-    ``seed`` too (around 1 and 0 rather than exactly 1 and 0), so that a
-    runtime that ignores them does not match transformers.
+    otherwise).  ``rope_scaling`` is a rope parameter dict without
+    ``rope_theta`` (``rope_type`` or the legacy ``type`` names its type), e.g.
+    ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}``.
+    """
+    return _arch_config(arch, head_dim, dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        hidden_act="silu",
+        max_position_embeddings=max_position_embeddings,
+        initializer_range=initializer_range,
+        rms_norm_eps=rms_norm_eps,
+        tie_word_embeddings=tie_word_embeddings,
+        rope_parameters=_rope_parameters(rope_theta, rope_scaling),
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        dtype="float32",
+    ))
+
+
+def _arch_config(arch: str, head_dim: int | None, common: dict) -> PretrainedConfig:
+    """``arch``'s transformers config class built from the shared settings ``common``."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    derived = common["hidden_size"] // common["num_attention_heads"]
+    if arch == "llama":
+        return LlamaConfig(**common, head_dim=head_dim or derived, attention_bias=False)
+    if arch == "qwen2":
+        if head_dim is not None and head_dim != derived:
+            raise ValueError("qwen2 has no explicit head_dim; it is always "
+                             "hidden_size // num_heads")
+        return Qwen2Config(**common, use_sliding_window=False)
+    if arch == "qwen3":
+        # Qwen3 stores head_dim explicitly and, in the real models, it differs
+        # from hidden_size // num_heads; default to twice that so the tiny
+        # model exercises the q/o projection shape mismatch too.
+        return Qwen3Config(**common, head_dim=head_dim or 2 * derived, attention_bias=False)
+    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+
+
+def _rope_parameters(rope_theta: float, rope_scaling: dict | None) -> dict:
+    """transformers v5 ``rope_parameters``: ``rope_scaling`` (or plain RoPE) with the theta."""
+    rope_parameters = {"rope_type": "default"}
+    if rope_scaling:
+        rope_parameters = dict(rope_scaling)
+        rope_parameters.setdefault("rope_type", rope_parameters.pop("type", "default"))
+    rope_parameters["rope_theta"] = float(rope_theta)
+    return rope_parameters
+
+
+def make_tiny_model(path: str | os.PathLike[str], arch: str = "llama", seed: int = 0,
+                    **sizes: Any) -> str:
+    """Write a random-weight Hugging Face model folder to ``path`` and return it.
+
+    ``arch`` and the keyword arguments ``sizes`` (``num_layers``,
+    ``hidden_size``, ..., ``max_position_embeddings``, ``rope_scaling``) are
+    those of :func:`tiny_config`.  Weights are float32 and depend only on the
+    arguments: linear and embedding weights come from the transformers
+    initialiser (normal with std ``initializer_range``) under
+    ``torch.manual_seed(seed)``; the RMSNorm weights and the qwen2 biases are
+    then drawn from a generator seeded with ``seed`` too (around 1 and 0 rather
+    than exactly 1 and 0), so that a runtime that ignores them does not match
+    transformers.
 
     The tokenizer is a byte-level BPE with ``vocab_size`` tokens trained on
     stdlib sources; ids 0, 1, 2 are ``<|endoftext|>`` (bos/pad),
@@ -257,30 +265,18 @@ def make_tiny_model(
     ``<|im_end|>`` (as Qwen2.5-Instruct does).  The tokenizer carries a ChatML
     chat template.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    config = tiny_config(arch, **sizes)
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    _random_model(config, seed).save_pretrained(out)
+    _train_tokenizer(config.vocab_size, config.max_position_embeddings).save_pretrained(out)
+    return str(out)
 
-    config = _build_config(
-        arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_theta=rope_theta,
-        rope_scaling=rope_scaling,
-        rms_norm_eps=rms_norm_eps,
-    )
+
+def _random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
+    """A transformers model of ``config`` with seeded weights (see :func:`make_tiny_model`)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -290,14 +286,10 @@ def make_tiny_model(
             if name.endswith("norm.weight"):
                 param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
             elif name.endswith(".bias"):
-                param.copy_(initializer_range * torch.randn(param.shape, generator=gen))
+                param.copy_(config.initializer_range * torch.randn(param.shape, generator=gen))
     model.eval()
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
-    model.save_pretrained(out)
-
-    tokenizer = _train_tokenizer(vocab_size, max_position_embeddings)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    return model
 
 
 def _cache_root() -> Path:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from radixrt.model import rope
+
 __all__ = [
     "ARCHITECTURES",
     "DEFAULT_MODEL_NAME",
@@ -74,8 +76,18 @@ _ARCH_BY_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
-_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
+                     "original_max_position_embeddings")
+# rope types whose transformers tables depend on the length of the sequence in each forward
+_LENGTH_DEPENDENT_ROPE = {
+    "longrope": "transformers rotates by short_factor or long_factor depending on the length of "
+    "the sequence in each forward, which keys already in the KV cache cannot follow",
+}
+# num_key_value_heads where config.json has none (transformers' config classes; else num_heads)
+_DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8}
+_SILU_ACTS = ("silu", "swish")  # the names transformers' ACT2FN maps to SiLU
+_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                        "num_kv_heads", "head_dim", "max_position_embeddings")
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -92,15 +104,24 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+def _is_positive_number(x: Any) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _invalid(msg: str) -> ValueError:
+    return ValueError(f"invalid ModelConfig: {msg}")
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ModelConfig:
     """The parts of a Hugging Face ``config.json`` the runtime needs.
 
     ``rope_scaling`` is None for plain RoPE, else a dict with a ``rope_type``
-    key (``"llama3"``, ``"linear"``, ...) and that type's parameters, without
-    ``rope_theta`` (that is :attr:`rope_theta`).  ``eos_token_ids`` merges
-    config.json's ``eos_token_id`` with generation_config.json's, config first.
-    ``sliding_window`` is None unless the model really uses one.
+    key (one of ``radixrt.model.rope.ROPE_TYPES``) and every parameter that
+    type reads, without ``rope_theta`` (that is :attr:`rope_theta`).
+    ``eos_token_ids`` merges config.json's ``eos_token_id`` with
+    generation_config.json's, config first.  ``sliding_window`` is None unless
+    the model really uses one, on every layer.
     """
 
     architecture: str
@@ -124,76 +145,34 @@ class ModelConfig:
     sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        def bad(msg: str) -> ValueError:
-            return ValueError(f"invalid ModelConfig: {msg}")
-
         if self.architecture not in ARCHITECTURES:
-            raise bad(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+            raise _invalid(f"architecture must be one of {ARCHITECTURES}, "
+                           f"got {self.architecture!r}")
+        for name in _POSITIVE_INT_FIELDS:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
-                raise bad(f"{name} must be a positive int, got {value!r}")
+                raise _invalid(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise bad(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise _invalid(f"num_heads ({self.num_heads}) must be a multiple of "
+                           f"num_kv_heads ({self.num_kv_heads})")
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise bad(f"{name} must be a positive finite number, got {value!r}")
+            if not _is_positive_number(value):
+                raise _invalid(f"{name} must be a positive finite number, got {value!r}")
             object.__setattr__(self, name, float(value))
         for name in ("tie_word_embeddings", "attention_bias", "qk_norm"):
             if not isinstance(getattr(self, name), bool):
-                raise bad(f"{name} must be a bool, got {getattr(self, name)!r}")
-
-        eos = self.eos_token_ids
-        if _is_int(eos):
-            eos = (eos,)
-        eos = tuple(eos)
-        if not all(_is_int(i) and i >= 0 for i in eos):
-            raise bad(f"eos_token_ids must be non-negative ints, got {self.eos_token_ids!r}")
-        object.__setattr__(self, "eos_token_ids", eos)
-        if self.bos_token_id is not None and (not _is_int(self.bos_token_id) or self.bos_token_id < 0):
-            raise bad(f"bos_token_id must be None or a non-negative int, got {self.bos_token_id!r}")
-
-        dtype = self.torch_dtype
-        if isinstance(dtype, str):
-            dtype = _DTYPES.get(dtype.removeprefix("torch."))
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise bad(f"torch_dtype must be a floating torch.dtype, got {self.torch_dtype!r}")
-        object.__setattr__(self, "torch_dtype", dtype)
-
-        if self.sliding_window is not None and (not _is_int(self.sliding_window) or self.sliding_window <= 0):
-            raise bad(f"sliding_window must be None or a positive int, got {self.sliding_window!r}")
-
+                raise _invalid(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "eos_token_ids", _checked_eos_ids(self.eos_token_ids))
+        bos = self.bos_token_id
+        if bos is not None and (not _is_int(bos) or bos < 0):
+            raise _invalid(f"bos_token_id must be None or a non-negative int, got {bos!r}")
+        object.__setattr__(self, "torch_dtype", _checked_dtype(self.torch_dtype))
+        window = self.sliding_window
+        if window is not None and (not _is_int(window) or window <= 0):
+            raise _invalid(f"sliding_window must be None or a positive int, got {window!r}")
         if self.rope_scaling is not None:
-            rs = dict(self.rope_scaling)
-            rope_type = rs.get("rope_type")
-            if rope_type not in _ROPE_TYPES:
-                raise bad(f"rope_scaling['rope_type'] must be one of {_ROPE_TYPES}, got {rope_type!r}")
-            factor = rs.get("factor")
-            if rope_type in ("linear", "dynamic", "yarn", "llama3"):
-                if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor <= 0:
-                    raise bad(f"rope_scaling['factor'] must be a positive number for {rope_type}, got {factor!r}")
-            if rope_type == "llama3":
-                missing = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
-                if missing:
-                    raise bad(f"llama3 rope_scaling lacks {missing}")
-                if not (0 < rs["low_freq_factor"] < rs["high_freq_factor"]):
-                    raise bad(
-                        "llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, got "
-                        f"{rs['low_freq_factor']!r}, {rs['high_freq_factor']!r}"
-                    )
-                if not _is_int(rs["original_max_position_embeddings"]) or rs["original_max_position_embeddings"] <= 0:
-                    raise bad("llama3 rope_scaling['original_max_position_embeddings'] must be a positive int")
-            object.__setattr__(self, "rope_scaling", rs)
+            object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
 
     # Derived sizes -------------------------------------------------------- #
 
@@ -230,55 +209,140 @@ class ModelConfig:
             raise ValueError(f"cannot use {cfg_file}: {e}") from e
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
-        """Build from the parsed config.json dict (transformers v4 or v5 layout)."""
+    def from_dict(cls, config: Mapping[str, Any],
+                  generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
+        """Build from the parsed config.json dict (transformers v4 or v5 layout).
+
+        Every field is read as transformers' config and model classes for the
+        architecture read it (defaults included).  Raises ValueError naming the
+        field where transformers would compute something radixrt's Llama model
+        does not (see :func:`_refuse_unsupported`).
+        """
         arch = _architecture(config)
-        hidden = config["hidden_size"]
+        _refuse_unsupported(config, arch)
         num_heads = config["num_attention_heads"]
-        num_kv_heads = config.get("num_key_value_heads") or num_heads
-        head_dim = config.get("head_dim")
-        if head_dim is None:
-            if hidden % num_heads:
-                raise ValueError(f"hidden_size {hidden} is not divisible by num_attention_heads {num_heads}")
-            head_dim = hidden // num_heads
+        num_kv_heads = config.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(arch))
         rope_theta, rope_scaling = _rope(config)
-
-        eos: list[int] = []
-        for src in (config, generation_config or {}):
-            ids = src.get("eos_token_id")
-            for i in [ids] if _is_int(ids) else (ids or []):
-                if i not in eos:
-                    eos.append(i)
-
-        dtype_name = config.get("dtype") or config.get("torch_dtype") or "float32"
-        if isinstance(dtype_name, str) and dtype_name.removeprefix("torch.") not in _DTYPES:
-            raise ValueError(f"unsupported dtype {dtype_name!r}; expected one of {sorted(_DTYPES)}")
-
-        sliding_window = config.get("sliding_window")
-        if config.get("use_sliding_window") is False:
-            sliding_window = None
-
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
-            hidden_size=hidden,
+            hidden_size=config["hidden_size"],
             intermediate_size=config["intermediate_size"],
             num_layers=config["num_hidden_layers"],
             num_heads=num_heads,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
+            num_kv_heads=num_kv_heads or num_heads,
+            head_dim=_head_dim(config, arch),
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             max_position_embeddings=config["max_position_embeddings"],
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=True if arch == "qwen2" else bool(config.get("attention_bias", False)),
+            # qwen2 always biases q/k/v; mistral never does; llama and qwen3 with a bias are refused
+            attention_bias=arch == "qwen2",
             qk_norm=arch == "qwen3",
-            eos_token_ids=tuple(eos),
+            eos_token_ids=_merged_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
-            torch_dtype=dtype_name,
-            sliding_window=sliding_window,
+            torch_dtype=_dtype_name(config),
+            sliding_window=_sliding_window(config, arch),
         )
+
+
+def _checked_eos_ids(eos: Any) -> tuple[int, ...]:
+    ids = (eos,) if _is_int(eos) else tuple(eos)
+    if not all(_is_int(i) and i >= 0 for i in ids):
+        raise _invalid(f"eos_token_ids must be non-negative ints, got {eos!r}")
+    return ids
+
+
+def _checked_dtype(dtype: Any) -> torch.dtype:
+    resolved = _DTYPES.get(dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise _invalid(f"torch_dtype must be a floating torch.dtype, got {dtype!r}")
+    return resolved
+
+
+def _checked_rope_scaling(rope_scaling: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of ``rope_scaling`` once its type and that type's parameters check out."""
+    rs = dict(rope_scaling)
+    rope_type = rs.get("rope_type")
+    if rope_type in _LENGTH_DEPENDENT_ROPE:
+        why = _LENGTH_DEPENDENT_ROPE[rope_type]
+        raise _invalid(f"rope_scaling type {rope_type!r} is not supported: {why}")
+    if rope_type not in rope.ROPE_TYPES:
+        raise _invalid(f"rope_scaling['rope_type'] must be one of {rope.ROPE_TYPES}, "
+                       f"got {rope_type!r}")
+    _check_full_rotation("rope_scaling['partial_rotary_factor']", rs.get("partial_rotary_factor"))
+    if not _is_positive_number(rs.get("factor")):
+        raise _invalid(f"rope_scaling['factor'] must be a positive number for {rope_type}, "
+                       f"got {rs.get('factor')!r}")
+    if rope_type == "llama3":
+        _check_llama3_rope(rs)
+    elif rope_type == "yarn":
+        _check_yarn_rope(rs)
+    return rs
+
+
+def _check_original_context(rs: Mapping[str, Any]) -> None:
+    n = rs.get("original_max_position_embeddings")
+    if not _is_int(n) or n <= 0:
+        raise _invalid(
+            f"{rs['rope_type']} rope_scaling['original_max_position_embeddings'] must be a "
+            f"positive int, got {n!r}"
+        )
+
+
+def _check_llama3_rope(rs: Mapping[str, Any]) -> None:
+    missing = [k for k in _LLAMA3_ROPE_KEYS if k not in rs]
+    if missing:
+        raise _invalid(f"llama3 rope_scaling lacks {missing}")
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+    if not (_is_positive_number(low) and _is_positive_number(high) and low < high):
+        raise _invalid("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
+                       f"got {low!r}, {high!r}")
+    _check_original_context(rs)
+
+
+def _check_yarn_rope(rs: Mapping[str, Any]) -> None:
+    _check_original_context(rs)
+    for key in ("attention_factor", "beta_fast", "beta_slow"):
+        if rs.get(key) is not None and not _is_positive_number(rs[key]):
+            raise _invalid(f"yarn rope_scaling[{key!r}] must be None or a positive number, "
+                           f"got {rs[key]!r}")
+    for key in ("mscale", "mscale_all_dim"):
+        value = rs.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise _invalid(f"yarn rope_scaling[{key!r}] must be None or a number, got {value!r}")
+    if rs.get("truncate") is not None and not isinstance(rs["truncate"], bool):
+        raise _invalid(f"yarn rope_scaling['truncate'] must be None or a bool, "
+                       f"got {rs['truncate']!r}")
+
+
+def _check_full_rotation(field: str, value: Any) -> None:
+    if value is not None and value != 1:
+        raise ValueError(
+            f"{field} = {value!r} is not supported: radixrt rotates the whole head (transformers' "
+            "Llama-family models ignore it for plain RoPE and cannot apply it with rope scaling)"
+        )
+
+
+def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
+    """Raise ValueError naming the first config.json field with which transformers' model for
+    ``arch`` computes something radixrt's (SiLU-gated MLP without biases, RMSNorm, neox RoPE
+    over the whole head, no o_proj bias, one attention span for every layer) does not."""
+    act = config.get("hidden_act", "silu")
+    if act not in _SILU_ACTS:
+        raise ValueError(f"hidden_act {act!r} is not supported: radixrt's MLP is SiLU-gated "
+                         "('silu')")
+    if arch == "llama" and config.get("mlp_bias"):
+        raise ValueError("mlp_bias = true is not supported: radixrt's MLP projections have no bias")
+    if arch in ("llama", "qwen3") and config.get("attention_bias"):
+        raise ValueError(
+            f"attention_bias = true is not supported for {arch}: transformers then gives o_proj a "
+            "bias too, which radixrt's attention does not have"
+        )
+    _check_full_rotation("partial_rotary_factor", config.get("partial_rotary_factor"))
+    _check_full_rotation("rope_parameters['partial_rotary_factor']",
+                         _rope_params(config).get("partial_rotary_factor"))
 
 
 def _architecture(config: Mapping[str, Any]) -> str:
@@ -289,25 +353,94 @@ def _architecture(config: Mapping[str, Any]) -> str:
         if cls_name in _ARCH_BY_CLASS:
             return _ARCH_BY_CLASS[cls_name]
     raise ValueError(
-        f"unsupported model (model_type={model_type!r}, architectures={config.get('architectures')!r}); "
+        f"unsupported model (model_type={model_type!r}, "
+        f"architectures={config.get('architectures')!r}); "
         f"supported: {', '.join(ARCHITECTURES)}"
     )
 
 
+def _head_dim(config: Mapping[str, Any], arch: str) -> int:
+    """config.json's head_dim, else Qwen3Config's default 128, else hidden_size / heads."""
+    head_dim = config.get("head_dim", 128 if arch == "qwen3" else None)
+    if head_dim is not None:
+        return head_dim
+    hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
+    if hidden % num_heads:
+        raise ValueError(f"hidden_size {hidden} is not divisible by "
+                         f"num_attention_heads {num_heads}")
+    return hidden // num_heads
+
+
+def _merged_eos_ids(config: Mapping[str, Any],
+                    generation_config: Mapping[str, Any] | None) -> tuple[int, ...]:
+    eos: list[int] = []
+    for src in (config, generation_config or {}):
+        ids = src.get("eos_token_id")
+        for i in [ids] if _is_int(ids) else (ids or []):
+            if i not in eos:
+                eos.append(i)
+    return tuple(eos)
+
+
+def _dtype_name(config: Mapping[str, Any]) -> Any:
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    if isinstance(name, str) and name.removeprefix("torch.") not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return name
+
+
+def _sliding_window(config: Mapping[str, Any], arch: str) -> int | None:
+    """The window transformers' attention for ``arch`` applies (None: full attention).
+
+    Llama has none; Mistral applies ``sliding_window`` (MistralConfig's default: 4096) on
+    every layer; Qwen2/3 only with ``use_sliding_window``, on the layers ``layer_types`` (by
+    default those from ``max_window_layers`` on) mark sliding.  A window on some layers only
+    is refused.
+    """
+    if arch == "mistral":
+        return config.get("sliding_window", 4096)
+    window = config.get("sliding_window")
+    if arch == "llama" or window is None:
+        return None
+    if not config.get("use_sliding_window", False):
+        return None
+    first_sliding = config.get("max_window_layers", 28)
+    layer_types = config.get("layer_types") or [
+        "sliding_attention" if i >= first_sliding else "full_attention"
+        for i in range(config["num_hidden_layers"])
+    ]
+    if set(layer_types) == {"full_attention"}:
+        return None
+    if set(layer_types) == {"sliding_attention"}:
+        return window
+    raise ValueError(
+        f"use_sliding_window with a window on some layers only (layer_types {layer_types}) is not "
+        "supported: radixrt attends over one span on every layer"
+    )
+
+
+def _rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The rope dict transformers reads: v4 ``rope_scaling`` first, else v5 ``rope_parameters``
+    (its ``full_attention`` entry where it is given per layer type)."""
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if params and all(isinstance(v, Mapping) for v in params.values()):  # per layer type
+        if "full_attention" not in params:
+            raise ValueError("per-layer-type rope_parameters without 'full_attention': "
+                             f"{sorted(params)}")
+        params = params["full_attention"]
+    return dict(params)
+
+
 def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling) from a v5 ``rope_parameters`` or v4 ``rope_theta``/``rope_scaling``."""
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and params:
-        if all(isinstance(v, Mapping) for v in params.values()):  # per layer type
-            if "full_attention" not in params:
-                raise ValueError(f"per-layer-type rope_parameters without 'full_attention': {sorted(params)}")
-            params = params["full_attention"]
-        rest = dict(params)
-        theta = rest.pop("rope_theta", None)
-        if theta is None:
-            theta = config.get("rope_theta")
-    else:
-        rest = dict(config.get("rope_scaling") or {})
+    """(rope_theta, rope_scaling) with the defaults transformers fills in.
+
+    ``original_max_position_embeddings`` (llama3, yarn) is config.json's top-level
+    field where there is one (transformers gives it priority), else the rope dict's, else
+    ``max_position_embeddings``.
+    """
+    rest = _rope_params(config)
+    theta = rest.pop("rope_theta", None)
+    if theta is None:
         theta = config.get("rope_theta")
     if theta is None:
         theta = 10000.0
@@ -316,6 +449,11 @@ def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = rope_type or legacy_type or "default"
     if rope_type == "default":
         return float(theta), None
+    if rope_type in ("llama3", "yarn"):
+        top_level = config.get("original_max_position_embeddings")
+        if top_level is not None:
+            rest["original_max_position_embeddings"] = top_level
+        rest.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
     return float(theta), {"rope_type": rope_type, **rest}
 
 
@@ -502,7 +640,8 @@ def make_shareable(folder: str | os.PathLike[str]) -> None:
 def _f32_roundtrip_clean(x: float) -> float:
     """1e-5 stored as float32 in GGUF reads back as 9.999999747378752e-06; undo that."""
     short = float(f"{x:.7g}")
-    return short if torch.tensor(short, dtype=torch.float32).item() == torch.tensor(x, dtype=torch.float32).item() else x
+    as_f32 = torch.tensor(short, dtype=torch.float32).item()
+    return short if as_f32 == torch.tensor(x, dtype=torch.float32).item() else x
 
 
 def convert_gguf(
@@ -521,8 +660,6 @@ def convert_gguf(
     (``.radixrt-converted.json``) that :func:`default_model_path` checks.
     Replaces an existing ``out_dir``.  Returns ``out_dir``.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-
     gguf = Path(gguf_file).expanduser().resolve()
     target = Path(out_dir).expanduser()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -530,71 +667,97 @@ def convert_gguf(
     logger.info("converting %s -> %s (one time)", gguf, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-        state = src.state_dict()
-
-        cfg = src.config.to_dict()
-        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
-            cfg.pop(key, None)
-        if isinstance(cfg.get("rms_norm_eps"), float):
-            cfg["rms_norm_eps"] = _f32_roundtrip_clean(cfg["rms_norm_eps"])
-        cfg["dtype"] = str(dtype).removeprefix("torch.")
-        eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
-        if eos_id is not None and cfg.get("eos_token_id") is None:
-            cfg["eos_token_id"] = eos_id
-        config = type(src.config).from_dict(cfg)
-        del src
-
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        model.load_state_dict(state, strict=True)
-        del state
-        model.generation_config = GenerationConfig(
-            bos_token_id=config.bos_token_id,
-            eos_token_id=config.eos_token_id,
-            pad_token_id=getattr(config, "pad_token_id", None),
-        )
-        model.save_pretrained(str(tmp))
-        del model
-
-        if not tokenizer.chat_template:
-            tokenizer.chat_template = _SMOLLM2_CHAT_TEMPLATE
-        tokenizer.model_max_length = config.max_position_embeddings
-        for key in ("is_local", "local_files_only", "gguf_file"):  # loader kwargs, not tokenizer settings
-            tokenizer.init_kwargs.pop(key, None)
-        tokenizer.save_pretrained(str(tmp))
-
-        # The folder must reload with transformers and with our own reader.
-        AutoConfig.from_pretrained(str(tmp))
-        mc = ModelConfig.from_pretrained(tmp)
-        if eos_id is not None and eos_id not in mc.eos_token_ids:
-            raise RuntimeError(f"converted config eos ids {mc.eos_token_ids} lack the tokenizer eos id {eos_id}")
-
-        seconds = time.perf_counter() - t0
+        eos_id = _write_dequantised(gguf, dtype, tmp)
+        _check_reloads(tmp, eos_id)
         marker = {
             "conversion_version": CONVERSION_VERSION,
             "source": str(gguf),
-            "dtype": cfg["dtype"],
-            "seconds": round(seconds, 2),
+            "dtype": str(dtype).removeprefix("torch."),
+            "seconds": round(time.perf_counter() - t0, 2),
             **(source_info or {}),
+            **_transformers_version(),
         }
-        try:
-            import transformers
-
-            marker["transformers"] = transformers.__version__
-        except Exception:  # pragma: no cover
-            pass
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         make_shareable(tmp)
-
-        if target.exists():
-            # Stale (old version or unmarked): move it out of the way first.
-            trash = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
-            os.replace(target, trash / "old")
-            shutil.rmtree(trash, ignore_errors=True)
-        os.replace(tmp, target)
+        _replace_folder(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
     return str(target)
+
+
+def _write_dequantised(gguf: Path, dtype: torch.dtype, folder: Path) -> int | None:
+    """Write the GGUF model as ``dtype`` weights, config, generation config and tokenizer into
+    ``folder``; returns the tokenizer's eos id (None where it has no eos token)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
+    src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    config = _cleaned_config(src.config, dtype, eos_id)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.load_state_dict(src.state_dict(), strict=True)
+    del src
+    model.generation_config = GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=getattr(config, "pad_token_id", None),
+    )
+    model.save_pretrained(str(folder))
+    del model
+
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = _SMOLLM2_CHAT_TEMPLATE
+    tokenizer.model_max_length = config.max_position_embeddings
+    for key in ("is_local", "local_files_only", "gguf_file"):  # loader kwargs, not settings
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(str(folder))
+    return eos_id
+
+
+def _cleaned_config(src_config: Any, dtype: torch.dtype, eos_id: int | None) -> Any:
+    """The GGUF model's transformers config without the GGUF loader's entries, with
+    rms_norm_eps as written before float32 storage, ``dtype``, and ``eos_id`` where the
+    config names no eos token."""
+    cfg = src_config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path",
+                "transformers_version"):
+        cfg.pop(key, None)
+    if isinstance(cfg.get("rms_norm_eps"), float):
+        cfg["rms_norm_eps"] = _f32_roundtrip_clean(cfg["rms_norm_eps"])
+    cfg["dtype"] = str(dtype).removeprefix("torch.")
+    if eos_id is not None and cfg.get("eos_token_id") is None:
+        cfg["eos_token_id"] = eos_id
+    return type(src_config).from_dict(cfg)
+
+
+def _check_reloads(folder: Path, eos_id: int | None) -> None:
+    """The converted folder must reload with transformers and with our own reader."""
+    from transformers import AutoConfig
+
+    AutoConfig.from_pretrained(str(folder))
+    mc = ModelConfig.from_pretrained(folder)
+    if eos_id is not None and eos_id not in mc.eos_token_ids:
+        raise RuntimeError(
+            f"converted config eos ids {mc.eos_token_ids} lack the tokenizer eos id {eos_id}"
+        )
+
+
+def _transformers_version() -> dict[str, str]:
+    try:
+        import transformers
+
+        return {"transformers": transformers.__version__}
+    except Exception:  # pragma: no cover
+        return {}
+
+
+def _replace_folder(new: Path, target: Path) -> None:
+    """Rename ``new`` to ``target``; a stale ``target`` (old version or unmarked) is moved out
+    of the way and deleted first."""
+    if target.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
+        os.replace(target, trash / "old")
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(new, target)

@@ -198,6 +198,122 @@ def test_model_config_validation():
         ModelConfig.from_dict(_llama_dict(torch_dtype="int8"))
 
 
+def test_model_config_rope_scaling_types():
+    dynamic = ModelConfig.from_dict(_llama_dict(rope_scaling={"type": "dynamic", "factor": 2.0}))
+    assert dynamic.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
+    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [4.0] * 32,
+                "original_max_position_embeddings": 4096}
+    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported: .*length"):
+        ModelConfig.from_dict(_llama_dict(rope_scaling=longrope))
+    for unknown in ("proportional", "mrope"):
+        with pytest.raises(ValueError, match=f"rope_type.*{unknown}"):
+            ModelConfig.from_dict(_llama_dict(rope_scaling={"rope_type": unknown, "factor": 2.0}))
+    with pytest.raises(ValueError, match="factor"):
+        ModelConfig.from_dict(_llama_dict(rope_scaling={"rope_type": "linear"}))
+
+
+def test_model_config_yarn_defaults_as_transformers():
+    yarn = {"type": "yarn", "factor": 4.0}
+    # original context: config.json's top-level field, else the rope dict's, else
+    # max_position_embeddings
+    assert ModelConfig.from_dict(_llama_dict(rope_scaling=yarn)).rope_scaling == {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 131072}
+    own = dict(yarn, original_max_position_embeddings=4096)
+    assert ModelConfig.from_dict(_llama_dict(rope_scaling=own)).rope_scaling[
+        "original_max_position_embeddings"] == 4096
+    top = _llama_dict(rope_scaling=own, original_max_position_embeddings=8192)
+    assert ModelConfig.from_dict(top).rope_scaling["original_max_position_embeddings"] == 8192
+    # v4 rope_scaling wins over a v5 rope_parameters, as in transformers
+    both = _llama_dict(rope_scaling={"type": "linear", "factor": 4.0},
+                       rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0})
+    cfg = ModelConfig.from_dict(both)
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.rope_theta == 500000.0
+    for key, value in (("attention_factor", -1.0), ("beta_fast", "32"), ("mscale", True),
+                       ("truncate", "no"), ("original_max_position_embeddings", 0)):
+        with pytest.raises(ValueError, match=key):
+            ModelConfig.from_dict(_llama_dict(rope_scaling=dict(own, **{key: value})))
+
+
+_PARTIAL_IN_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
+
+
+@pytest.mark.parametrize("arch, over, field", [
+    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ("qwen2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"attention_bias": True}, "attention_bias .*o_proj"),
+    ("qwen3", {"attention_bias": True}, "attention_bias .*o_proj"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("mistral", {"rope_parameters": _PARTIAL_IN_ROPE},
+     r"rope_parameters\['partial_rotary_factor'\]"),
+    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
+     "partial_rotary_factor"),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 8},
+     "use_sliding_window .*some layers"),
+    ("qwen3", {"use_sliding_window": True, "sliding_window": 4096,
+               "layer_types": ["full_attention", "sliding_attention"] * 8}, "some layers"),
+])
+def test_model_config_refuses_what_radixrt_computes_differently(arch, over, field):
+    config = _llama_dict(model_type=arch, rope_scaling=None)
+    config.update(over)
+    with pytest.raises(ValueError, match=field):
+        ModelConfig.from_dict(config)
+
+
+_ABSENT = object()  # a config.json key left out
+
+
+def _hf_windows(arch: str, hf) -> set[int | None]:
+    """The attention windows of transformers' layers (None: full attention)."""
+    if arch == "llama":
+        return {None}
+    if arch == "mistral":
+        return {hf.sliding_window}
+    return {hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types}
+
+
+@pytest.mark.parametrize("arch, over", [
+    ("qwen3", {}),  # Qwen3Config's head_dim default, 128, not hidden_size / heads
+    ("llama", {"sliding_window": 4096, "hidden_act": "swish"}),  # Llama has no window
+    ("mistral", {"sliding_window": 4096, "use_sliding_window": False}),  # Mistral ignores the flag
+    ("mistral", {"attention_bias": True, "mlp_bias": True}),  # biases; window: MistralConfig's 4096
+    ("qwen2", {"sliding_window": 4096, "attention_bias": False}),  # no flag, no window; biased
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}),  # no layer from the 28th on
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}),
+    ("qwen3", {"sliding_window": 512, "use_sliding_window": True,
+               "layer_types": ["sliding_attention"] * 16}),
+    ("llama", {"partial_rotary_factor": 1.0, "pretraining_tp": 2}),
+    ("qwen2", dict.fromkeys(("rms_norm_eps", "tie_word_embeddings", "num_key_value_heads",
+                             "rope_theta", "hidden_act"), _ABSENT) | {"num_attention_heads": 32}),
+    ("mistral", {"num_key_value_heads": _ABSENT, "num_attention_heads": 16}),  # 8 KV heads
+    ("llama", dict.fromkeys(("rms_norm_eps", "tie_word_embeddings", "rope_theta",
+                             "num_key_value_heads"), _ABSENT)),
+])
+def test_model_config_reads_fields_as_transformers(arch, over):
+    """head_dim, the attention window and the q/k/v biases are those of transformers' attention
+    for the same config.json, whose o_proj never has a bias here."""
+    import copy
+    import importlib
+
+    from transformers import CONFIG_MAPPING
+    config = _llama_dict(model_type=arch, rope_scaling=None, hidden_size=256, num_attention_heads=4,
+                         num_key_value_heads=2)
+    config.update(over)
+    config = {k: v for k, v in config.items() if v is not _ABSENT}
+    cfg = ModelConfig.from_dict(config)
+    hf = CONFIG_MAPPING[arch].from_dict(copy.deepcopy(config))
+    module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+    attn = getattr(module, f"{prefix}Attention")(hf, layer_idx=0)
+    assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (
+        attn.head_dim, hf.num_attention_heads, hf.num_key_value_heads)
+    assert (cfg.rms_norm_eps, cfg.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
+    assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and hf.hidden_act in ("silu", "swish")
+    assert {cfg.sliding_window} == _hf_windows(arch, hf)
+    assert cfg.attention_bias == (attn.q_proj.bias is not None) and attn.o_proj.bias is None
+    assert cfg.qk_norm == hasattr(attn, "q_norm")
+
+
 def test_model_config_from_pretrained_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_pretrained(tmp_path)
