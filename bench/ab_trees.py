@@ -48,8 +48,14 @@ print(json.dumps({"best_s": min(times), "times_s": times, "sha256": digest}))
 
 def run_tree(tree: Path, work_file: Path, threads: int) -> dict:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    out = subprocess.run([sys.executable, "-c", CHILD, str(work_file), str(threads)], cwd=tree,
-                         env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, str(work_file), str(threads)],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -66,11 +72,12 @@ def main() -> None:
     prompts = make_workload(49152, 4, 8, 512, 32, 0)
     RESULTS.mkdir(exist_ok=True)
     work_file = RESULTS / "ab_trees_workload.json"
-    work_file.write_text(json.dumps({"prompts": prompts, "output": 32, "dtype": args.dtype,
-                                     "repeats": args.repeats}))
+    work_file.write_text(
+        json.dumps({"prompts": prompts, "output": 32, "dtype": args.dtype, "repeats": args.repeats})
+    )
     runs: dict[str, list[dict]] = {"A": [], "B": []}
     for r in range(args.rounds):
-        for name in ("AB" if r % 2 == 0 else "BA"):
+        for name in "AB" if r % 2 == 0 else "BA":
             runs[name].append(run_tree(trees[name], work_file, args.threads))
             print(f"round {r} {name}: {runs[name][-1]}", flush=True)
     work_file.unlink()
@@ -78,12 +85,18 @@ def main() -> None:
     for name in "AB":
         bests = [x["best_s"] for x in runs[name]]
         hashes = sorted({x["sha256"] for x in runs[name]})
-        print(f"| {name} | {trees[name]} | {' / '.join(f'{b:.3f}' for b in bests)} | "
-              f"{statistics.median(bests):.3f} | {', '.join(hashes)} |")
+        print(
+            f"| {name} | {trees[name]} | {' / '.join(f'{b:.3f}' for b in bests)} | "
+            f"{statistics.median(bests):.3f} | {', '.join(hashes)} |"
+        )
     same = {x["sha256"] for x in runs["A"]} == {x["sha256"] for x in runs["B"]}
     print(f"\ngreedy outputs identical: {same}")
-    (RESULTS / "ab_trees.json").write_text(json.dumps(
-        {"trees": {k: str(v) for k, v in trees.items()}, "runs": runs, "identical": same}, indent=1))
+    (RESULTS / "ab_trees.json").write_text(
+        json.dumps(
+            {"trees": {k: str(v) for k, v in trees.items()}, "runs": runs, "identical": same},
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

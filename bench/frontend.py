@@ -19,15 +19,22 @@ import radixrt.lang as rl
 from radixrt import Engine
 
 RESULTS = Path(__file__).parent / "results"
-TOPICS = ["photosynthesis", "the French revolution", "plate tectonics", "compound interest",
-          "the immune system"]
+TOPICS = [
+    "photosynthesis",
+    "the French revolution",
+    "plate tectonics",
+    "compound interest",
+    "the immune system",
+]
 
 
 def example(i: int) -> tuple[str, str]:
     topic = TOPICS[i]
-    context = " ".join(f"Fact {k} about {topic}: it has been studied for many years and "
-                       f"researchers describe aspect number {k} of it in considerable detail."
-                       for k in range(6))
+    context = " ".join(
+        f"Fact {k} about {topic}: it has been studied for many years and "
+        f"researchers describe aspect number {k} of it in considerable detail."
+        for k in range(6)
+    )
     return f"{context}\nQuestion: What is the passage about?", topic
 
 
@@ -64,23 +71,32 @@ def run(name: str, model, dtype: str, questions: list[str], threads: int, **kwar
     before = dict(eng.stats())
     backend = rl.EngineBackend(eng, request_log_len=None)  # every prompt, for the trie
     t0 = time.perf_counter()
-    states = few_shot.run_batch([{"question": q} for q in questions], backend=backend,
-                                num_threads=threads)
+    states = few_shot.run_batch(
+        [{"question": q} for q in questions], backend=backend, num_threads=threads
+    )
     elapsed = time.perf_counter() - t0
     after = eng.stats()
     errors = [st.error for st in states if st.error is not None]
     if errors:
         raise errors[0]
-    delta = {k: after.get(k, 0) - before.get(k, 0) for k in
-             ("prefill_tokens", "cached_tokens", "prompt_tokens", "output_tokens")}
+    delta = {
+        k: after.get(k, 0) - before.get(k, 0)
+        for k in ("prefill_tokens", "cached_tokens", "prompt_tokens", "output_tokens")
+    }
     uniq = unique_tokens(backend.request_log)
     eng.check_memory()
-    return {"name": name, "programs": len(questions), "seconds": elapsed,
-            "programs_per_s": len(questions) / elapsed, "output_tok_per_s": delta["output_tokens"] / elapsed,
-            "hit_rate": delta["cached_tokens"] / max(1, delta["prompt_tokens"]),
-            "prefill_tokens": delta["prefill_tokens"], "unique_prefix_tree_tokens": uniq,
-            "prefill_over_unique": delta["prefill_tokens"] / max(1, uniq),
-            "answers": [st["answer"] for st in states[:3]]}
+    return {
+        "name": name,
+        "programs": len(questions),
+        "seconds": elapsed,
+        "programs_per_s": len(questions) / elapsed,
+        "output_tok_per_s": delta["output_tokens"] / elapsed,
+        "hit_rate": delta["cached_tokens"] / max(1, delta["prompt_tokens"]),
+        "prefill_tokens": delta["prefill_tokens"],
+        "unique_prefix_tree_tokens": uniq,
+        "prefill_over_unique": delta["prefill_tokens"] / max(1, uniq),
+        "answers": [st["answer"] for st in states[:3]],
+    }
 
 
 def main() -> None:
@@ -94,21 +110,33 @@ def main() -> None:
     model = None if args.model == "default" else args.model
     if args.model == "tiny":
         from radixrt.testing import tiny_model_path
+
         model = tiny_model_path("llama")
-    questions = [f"Short note number {i} on topic {i % 7}: the item is described briefly." for i in
-                 range(args.questions)]
-    rows = [run("cache on", model, args.dtype, questions, args.threads),
-            run("cache off", model, args.dtype, questions, args.threads, disable_radix_cache=True)]
-    print(f"{'':10} {'s':>7} {'prog/s':>8} {'tok/s':>8} {'hit':>6} {'prefill':>9} {'unique':>8} {'ratio':>6}")
+    questions = [
+        f"Short note number {i} on topic {i % 7}: the item is described briefly."
+        for i in range(args.questions)
+    ]
+    rows = [
+        run("cache on", model, args.dtype, questions, args.threads),
+        run("cache off", model, args.dtype, questions, args.threads, disable_radix_cache=True),
+    ]
+    print(
+        f"{'':10} {'s':>7} {'prog/s':>8} {'tok/s':>8} {'hit':>6} {'prefill':>9} {'unique':>8} {'ratio':>6}"
+    )
     for r in rows:
-        print(f"{r['name']:10} {r['seconds']:7.2f} {r['programs_per_s']:8.2f} {r['output_tok_per_s']:8.1f} "
-              f"{r['hit_rate']:6.1%} {r['prefill_tokens']:9d} {r['unique_prefix_tree_tokens']:8d} "
-              f"{r['prefill_over_unique']:6.2f}")
+        print(
+            f"{r['name']:10} {r['seconds']:7.2f} {r['programs_per_s']:8.2f} {r['output_tok_per_s']:8.1f} "
+            f"{r['hit_rate']:6.1%} {r['prefill_tokens']:9d} {r['unique_prefix_tree_tokens']:8d} "
+            f"{r['prefill_over_unique']:6.2f}"
+        )
     speedup = rows[1]["seconds"] / rows[0]["seconds"]
     print(f"speedup (cache on vs off): {speedup:.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"model": args.model, "dtype": args.dtype, "rows": rows,
-                                          "speedup": speedup}, indent=2))
+    Path(args.out).write_text(
+        json.dumps(
+            {"model": args.model, "dtype": args.dtype, "rows": rows, "speedup": speedup}, indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

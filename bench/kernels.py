@@ -78,6 +78,7 @@ class ExtendRow:
 def bench(fn) -> float:
     """Median time of fn in µs."""
     from triton.testing import do_bench
+
     return do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
 
 
@@ -99,7 +100,7 @@ def matmul_tflops(n: int = 8192) -> float:
     a = torch.randn(n, n, dtype=DTYPE, device=DEVICE)
     b = torch.randn(n, n, dtype=DTYPE, device=DEVICE)
     us = bench(lambda: a @ b)
-    return 2 * n ** 3 / us / 1e6
+    return 2 * n**3 / us / 1e6
 
 
 def paged_pool(lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -118,14 +119,21 @@ def gathered(buf: torch.Tensor, indices: torch.Tensor, batch: int, length: int) 
 
 
 def bench_decode(batch: int, context: int, copy_gbps: float, num_sms: int) -> DecodeRow:
-    from radixrt_kernels.decode_attention import DecodeWorkspace, choose_num_kv_splits, decode_attention
+    from radixrt_kernels.decode_attention import (
+        DecodeWorkspace,
+        choose_num_kv_splits,
+        decode_attention,
+    )
+
     k_buf, v_buf, indptr, indices = paged_pool([context] * batch)
     q = torch.randn(batch, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
     o = torch.empty_like(q)
     splits = choose_num_kv_splits(batch, KV_HEADS, context, num_sms)
     ws = DecodeWorkspace.allocate(batch, HEADS, HEAD_DIM, splits, DEVICE)
-    scale = HEAD_DIM ** -0.5
-    triton_us = bench(lambda: decode_attention(q, k_buf, v_buf, o, indptr, indices, scale, splits, ws))
+    scale = HEAD_DIM**-0.5
+    triton_us = bench(
+        lambda: decode_attention(q, k_buf, v_buf, o, indptr, indices, scale, splits, ws)
+    )
     k, v = gathered(k_buf, indices, batch, context), gathered(v_buf, indices, batch, context)
     del k_buf, v_buf
     qd = q[:, :, None, :]  # [B, H, 1, D]
@@ -136,7 +144,9 @@ def bench_decode(batch: int, context: int, copy_gbps: float, num_sms: int) -> De
     gbps = kv_bytes / triton_us / 1e3
     applies = batch >= 32 and context >= 4096
     met = "met" if gbps >= DECODE_TARGET * copy_gbps else "MISSED"
-    return DecodeRow(batch, context, splits, triton_us, sdpa_us, gbps, gbps / copy_gbps, met if applies else "")
+    return DecodeRow(
+        batch, context, splits, triton_us, sdpa_us, gbps, gbps / copy_gbps, met if applies else ""
+    )
 
 
 def causal_flops(batch: int, prefix: int, suffix: int) -> float:
@@ -145,36 +155,61 @@ def causal_flops(batch: int, prefix: int, suffix: int) -> float:
 
 def bench_extend(prefix: int, suffix: int, peak_tflops: float) -> ExtendRow:
     from torch.nn.attention.bias import causal_lower_right
+
     from radixrt_kernels.extend_attention import extend_attention
+
     batch = max(1, EXTEND_TOKENS // suffix)
     k_buf, v_buf, kv_indptr, kv_indices = paged_pool([prefix] * batch)
     t = batch * suffix
     q = torch.randn(t, HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE)
-    k_new, v_new = (torch.randn(t, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE) for _ in range(2))
+    k_new, v_new = (
+        torch.randn(t, KV_HEADS, HEAD_DIM, dtype=DTYPE, device=DEVICE) for _ in range(2)
+    )
     qo_indptr = torch.arange(0, t + 1, suffix, device=DEVICE)
     o = torch.empty_like(q)
-    scale = HEAD_DIM ** -0.5
-    triton_us = bench(lambda: extend_attention(q, k_new, v_new, o, k_buf, v_buf, qo_indptr, kv_indptr,
-                                               kv_indices, scale, suffix))
+    scale = HEAD_DIM**-0.5
+    triton_us = bench(
+        lambda: extend_attention(
+            q, k_new, v_new, o, k_buf, v_buf, qo_indptr, kv_indptr, kv_indices, scale, suffix
+        )
+    )
     group = HEADS // KV_HEADS
 
     def dense(buf, new):  # [B, H, prefix + suffix, D], KV heads repeated for the causal bias path
-        cat = torch.cat([gathered(buf, kv_indices, batch, prefix),
-                         new.view(batch, suffix, KV_HEADS, HEAD_DIM).transpose(1, 2)], dim=2)
+        cat = torch.cat(
+            [
+                gathered(buf, kv_indices, batch, prefix),
+                new.view(batch, suffix, KV_HEADS, HEAD_DIM).transpose(1, 2),
+            ],
+            dim=2,
+        )
         return cat.repeat_interleave(group, dim=1)
 
     k, v = dense(k_buf, k_new), dense(v_buf, v_new)
     qd = q.view(batch, suffix, HEADS, HEAD_DIM).transpose(1, 2)
     mask = causal_lower_right(suffix, prefix + suffix)
     sdpa = lambda: F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale)  # noqa: E731
-    check_same(o, sdpa().transpose(1, 2).reshape(t, HEADS, HEAD_DIM), f"extend prefix {prefix} suffix {suffix}")
+    check_same(
+        o,
+        sdpa().transpose(1, 2).reshape(t, HEADS, HEAD_DIM),
+        f"extend prefix {prefix} suffix {suffix}",
+    )
     sdpa_us = bench(sdpa)
     flops = causal_flops(batch, prefix, suffix)
     tflops = flops / triton_us / 1e6
     applies = prefix == 4096 and suffix == 2048
     met = "met" if tflops >= EXTEND_TARGET * peak_tflops else "MISSED"
-    return ExtendRow(batch, prefix, suffix, triton_us, sdpa_us, tflops, flops / sdpa_us / 1e6,
-                     tflops / peak_tflops, met if applies else "")
+    return ExtendRow(
+        batch,
+        prefix,
+        suffix,
+        triton_us,
+        sdpa_us,
+        tflops,
+        flops / sdpa_us / 1e6,
+        tflops / peak_tflops,
+        met if applies else "",
+    )
 
 
 def print_table(title: str, rows: list) -> None:
@@ -197,8 +232,12 @@ def _fmt(v: object) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a few sizes, including the target points")
-    parser.add_argument("--max-kv-gb", type=float, default=40.0, help="skip decode sizes whose KV exceeds this")
+    parser.add_argument(
+        "--quick", action="store_true", help="a few sizes, including the target points"
+    )
+    parser.add_argument(
+        "--max-kv-gb", type=float, default=40.0, help="skip decode sizes whose KV exceeds this"
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -207,8 +246,12 @@ def main() -> int:
     props = torch.cuda.get_device_properties(0)
     copy_gbps, peak = copy_bandwidth_gbps(), matmul_tflops()
     print(f"{props.name}: copy bandwidth {copy_gbps:.0f} GB/s, bf16 matmul {peak:.0f} TFLOP/s")
-    decode_sizes = QUICK_DECODE if args.quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
-    extend_sizes = QUICK_EXTEND if args.quick else [(p, s) for p in EXTEND_PREFIXES for s in EXTEND_SUFFIXES]
+    decode_sizes = (
+        QUICK_DECODE if args.quick else [(b, c) for b in DECODE_BATCHES for c in DECODE_CONTEXTS]
+    )
+    extend_sizes = (
+        QUICK_EXTEND if args.quick else [(p, s) for p in EXTEND_PREFIXES for s in EXTEND_SUFFIXES]
+    )
     kv_gb = lambda b, c: 2 * b * c * KV_HEADS * HEAD_DIM * 2 / 1e9  # noqa: E731
     decode = []
     for b, c in decode_sizes:
@@ -219,15 +262,27 @@ def main() -> int:
     for p, s in extend_sizes:
         extend.append(bench_extend(p, s, peak))
         torch.cuda.empty_cache()
-    print_table(f"decode (H={HEADS}, KH={KV_HEADS}, D={HEAD_DIM}, bf16; target >= {DECODE_TARGET:.0%} "
-                f"of copy bandwidth at batch >= 32, context >= 4k)", decode)
-    print_table(f"extend (target >= {EXTEND_TARGET:.0%} of matmul peak at prefix 4k, suffix 2k)", extend)
+    print_table(
+        f"decode (H={HEADS}, KH={KV_HEADS}, D={HEAD_DIM}, bf16; target >= {DECODE_TARGET:.0%} "
+        f"of copy bandwidth at batch >= 32, context >= 4k)",
+        decode,
+    )
+    print_table(
+        f"extend (target >= {EXTEND_TARGET:.0%} of matmul peak at prefix 4k, suffix 2k)", extend
+    )
     import triton
-    result = dict(device=props.name, torch=torch.__version__, triton=triton.__version__,
-                  python=platform.python_version(),
-                  shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE)),
-                  copy_gbps=copy_gbps, matmul_tflops=peak,
-                  decode=[asdict(r) for r in decode], extend=[asdict(r) for r in extend])
+
+    result = dict(
+        device=props.name,
+        torch=torch.__version__,
+        triton=triton.__version__,
+        python=platform.python_version(),
+        shape=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE)),
+        copy_gbps=copy_gbps,
+        matmul_tflops=peak,
+        decode=[asdict(r) for r in decode],
+        extend=[asdict(r) for r in extend],
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {args.out}")

@@ -35,20 +35,24 @@ from radixrt import Engine, SamplingParams
 RESULTS = Path(__file__).parent / "results"
 
 
-def make_workload(vocab: int, groups: int, questions: int, system: int, question: int,
-                  seed: int) -> list[list[int]]:
+def make_workload(
+    vocab: int, groups: int, questions: int, system: int, question: int, seed: int
+) -> list[list[int]]:
     rng = random.Random(seed)
     lo, hi = 10, vocab - 10  # keep clear of special tokens at either end
     prompts = []
     for _ in range(groups):
         sys_ids = [rng.randrange(lo, hi) for _ in range(system)]
-        prompts += [sys_ids + [rng.randrange(lo, hi) for _ in range(question)] for _ in range(questions)]
+        prompts += [
+            sys_ids + [rng.randrange(lo, hi) for _ in range(question)] for _ in range(questions)
+        ]
     rng.shuffle(prompts)
     return prompts
 
 
-def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repeats: int,
-                **kwargs) -> dict:
+def run_radixrt(
+    name: str, prompts: list[list[int]], out: int, dtype: str, repeats: int, **kwargs
+) -> dict:
     """One untimed run of the whole workload (warm-up: first-touch of the activation and KV
     memory), then ``repeats`` timed runs on a flushed cache; the fastest is reported."""
     t0 = time.perf_counter()
@@ -73,20 +77,31 @@ def run_radixrt(name: str, prompts: list[list[int]], out: int, dtype: str, repea
     n_out = sum(len(o.token_ids) for o in outs)
     prompt_tokens = sum(len(p) for p in prompts)
     cached = after["cached_tokens"] - before.get("cached_tokens", 0)
-    return {"row": name, "wall_s": wall, "output_tok_s": n_out / wall, "output_tokens": n_out,
-            "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
-            "hit_rate": cached / prompt_tokens, "retractions": after.get("retractions", 0),
-            "runs_s": [r[0] for r in runs], "startup_s": startup,
-            "decode_attention": decode_attention,
-            **{k: after.get(k, 0.0) - before.get(k, 0.0)
-               for k in ("prefill_forward_s", "decode_forward_s", "decode_steps")}}
+    return {
+        "row": name,
+        "wall_s": wall,
+        "output_tok_s": n_out / wall,
+        "output_tokens": n_out,
+        "prefill_tokens": after["prefill_tokens"] - before.get("prefill_tokens", 0),
+        "hit_rate": cached / prompt_tokens,
+        "retractions": after.get("retractions", 0),
+        "runs_s": [r[0] for r in runs],
+        "startup_s": startup,
+        "decode_attention": decode_attention,
+        **{
+            k: after.get(k, 0.0) - before.get(k, 0.0)
+            for k in ("prefill_forward_s", "decode_forward_s", "decode_steps")
+        },
+    }
 
 
-def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, batch: int,
-                     repeats: int) -> dict:
+def run_transformers(
+    path: str, prompts: list[list[int]], out: int, dtype: str, batch: int, repeats: int
+) -> dict:
     """Batched, left-padded greedy ``generate``; an untimed warm-up on the first batch, then
     ``repeats`` timed passes over the workload; the fastest is reported."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     pad = 0
 
@@ -95,8 +110,14 @@ def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, 
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=pad)
+            gen = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return (gen.shape[1] - width) * len(chunk), width * len(chunk)
 
     generate(prompts[:batch], out)  # warm-up
@@ -105,16 +126,25 @@ def run_transformers(path: str, prompts: list[list[int]], out: int, dtype: str, 
         t0 = time.perf_counter()
         n_out = prefill = 0
         for i in range(0, len(prompts), batch):
-            o, p = generate(prompts[i:i + batch], out)
+            o, p = generate(prompts[i : i + batch], out)
             n_out, prefill = n_out + o, prefill + p
         runs.append(time.perf_counter() - t0)
     wall = min(runs)
-    return {"row": f"transformers generate (batch {batch})", "wall_s": wall,
-            "output_tok_s": n_out / wall, "output_tokens": n_out, "prefill_tokens": prefill,
-            "hit_rate": 0.0, "retractions": 0, "runs_s": runs}
+    return {
+        "row": f"transformers generate (batch {batch})",
+        "wall_s": wall,
+        "output_tok_s": n_out / wall,
+        "output_tokens": n_out,
+        "prefill_tokens": prefill,
+        "hit_rate": 0.0,
+        "retractions": 0,
+        "runs_s": runs,
+    }
 
 
-def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chunk: int = 512) -> dict:
+def dense_floor(
+    prompts: list[list[int]], unique: int, out: int, dtype: str, chunk: int = 512
+) -> dict:
     """A lower bound no runtime on this model can beat: its weight matmuls alone.
 
     Times only the model's own linear layers (qkv, o, gate_up, down of every
@@ -126,13 +156,23 @@ def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chu
     """
     eng = Engine(model=None, dtype=dtype, max_total_tokens=4096)
     model = eng.runner.model
-    linears = [m for layer in model.model.layers for m in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    linears = [
+        m
+        for layer in model.model.layers
+        for m in (
+            layer.self_attn.qkv_proj,
+            layer.self_attn.o_proj,
+            layer.mlp.gate_up_proj,
+            layer.mlp.down_proj,
+        )
+    ]
     head = model.lm_head
     hidden = head.weight.shape[1]
 
     widths = sorted({m.in_features for m in linears} | {hidden})
-    inputs = {k: torch.randn(chunk, k, dtype=head.weight.dtype) for k in widths}  # outside the clock
+    inputs = {
+        k: torch.randn(chunk, k, dtype=head.weight.dtype) for k in widths
+    }  # outside the clock
 
     def run(rows: int, sampled: int) -> None:
         for m in linears:
@@ -153,8 +193,15 @@ def dense_floor(prompts: list[list[int]], unique: int, out: int, dtype: str, chu
             best = min(best, time.perf_counter() - t0)
     eng.shutdown()
     n_out = out * len(prompts)
-    return {"row": "floor: weight matmuls only", "wall_s": best, "output_tok_s": n_out / best,
-            "output_tokens": n_out, "prefill_tokens": unique, "hit_rate": 0.0, "retractions": 0}
+    return {
+        "row": "floor: weight matmuls only",
+        "wall_s": best,
+        "output_tok_s": n_out / best,
+        "output_tokens": n_out,
+        "prefill_tokens": unique,
+        "hit_rate": 0.0,
+        "retractions": 0,
+    }
 
 
 def _call_with_threads(threads: int, fn, args: tuple, kwargs: dict) -> dict:
@@ -173,6 +220,7 @@ def row(isolated: bool, threads: int, fn, *args, **kwargs) -> dict:
 def plot(rows: list[dict], path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -196,54 +244,118 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--repeats", type=int, default=2, help="timed runs per row after a warm-up; best reported")
+    ap.add_argument(
+        "--repeats", type=int, default=2, help="timed runs per row after a warm-up; best reported"
+    )
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--skip-compile", action="store_true", help="no torch.compile row (it compiles ~1 min)")
-    ap.add_argument("--same-process", action="store_true",
-                    help="run every row in this process, one after another (the old way)")
+    ap.add_argument(
+        "--skip-compile", action="store_true", help="no torch.compile row (it compiles ~1 min)"
+    )
+    ap.add_argument(
+        "--same-process",
+        action="store_true",
+        help="run every row in this process, one after another (the old way)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from radixrt.model.loader import ModelConfig, default_model_path
+
     path = default_model_path()
     vocab = ModelConfig.from_pretrained(path).vocab_size
-    prompts = make_workload(vocab, args.groups, args.questions, args.system, args.question, args.seed)
+    prompts = make_workload(
+        vocab, args.groups, args.questions, args.system, args.question, args.seed
+    )
     unique = args.groups * args.system + len(prompts) * args.question
     n, iso, th = args.repeats, not args.same_process, args.threads
-    rows = [row(iso, th, run_radixrt, "radixrt lpm", prompts, args.output, args.dtype, n),
-            row(iso, th, run_radixrt, "radixrt fcfs", prompts, args.output, args.dtype, n, schedule_policy="fcfs"),
-            row(iso, th, run_radixrt, "radixrt no cache", prompts, args.output, args.dtype, n,
-                disable_radix_cache=True)]
+    rows = [
+        row(iso, th, run_radixrt, "radixrt lpm", prompts, args.output, args.dtype, n),
+        row(
+            iso,
+            th,
+            run_radixrt,
+            "radixrt fcfs",
+            prompts,
+            args.output,
+            args.dtype,
+            n,
+            schedule_policy="fcfs",
+        ),
+        row(
+            iso,
+            th,
+            run_radixrt,
+            "radixrt no cache",
+            prompts,
+            args.output,
+            args.dtype,
+            n,
+            disable_radix_cache=True,
+        ),
+    ]
     if not args.skip_compile:
-        rows.append(row(iso, th, run_radixrt, "radixrt lpm + torch.compile", prompts, args.output, args.dtype,
-                        n, enable_torch_compile=True))
+        rows.append(
+            row(
+                iso,
+                th,
+                run_radixrt,
+                "radixrt lpm + torch.compile",
+                prompts,
+                args.output,
+                args.dtype,
+                n,
+                enable_torch_compile=True,
+            )
+        )
     radixrt_rows = list(rows)
     rows.append(row(iso, th, dense_floor, prompts, unique, args.output, args.dtype))
     floor = rows[-1]
     if not args.skip_transformers:
-        rows.append(row(iso, th, run_transformers, path, prompts, args.output, args.dtype, batch=8, repeats=n))
-    print(f"workload: {args.groups} groups x {args.questions} questions, system {args.system}, "
-          f"question {args.question}, output {args.output}; unique prefix-tree tokens {unique}")
+        rows.append(
+            row(
+                iso,
+                th,
+                run_transformers,
+                path,
+                prompts,
+                args.output,
+                args.dtype,
+                batch=8,
+                repeats=n,
+            )
+        )
+    print(
+        f"workload: {args.groups} groups x {args.questions} questions, system {args.system}, "
+        f"question {args.question}, output {args.output}; unique prefix-tree tokens {unique}"
+    )
     print(f"{'row':32} {'wall s':>8} {'out tok/s':>10} {'prefill tok':>12} {'hit rate':>9}")
     for r in rows:
-        print(f"{r['row']:32} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} "
-              f"{r['prefill_tokens']:12d} {r['hit_rate']:9.3f}")
+        print(
+            f"{r['row']:32} {r['wall_s']:8.2f} {r['output_tok_s']:10.1f} "
+            f"{r['prefill_tokens']:12d} {r['hit_rate']:9.3f}"
+        )
     for r in radixrt_rows:  # where a radixrt row's wall time went
         steps = max(r["decode_steps"], 1)
-        print(f"  {r['row']}: prefill forwards {r['prefill_forward_s']:.2f} s, decode forwards "
-              f"{r['decode_forward_s']:.2f} s ({r['decode_steps']:.0f} steps, "
-              f"{1e3 * r['decode_forward_s'] / steps:.1f} ms each), outside forwards "
-              f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s; start-up "
-              f"{r['startup_s']:.1f} s; decode attention: {r['decode_attention']}")
+        print(
+            f"  {r['row']}: prefill forwards {r['prefill_forward_s']:.2f} s, decode forwards "
+            f"{r['decode_forward_s']:.2f} s ({r['decode_steps']:.0f} steps, "
+            f"{1e3 * r['decode_forward_s'] / steps:.1f} ms each), outside forwards "
+            f"{r['wall_s'] - r['prefill_forward_s'] - r['decode_forward_s']:.2f} s; start-up "
+            f"{r['startup_s']:.1f} s; decode attention: {r['decode_attention']}"
+        )
     base = rows[-1]["output_tok_s"] if not args.skip_transformers else None
     if base:
-        ups = ", ".join(f"{r['row']} {r['output_tok_s'] / base:.1f}x" for r in radixrt_rows
-                        if "lpm" in r["row"])
-        print(f"speed-up over transformers: {ups}; prefill / unique = "
-              f"{rows[0]['prefill_tokens'] / unique:.3f}; the weight-matmul floor allows at most "
-              f"{floor['output_tok_s'] / base:.1f}x")
+        ups = ", ".join(
+            f"{r['row']} {r['output_tok_s'] / base:.1f}x" for r in radixrt_rows if "lpm" in r["row"]
+        )
+        print(
+            f"speed-up over transformers: {ups}; prefill / unique = "
+            f"{rows[0]['prefill_tokens'] / unique:.3f}; the weight-matmul floor allows at most "
+            f"{floor['output_tok_s'] / base:.1f}x"
+        )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "offline_shared_prefix.json").write_text(json.dumps(
-        {"args": vars(args), "unique_tokens": unique, "rows": rows}, indent=2))
+    (RESULTS / "offline_shared_prefix.json").write_text(
+        json.dumps({"args": vars(args), "unique_tokens": unique, "rows": rows}, indent=2)
+    )
     plot(rows, RESULTS / "offline_shared_prefix.png")
 
 

@@ -280,8 +280,9 @@ class BaselineRadixCache:
 # ------------------------------------------------------------------ part 1
 
 
-def make_trace(groups: int, per_group: int, system: int, suffix: int, output: int,
-               seed: int) -> list[tuple[np.ndarray, np.ndarray]]:
+def make_trace(
+    groups: int, per_group: int, system: int, suffix: int, output: int, seed: int
+) -> list[tuple[np.ndarray, np.ndarray]]:
     """(prompt, output) token ids per request, in arrival order."""
     rng = random.Random(seed)
 
@@ -312,8 +313,14 @@ class Running:
     __slots__ = ("tokens", "ids", "out", "slots", "hit", "node")
 
     def __init__(self, tokens, ids, out, slots, hit, node):
-        self.tokens, self.ids, self.out, self.slots, self.hit, self.node = \
-            tokens, ids, out, slots, hit, node
+        self.tokens, self.ids, self.out, self.slots, self.hit, self.node = (
+            tokens,
+            ids,
+            out,
+            slots,
+            hit,
+            node,
+        )
 
 
 def run_trace(impl: str, trace, args) -> dict:
@@ -326,8 +333,14 @@ def run_trace(impl: str, trace, args) -> dict:
         alloc = BaselineAllocator(num_slots)
         cache = BaselineRadixCache(alloc)
     t = {k: Timer() for k in OPS}
-    stats = {"evicted_leaves": 0, "evicted_tokens": 0, "hit_tokens": 0, "prompt_tokens": 0,
-             "deferred": 0, "max_tree_nodes": 0}
+    stats = {
+        "evicted_leaves": 0,
+        "evicted_tokens": 0,
+        "hit_tokens": 0,
+        "prompt_tokens": 0,
+        "deferred": 0,
+        "max_tree_nodes": 0,
+    }
     clock = Timer.clock
 
     def alloc_slots(n: int, last: int):
@@ -385,14 +398,14 @@ def run_trace(impl: str, trace, args) -> dict:
         key = r.tokens
         if r.ids is not None:
             t0 = clock()
-            r.ids.extend(r.tokens[len(r.ids):])
+            r.ids.extend(r.tokens[len(r.ids) :])
             t["ids_finish"].add(clock() - t0)
             key = r.ids.array
         t0 = clock()
         cached = cache.insert(key, r.slots)
         t["insert"].add(clock() - t0)
         aligned = len(r.tokens) // p * p
-        free(torch.cat([r.slots[r.hit:cached], r.slots[aligned:]]))
+        free(torch.cat([r.slots[r.hit : cached], r.slots[aligned:]]))
         t0 = clock()
         cache.unlock(r.node)
         t["unlock"].add(clock() - t0)
@@ -429,10 +442,16 @@ def run_trace(impl: str, trace, args) -> dict:
     assert alloc.available + cache.evictable_size == alloc.capacity
     if impl == "radixrt":
         check_slot_partition(alloc, cache, [])
-    return {"impl": impl, "num_slots": num_slots, "unique_tokens": unique,
-            "requests": len(trace), "wall_s": wall,
-            "hit_rate": stats["hit_tokens"] / max(1, stats["prompt_tokens"]), **stats,
-            "timers": t}
+    return {
+        "impl": impl,
+        "num_slots": num_slots,
+        "unique_tokens": unique,
+        "requests": len(trace),
+        "wall_s": wall,
+        "hit_rate": stats["hit_tokens"] / max(1, stats["prompt_tokens"]),
+        **stats,
+        "timers": t,
+    }
 
 
 def summarize(runs: list[dict]) -> dict:
@@ -446,8 +465,13 @@ def summarize(runs: list[dict]) -> dict:
         for tm in timers:
             allsamples.samples += tm.samples
         best = min(tm.us() for tm in timers)
-        out[name] = {"calls": timers[0].calls, "us_per_op": best, "ops_per_s": 1e6 / best,
-                     "p50_us": allsamples.pct(0.5), "p90_us": allsamples.pct(0.9)}
+        out[name] = {
+            "calls": timers[0].calls,
+            "us_per_op": best,
+            "ops_per_s": 1e6 / best,
+            "p50_us": allsamples.pct(0.5),
+            "p90_us": allsamples.pct(0.9),
+        }
     leaves = runs[0]["evicted_leaves"]
     if "evict" in out and leaves:
         per_leaf = min(r["timers"]["evict"].us(leaves) for r in runs)
@@ -467,8 +491,7 @@ def request_key_us(summary: dict) -> float:
 # ------------------------------------------------------------------ part 2
 
 
-def run_scaling(impl: str, leaves: int, calls: int, page_size: int, seed: int,
-                policy: str) -> dict:
+def run_scaling(impl: str, leaves: int, calls: int, page_size: int, seed: int, policy: str) -> dict:
     rng = random.Random(seed)
     p = page_size
     prefix_len, key_len, num_prefixes = 16 * p, 4 * p, 8
@@ -530,10 +553,17 @@ def run_scaling(impl: str, leaves: int, calls: int, page_size: int, seed: int,
     # evict(1) stops after its first leaf: one leaf per call (a leaf may be
     # shorter than key_len where two random keys share tokens).
     assert 0 < evicted_tokens <= (calls + counted) * key_len
-    return {"impl": impl, "leaves": leaves, "calls": calls, "build_s": build_s,
-            "py_calls_per_evict": py_calls,
-            "evict_us_per_call": ev.us(), "evict_p50_us": ev.pct(0.5),
-            "match_us": mt.us(), "insert_us": it.us()}
+    return {
+        "impl": impl,
+        "leaves": leaves,
+        "calls": calls,
+        "build_s": build_s,
+        "py_calls_per_evict": py_calls,
+        "evict_us_per_call": ev.us(),
+        "evict_p50_us": ev.pct(0.5),
+        "match_us": mt.us(),
+        "insert_us": it.us(),
+    }
 
 
 # --------------------------------------------------------------------- main
@@ -557,11 +587,19 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3, help="trace repeats (best mean is shown)")
     ap.add_argument("--leaves", type=int, nargs="+", default=[1_000, 10_000, 100_000])
     ap.add_argument("--evict-calls", type=int, default=2000)
-    ap.add_argument("--baseline-evict-work", type=int, default=2_000_000,
-                    help="baseline evict calls at N leaves: min(--evict-calls, this / N)")
+    ap.add_argument(
+        "--baseline-evict-work",
+        type=int,
+        default=2_000_000,
+        help="baseline evict calls at N leaves: min(--evict-calls, this / N)",
+    )
     ap.add_argument("--no-baseline", action="store_true")
-    ap.add_argument("--clock", default="thread", choices=sorted(CLOCKS),
-                    help="thread CPU time (default; robust on shared machines) or wall time")
+    ap.add_argument(
+        "--clock",
+        default="thread",
+        choices=sorted(CLOCKS),
+        help="thread CPU time (default; robust on shared machines) or wall time",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="small run (seconds)")
     ap.add_argument("--out", type=Path, default=RESULTS / "radix_ops.json")
@@ -573,28 +611,49 @@ def main() -> None:
     torch.set_num_threads(1)
     Timer.use(args.clock)
 
-    trace = make_trace(args.groups, args.per_group, args.system, args.suffix, args.output,
-                       args.seed)
+    trace = make_trace(
+        args.groups, args.per_group, args.system, args.suffix, args.output, args.seed
+    )
     ours = summarize([run_trace("radixrt", trace, args) for _ in range(args.repeat)])
-    base = summarize([run_trace("baseline", trace, args) for _ in range(args.repeat)]) \
-        if baseline else None
+    base = (
+        summarize([run_trace("baseline", trace, args) for _ in range(args.repeat)])
+        if baseline
+        else None
+    )
     info = ours["info"]
-    print(f"part 1: {args.groups} groups x {args.per_group} requests, system {args.system}, "
-          f"suffix ~{args.suffix}, output ~{args.output}; page_size {args.page_size}, "
-          f"{args.policy}, concurrency {args.concurrency}, best of {args.repeat}")
-    print(f"pool {info['num_slots']} slots for {info['unique_tokens']} unique tokens; "
-          f"hit rate {info['hit_rate']:.1%}; {info['evicted_tokens']} tokens evicted in "
-          f"{ours['ops']['evict']['calls']} calls ({info['evicted_leaves']} leaves); "
-          f"max tree nodes {info['max_tree_nodes']}; wall {info['wall_s']:.2f}s")
-    head = (f"{'op':<17}{'calls':>7}{'us/op':>8}{'p50 us':>8}{'ops/s':>10}"
-            f"{'base us':>9}{'x base':>8}{'SGLang us':>10}{'x SGLang':>9}")
+    print(
+        f"part 1: {args.groups} groups x {args.per_group} requests, system {args.system}, "
+        f"suffix ~{args.suffix}, output ~{args.output}; page_size {args.page_size}, "
+        f"{args.policy}, concurrency {args.concurrency}, best of {args.repeat}"
+    )
+    print(
+        f"pool {info['num_slots']} slots for {info['unique_tokens']} unique tokens; "
+        f"hit rate {info['hit_rate']:.1%}; {info['evicted_tokens']} tokens evicted in "
+        f"{ours['ops']['evict']['calls']} calls ({info['evicted_leaves']} leaves); "
+        f"max tree nodes {info['max_tree_nodes']}; wall {info['wall_s']:.2f}s"
+    )
+    head = (
+        f"{'op':<17}{'calls':>7}{'us/op':>8}{'p50 us':>8}{'ops/s':>10}"
+        f"{'base us':>9}{'x base':>8}{'SGLang us':>10}{'x SGLang':>9}"
+    )
     print(head)
-    names = [("match", "match"), ("insert", "insert"), ("lock", "lock"), ("unlock", "unlock"),
-             ("evict (per call)", "evict"), ("evict (per leaf)", "evict_leaf"),
-             ("alloc.alloc", "alloc"), ("alloc.free", "free"), ("ids at admit", "ids_admit"),
-             ("ids at finish", "ids_finish")]
-    quoted = {"match": SGLANG_US["match"], "evict": SGLANG_US["evict"],
-              "evict_leaf": SGLANG_US["evict"]}
+    names = [
+        ("match", "match"),
+        ("insert", "insert"),
+        ("lock", "lock"),
+        ("unlock", "unlock"),
+        ("evict (per call)", "evict"),
+        ("evict (per leaf)", "evict_leaf"),
+        ("alloc.alloc", "alloc"),
+        ("alloc.free", "free"),
+        ("ids at admit", "ids_admit"),
+        ("ids at finish", "ids_finish"),
+    ]
+    quoted = {
+        "match": SGLANG_US["match"],
+        "evict": SGLANG_US["evict"],
+        "evict_leaf": SGLANG_US["evict"],
+    }
     for label, key in names:
         o = ours["ops"].get(key)
         if o is None:
@@ -602,21 +661,29 @@ def main() -> None:
         b = base["ops"].get(key) if base else None
         bus = b["us_per_op"] if b else None
         q = quoted.get(key)
-        print(f"{label:<17}{o['calls']:>7}{fmt(o['us_per_op'], 8, 2)}{fmt(o.get('p50_us'), 8, 2)}"
-              f"{o['ops_per_s']:>10.0f}{fmt(bus, 9)}{fmt(bus / o['us_per_op'] if bus else None, 7)}x"
-              f"{fmt(q, 10)}{fmt(q / o['us_per_op'] if q else None, 8)}x")
+        print(
+            f"{label:<17}{o['calls']:>7}{fmt(o['us_per_op'], 8, 2)}{fmt(o.get('p50_us'), 8, 2)}"
+            f"{o['ops_per_s']:>10.0f}{fmt(bus, 9)}{fmt(bus / o['us_per_op'] if bus else None, 7)}x"
+            f"{fmt(q, 10)}{fmt(q / o['us_per_op'] if q else None, 8)}x"
+        )
     per_req = request_key_us(ours)
     base_req = request_key_us(base) if base else None
-    print(f"{'ids+match+insert':<17}{info['requests']:>7}{fmt(per_req, 8, 2)}{'-':>8}{'-':>10}"
-          f"{fmt(base_req, 9)}{fmt(base_req / per_req if base_req else None, 7)}x   (per request)")
+    print(
+        f"{'ids+match+insert':<17}{info['requests']:>7}{fmt(per_req, 8, 2)}{'-':>8}{'-':>10}"
+        f"{fmt(base_req, 9)}{fmt(base_req / per_req if base_req else None, 7)}x   (per request)"
+    )
     if base:
         bi = base["info"]
-        print(f"baseline: hit rate {bi['hit_rate']:.1%}, {bi['evicted_tokens']} tokens evicted "
-              f"in {base['ops']['evict']['calls']} calls; wall {bi['wall_s']:.2f}s")
+        print(
+            f"baseline: hit rate {bi['hit_rate']:.1%}, {bi['evicted_tokens']} tokens evicted "
+            f"in {base['ops']['evict']['calls']} calls; wall {bi['wall_s']:.2f}s"
+        )
 
     print(f"\npart 2: evict(1) per call (= per leaf) vs tree size; {args.evict_calls} calls each")
-    print(f"{'leaves':>8}{'build s':>9}{'evict us':>10}{'p50 us':>8}{'py calls':>9}"
-          f"{'match us':>10}{'insert us':>11}{'base evict us':>15}{'x base':>8}")
+    print(
+        f"{'leaves':>8}{'build s':>9}{'evict us':>10}{'p50 us':>8}{'py calls':>9}"
+        f"{'match us':>10}{'insert us':>11}{'base evict us':>15}{'x base':>8}"
+    )
     scaling = []
     for n in args.leaves:
         r = run_scaling("radixrt", n, args.evict_calls, args.page_size, args.seed, args.policy)
@@ -625,27 +692,42 @@ def main() -> None:
             r["baseline"] = run_scaling("baseline", n, bcalls, 1, args.seed, "lru")
         scaling.append(r)
         bev = r["baseline"]["evict_us_per_call"] if baseline else None
-        print(f"{n:>8}{r['build_s']:>9.2f}{r['evict_us_per_call']:>10.2f}{r['evict_p50_us']:>8.2f}"
-              f"{r['py_calls_per_evict']:>9.1f}{r['match_us']:>10.2f}{r['insert_us']:>11.2f}{fmt(bev, 15)}"
-              f"{fmt(bev / r['evict_us_per_call'] if bev else None, 7, 0)}x")
+        print(
+            f"{n:>8}{r['build_s']:>9.2f}{r['evict_us_per_call']:>10.2f}{r['evict_p50_us']:>8.2f}"
+            f"{r['py_calls_per_evict']:>9.1f}{r['match_us']:>10.2f}{r['insert_us']:>11.2f}{fmt(bev, 15)}"
+            f"{fmt(bev / r['evict_us_per_call'] if bev else None, 7, 0)}x"
+        )
     growth = scaling[-1]["evict_us_per_call"] / scaling[0]["evict_us_per_call"]
     growth_p50 = scaling[-1]["evict_p50_us"] / scaling[0]["evict_p50_us"]
-    print(f"evict per call at {scaling[-1]['leaves']} vs {scaling[0]['leaves']} leaves: "
-          f"{growth:.2f}x mean, {growth_p50:.2f}x median")
+    print(
+        f"evict per call at {scaling[-1]['leaves']} vs {scaling[0]['leaves']} leaves: "
+        f"{growth:.2f}x mean, {growth_p50:.2f}x median"
+    )
     if scaling[-1]["leaves"] >= 100_000:
         ref = SGLANG_US["evict_call_100k_leaves"]
         us = scaling[-1]["evict_us_per_call"]
-        print(f"quoted SGLang at 100k leaves: {ref / 1e3:.0f} ms per evict call; here {us:.1f} us "
-              f"({ref / us:.0f}x)")
+        print(
+            f"quoted SGLang at 100k leaves: {ref / 1e3:.0f} ms per evict call; here {us:.1f} us "
+            f"({ref / us:.0f}x)"
+        )
 
     args.out.parent.mkdir(parents=True, exist_ok=True)
     cfg = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result = {"config": cfg, "trace": ours, "trace_baseline": base, "scaling": scaling,
-              "evict_growth": growth, "evict_growth_p50": growth_p50,
-              "sglang_quoted_us": SGLANG_US, "clock": args.clock,
-              "clock_overhead_ns": Timer.overhead,
-              "python": platform.python_version(), "torch": torch.__version__,
-              "numpy": np.__version__, "machine": platform.machine()}
+    result = {
+        "config": cfg,
+        "trace": ours,
+        "trace_baseline": base,
+        "scaling": scaling,
+        "evict_growth": growth,
+        "evict_growth_p50": growth_p50,
+        "sglang_quoted_us": SGLANG_US,
+        "clock": args.clock,
+        "clock_overhead_ns": Timer.overhead,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+    }
     args.out.write_text(json.dumps(result, indent=2))
     print(f"\nwrote {args.out}")
 

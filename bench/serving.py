@@ -62,8 +62,10 @@ class Record:
 
 # ------------------------------------------------------------ workloads
 
-WORDS = ("radix tree cache prefix token batch decode schedule memory page request reply kernel slot "
-         "evict lock split match insert stream").split()
+WORDS = (
+    "radix tree cache prefix token batch decode schedule memory page request reply kernel slot "
+    "evict lock split match insert stream"
+).split()
 
 
 def _prompt(ids: list[int], chat: bool, system: int = 0) -> dict:
@@ -89,8 +91,12 @@ def shared_prefix(args, rng: random.Random, vocab: int) -> list[dict]:
 
 def random_prompts(args, rng: random.Random, vocab: int) -> list[dict]:
     chat = args.backend == "openai-chat"
-    return [_prompt([rng.randrange(10, vocab - 10) for _ in range(rng.randint(16, args.prefix_len))], chat)
-            for _ in range(args.num_requests)]
+    return [
+        _prompt(
+            [rng.randrange(10, vocab - 10) for _ in range(rng.randint(16, args.prefix_len))], chat
+        )
+        for _ in range(args.num_requests)
+    ]
 
 
 def percentile(xs: list[float], p: float) -> float:
@@ -101,6 +107,7 @@ def percentile(xs: list[float], p: float) -> float:
 
 
 # --------------------------------------------------------------- backends
+
 
 class RadixrtBackend:
     """radixrt's ZeroMQ RPC client."""
@@ -129,8 +136,11 @@ class RadixrtBackend:
         if not stream:
             out = await client.generate(sampling_params=sp, **kwargs)
             rec.ttft = time.perf_counter() - t0
-            rec.output_tokens, rec.prompt_tokens, rec.cached_tokens = \
-                len(out.token_ids), out.prompt_tokens, out.cached_tokens
+            rec.output_tokens, rec.prompt_tokens, rec.cached_tokens = (
+                len(out.token_ids),
+                out.prompt_tokens,
+                out.cached_tokens,
+            )
             return rec, out.text
         async for chunk in await client.generate(sampling_params=sp, stream=True, **kwargs):
             now = time.perf_counter()
@@ -159,9 +169,13 @@ class OpenAIBackend:
 
     async def __aenter__(self):
         import aiohttp  # a C HTTP parser: the client takes little of the server's CPU
-        self.http = aiohttp.ClientSession(self.server, headers=self.headers,
-                                          timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                          connector=aiohttp.TCPConnector(limit=0))
+
+        self.http = aiohttp.ClientSession(
+            self.server,
+            headers=self.headers,
+            timeout=aiohttp.ClientTimeout(total=self.timeout),
+            connector=aiohttp.TCPConnector(limit=0),
+        )
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -177,8 +191,12 @@ class OpenAIBackend:
             return (await resp.json())["internal_states"][0]
 
     def body(self, kwargs: dict, sp: dict, stream: bool) -> dict:
-        body = {"max_tokens": sp["max_new_tokens"], "temperature": sp.get("temperature", 1.0),
-                "stream": stream, **({"ignore_eos": True} if sp.get("ignore_eos") else {})}
+        body = {
+            "max_tokens": sp["max_new_tokens"],
+            "temperature": sp.get("temperature", 1.0),
+            "stream": stream,
+            **({"ignore_eos": True} if sp.get("ignore_eos") else {}),
+        }
         if stream:
             body["stream_options"] = {"include_usage": True}
         if self.chat:
@@ -237,10 +255,13 @@ class OpenAIBackend:
 def make_backend(args):
     if args.backend == "radixrt":
         return RadixrtBackend(args.server, args.timeout)
-    return OpenAIBackend(args.server, args.timeout, chat=args.backend == "openai-chat", api_key=args.api_key)
+    return OpenAIBackend(
+        args.server, args.timeout, chat=args.backend == "openai-chat", api_key=args.api_key
+    )
 
 
 # ---------------------------------------------------------------- runner
+
 
 async def one_request(backend, kwargs: dict, sp: dict, stream: bool = True) -> tuple[Record, str]:
     """One request through the backend; errors (overloaded, timeouts) are counted, not fatal."""
@@ -260,6 +281,7 @@ class Progress:
         if enabled:
             try:
                 from tqdm import tqdm
+
                 self.bar = tqdm(total=total, unit="req")
             except ImportError:
                 pass
@@ -273,9 +295,16 @@ class Progress:
             self.bar.close()
 
 
-async def run_requests(client, reqs: list[dict], sp: dict, rate: float,
-                       concurrency: int | None, progress: Progress, seed: int,
-                       stream: bool = True) -> list[Record]:
+async def run_requests(
+    client,
+    reqs: list[dict],
+    sp: dict,
+    rate: float,
+    concurrency: int | None,
+    progress: Progress,
+    seed: int,
+    stream: bool = True,
+) -> list[Record]:
     sem = asyncio.Semaphore(concurrency or len(reqs) or 1)
     rng = random.Random(seed)
 
@@ -299,10 +328,14 @@ async def run_multi_turn(client, args, sp: dict, progress: Progress) -> list[Rec
     sem = asyncio.Semaphore(args.max_concurrency or args.conversations)
 
     async def conversation(k: int) -> list[Record]:
-        messages = [{"role": "system", "content": " ".join(rng.choices(words, k=args.prefix_len // 2))}]
+        messages = [
+            {"role": "system", "content": " ".join(rng.choices(words, k=args.prefix_len // 2))}
+        ]
         recs = []
         for turn in range(args.turns):
-            messages.append({"role": "user", "content": f"turn {turn}: " + " ".join(rng.choices(words, k=24))})
+            messages.append(
+                {"role": "user", "content": f"turn {turn}: " + " ".join(rng.choices(words, k=24))}
+            )
             async with sem:
                 rec, text = await one_request(client, {"messages": list(messages)}, sp)
             messages.append({"role": "assistant", "content": text})
@@ -321,19 +354,31 @@ def summarize(recs: list[Record], elapsed: float) -> dict:
     prompt = sum(r.prompt_tokens for r in ok)
     out = sum(r.output_tokens for r in ok)
     return {
-        "requests": len(recs), "errors": len(recs) - len(ok), "elapsed_s": elapsed,
-        "request_throughput": len(ok) / elapsed, "output_throughput": out / elapsed,
+        "requests": len(recs),
+        "errors": len(recs) - len(ok),
+        "elapsed_s": elapsed,
+        "request_throughput": len(ok) / elapsed,
+        "output_throughput": out / elapsed,
         "total_throughput": (prompt + out) / elapsed,
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-        "itl_p50_ms": 1e3 * percentile(itl, 50), "itl_p99_ms": 1e3 * percentile(itl, 99),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "itl_p50_ms": 1e3 * percentile(itl, 50),
+        "itl_p99_ms": 1e3 * percentile(itl, 99),
         "latency_mean_s": statistics.fmean([r.latency for r in ok]) if ok else 0.0,
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "prompt_tokens": prompt, "output_tokens": out,
+        "prompt_tokens": prompt,
+        "output_tokens": out,
     }
 
 
-async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: int | None,
-                       show: bool = True, stream: bool = True) -> tuple[dict, list[Record]]:
+async def bench_server(
+    args,
+    reqs: list[dict] | None,
+    rate: float,
+    concurrency: int | None,
+    show: bool = True,
+    stream: bool = True,
+) -> tuple[dict, list[Record]]:
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
     async with make_backend(args) as client:
         if args.flush:
@@ -345,7 +390,9 @@ async def bench_server(args, reqs: list[dict] | None, rate: float, concurrency: 
         if reqs is None:
             recs = await run_multi_turn(client, args, sp, progress)
         else:
-            recs = await run_requests(client, reqs, sp, rate, concurrency, progress, args.seed, stream)
+            recs = await run_requests(
+                client, reqs, sp, rate, concurrency, progress, args.seed, stream
+            )
         elapsed = time.perf_counter() - t0
         progress.close()
         summary = summarize(recs, elapsed)
@@ -367,18 +414,25 @@ async def compare_fronts(args, reqs: list[dict]) -> dict:
     for _ in range(args.repeats + 1):  # the first round warms up, untimed
         for name, a in ((args.backend, args), ("radixrt", rpc)):
             for stream in (True, False):
-                summary, _ = await bench_server(a, reqs, float("inf"), None, show=False, stream=stream)
+                summary, _ = await bench_server(
+                    a, reqs, float("inf"), None, show=False, stream=stream
+                )
                 runs.setdefault(f"{name}_{'stream' if stream else 'no_stream'}", []).append(summary)
     med = statistics.median
-    return {k: {"elapsed_s_median": med(r["elapsed_s"] for r in v[1:]),
-                "forward_s_median": med(r["server_forward_s"] for r in v[1:]),
-                "outside_forward_s_median": med(r["elapsed_s"] - r["server_forward_s"] for r in v[1:]),
-                "output_throughput_median": med(r["output_throughput"] for r in v[1:]),
-                "output_throughput_runs": [r["output_throughput"] for r in v[1:]]}
-            for k, v in runs.items()}
+    return {
+        k: {
+            "elapsed_s_median": med(r["elapsed_s"] for r in v[1:]),
+            "forward_s_median": med(r["server_forward_s"] for r in v[1:]),
+            "outside_forward_s_median": med(r["elapsed_s"] - r["server_forward_s"] for r in v[1:]),
+            "output_throughput_median": med(r["output_throughput"] for r in v[1:]),
+            "output_throughput_runs": [r["output_throughput"] for r in v[1:]],
+        }
+        for k, v in runs.items()
+    }
 
 
 # ------------------------------------------------------- engine compare
+
 
 class EngineRunner:
     """The Engine on the server's model, for --compare-engine, in a process of its own.
@@ -393,10 +447,12 @@ class EngineRunner:
 
     def __init__(self, model: str, dtype: str, max_total_tokens: int | None) -> None:
         import multiprocessing
+
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_engine_worker, args=(child, model, dtype, max_total_tokens),
-                                daemon=True)
+        self.proc = ctx.Process(
+            target=_engine_worker, args=(child, model, dtype, max_total_tokens), daemon=True
+        )
         self.proc.start()
         self._call("ready")
 
@@ -425,6 +481,7 @@ class EngineRunner:
 
 def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -> None:
     from radixrt import Engine, SamplingParams
+
     eng = Engine(model=model, dtype=dtype, max_total_tokens=max_total_tokens)
     eng.generate(input_ids=[[11, 12, 13, 14]], sampling_params=SamplingParams(max_new_tokens=2))
 
@@ -435,15 +492,20 @@ def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -
         outs = eng.generate(input_ids=ids, sampling_params=sp)
         elapsed = time.perf_counter() - t0
         out_tokens = sum(len(o.token_ids) for o in outs)
-        return {"elapsed_s": elapsed, "output_throughput": out_tokens / elapsed,
-                "total_throughput": (out_tokens + sum(map(len, ids))) / elapsed}
+        return {
+            "elapsed_s": elapsed,
+            "output_throughput": out_tokens / elapsed,
+            "total_throughput": (out_tokens + sum(map(len, ids))) / elapsed,
+        }
 
     def first_token(ids: list[int]) -> tuple[float, float]:
         eng.flush_cache()
         before = eng.stats().get("forward_s", 0.0)
         t0 = time.perf_counter()
-        eng.generate(input_ids=[ids], sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0,
-                                                                      ignore_eos=True))
+        eng.generate(
+            input_ids=[ids],
+            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True),
+        )
         return time.perf_counter() - t0, eng.stats().get("forward_s", 0.0) - before
 
     methods = {"ready": lambda: True, "throughput": throughput, "first_token": first_token}
@@ -495,13 +557,18 @@ async def paired_ttft(client, engine: EngineRunner, reqs: list[dict]) -> dict:
     # Server first = d - c, Engine first = d + c: d is the server's own forward penalty, c
     # what following the other process's forward costs.
     server_first, engine_first = ms(forward_diff[0::2]), ms(forward_diff[1::2])
-    return {"pairs": len(reqs), "server_p50_ms": ms(server), "engine_p50_ms": ms(local),
-            "added_p50_ms": ms(added), "added_outside_forward_p50_ms": ms(outside),
-            "forward_diff_p50_ms": ms(forward_diff),
-            "forward_diff_server_first_p50_ms": server_first,
-            "forward_diff_engine_first_p50_ms": engine_first,
-            "forward_penalty_d_ms": (server_first + engine_first) / 2,
-            "order_effect_c_ms": (engine_first - server_first) / 2}
+    return {
+        "pairs": len(reqs),
+        "server_p50_ms": ms(server),
+        "engine_p50_ms": ms(local),
+        "added_p50_ms": ms(added),
+        "added_outside_forward_p50_ms": ms(outside),
+        "forward_diff_p50_ms": ms(forward_diff),
+        "forward_diff_server_first_p50_ms": server_first,
+        "forward_diff_engine_first_p50_ms": engine_first,
+        "forward_penalty_d_ms": (server_first + engine_first) / 2,
+        "order_effect_c_ms": (engine_first - server_first) / 2,
+    }
 
 
 async def compare(args, reqs: list[dict]) -> dict:
@@ -510,24 +577,35 @@ async def compare(args, reqs: list[dict]) -> dict:
         raise SystemExit("--compare-engine sends token ids: use --backend openai or radixrt")
     async with make_backend(args) as client:
         info = await client.server_info()
-    engine = EngineRunner(info["model"], args.dtype or info.get("dtype", "auto"), info.get("kv_slots"))
+    engine = EngineRunner(
+        info["model"], args.dtype or info.get("dtype", "auto"), info.get("kv_slots")
+    )
     args.flush = True
-    runs: dict[str, list[dict]] = {"server": [], "server_no_stream": [], "server_low_load": [], "engine": []}
+    runs: dict[str, list[dict]] = {
+        "server": [],
+        "server_no_stream": [],
+        "server_low_load": [],
+        "engine": [],
+    }
     try:
         # Warm-up, untimed: one full run on each side (first touch of activation and KV memory;
         # a process's first run of a workload is 10-30 % slower here than its later ones).
         await bench_server(args, reqs, float("inf"), None, show=False)
         engine.throughput(reqs, args.max_new_tokens)
         for _ in range(args.repeats):
-            runs["server"].append((await bench_server(args, reqs, float("inf"), None, show=False))[0])
+            runs["server"].append(
+                (await bench_server(args, reqs, float("inf"), None, show=False))[0]
+            )
             runs["server_no_stream"].append(
-                (await bench_server(args, reqs, float("inf"), None, show=False, stream=False))[0])
+                (await bench_server(args, reqs, float("inf"), None, show=False, stream=False))[0]
+            )
             runs["server_low_load"].append(
-                (await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0])
+                (await bench_server(args, reqs[:8], float("inf"), 1, show=False))[0]
+            )
             runs["engine"].append(engine.throughput(reqs, args.max_new_tokens))
             runs["engine"][-1]["ttft_p50_ms_low_load"] = engine.ttft_low_load(reqs[:8])
         async with make_backend(args) as client:
-            ttft_pairs = await paired_ttft(client, engine, reqs[:args.pairs])
+            ttft_pairs = await paired_ttft(client, engine, reqs[: args.pairs])
     finally:
         engine.close()
     best = {k: max(v, key=lambda r: r["output_throughput"]) for k, v in runs.items()}
@@ -536,24 +614,34 @@ async def compare(args, reqs: list[dict]) -> dict:
     tput = {k: [r["output_throughput"] for r in v] for k, v in runs.items()}
     # each repeat runs the server and the Engine back to back: the median of the per-repeat ratios
     # does not move with the machine's drift between repeats
-    paired = {k: statistics.median(a / b for a, b in zip(tput[k], tput["engine"]))
-              for k in ("server", "server_no_stream")}
-    return {**best, "repeats": args.repeats, "output_throughput_runs": tput,
-            "throughput_ratio_paired_median": paired["server"],
-            "throughput_ratio_no_stream_paired_median": paired["server_no_stream"],
-            "throughput_ratio": best["server"]["output_throughput"] / best["engine"]["output_throughput"],
-            "throughput_ratio_no_stream": (best["server_no_stream"]["output_throughput"]
-                                           / best["engine"]["output_throughput"]),
-            "ttft_ms_low_load": {"server": server_ttft, "engine": engine_ttft},
-            "ttft_added_ms_low_load": server_ttft - engine_ttft,
-            "ttft_paired_low_load": ttft_pairs}
+    paired = {
+        k: statistics.median(a / b for a, b in zip(tput[k], tput["engine"]))
+        for k in ("server", "server_no_stream")
+    }
+    return {
+        **best,
+        "repeats": args.repeats,
+        "output_throughput_runs": tput,
+        "throughput_ratio_paired_median": paired["server"],
+        "throughput_ratio_no_stream_paired_median": paired["server_no_stream"],
+        "throughput_ratio": best["server"]["output_throughput"]
+        / best["engine"]["output_throughput"],
+        "throughput_ratio_no_stream": (
+            best["server_no_stream"]["output_throughput"] / best["engine"]["output_throughput"]
+        ),
+        "ttft_ms_low_load": {"server": server_ttft, "engine": engine_ttft},
+        "ttft_added_ms_low_load": server_ttft - engine_ttft,
+        "ttft_paired_low_load": ttft_pairs,
+    }
 
 
 # ------------------------------------------------------------------ main
 
+
 def plot(recs: list[Record], path: Path) -> None:
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -570,30 +658,50 @@ def plot(recs: list[Record], path: Path) -> None:
 
 def table(result: dict, compare: bool) -> str:
     """The figures as a Markdown table (the JSON holds everything)."""
-    cols = ("elapsed_s", "output_throughput", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "hit_rate")
-    rows = ([(k, result[k]) for k in ("server", "server_no_stream", "server_low_load", "engine")]
-            if compare else [("run", result)])
+    cols = (
+        "elapsed_s",
+        "output_throughput",
+        "ttft_p50_ms",
+        "ttft_p99_ms",
+        "itl_p50_ms",
+        "hit_rate",
+    )
+    rows = (
+        [(k, result[k]) for k in ("server", "server_no_stream", "server_low_load", "engine")]
+        if compare
+        else [("run", result)]
+    )
     lines = ["| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     for name, r in rows:
-        lines.append(f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "-" for c in cols) + " |")
+        lines.append(
+            f"| {name} | " + " | ".join(f"{r[c]:.3f}" if c in r else "-" for c in cols) + " |"
+        )
     if compare:
         p = result["ttft_paired_low_load"]
-        lines.append(f"\nthroughput server/engine, best of each: {result['throughput_ratio']:.3f} streamed, "
-                     f"{result['throughput_ratio_no_stream']:.3f} unstreamed; median of the per-repeat "
-                     f"ratios: {result['throughput_ratio_paired_median']:.3f} streamed, "
-                     f"{result['throughput_ratio_no_stream_paired_median']:.3f} unstreamed; TTFT added at low load "
-                     f"(paired p50): {p['added_p50_ms']:.2f} ms ({p['added_outside_forward_p50_ms']:.2f} ms "
-                     f"outside the forward); TTFT p50 one request at a time: server "
-                     f"{result['ttft_ms_low_load']['server']:.1f} ms, Engine {result['ttft_ms_low_load']['engine']:.1f} ms")
+        lines.append(
+            f"\nthroughput server/engine, best of each: {result['throughput_ratio']:.3f} streamed, "
+            f"{result['throughput_ratio_no_stream']:.3f} unstreamed; median of the per-repeat "
+            f"ratios: {result['throughput_ratio_paired_median']:.3f} streamed, "
+            f"{result['throughput_ratio_no_stream_paired_median']:.3f} unstreamed; TTFT added at low load "
+            f"(paired p50): {p['added_p50_ms']:.2f} ms ({p['added_outside_forward_p50_ms']:.2f} ms "
+            f"outside the forward); TTFT p50 one request at a time: server "
+            f"{result['ttft_ms_low_load']['server']:.1f} ms, Engine {result['ttft_ms_low_load']['engine']:.1f} ms"
+        )
     return "\n".join(lines)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--server", required=True, help="tcp://HOST:PORT (radixrt) or http://HOST:PORT (openai*)")
+    ap.add_argument(
+        "--server", required=True, help="tcp://HOST:PORT (radixrt) or http://HOST:PORT (openai*)"
+    )
     ap.add_argument("--backend", choices=("radixrt", "openai", "openai-chat"), default="radixrt")
-    ap.add_argument("--api-key", default=None, help="HTTP backends: sent as Authorization: Bearer KEY")
-    ap.add_argument("--workload", choices=("shared-prefix", "multi-turn", "random"), default="shared-prefix")
+    ap.add_argument(
+        "--api-key", default=None, help="HTTP backends: sent as Authorization: Bearer KEY"
+    )
+    ap.add_argument(
+        "--workload", choices=("shared-prefix", "multi-turn", "random"), default="shared-prefix"
+    )
     ap.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate (req/s)")
     ap.add_argument("--max-concurrency", type=int, default=None)
     ap.add_argument("--num-requests", type=int, default=64, help="random workload")
@@ -608,13 +716,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--flush", action="store_true", help="flush the server's cache first")
     ap.add_argument("--compare-engine", action="store_true")
-    ap.add_argument("--compare-fronts", default=None, metavar="tcp://HOST:PORT",
-                    help="with an HTTP --backend: the same server's RPC address, to compare the two fronts")
-    ap.add_argument("--repeats", type=int, default=3, help="--compare-engine: best of N interleaved runs")
-    ap.add_argument("--pairs", type=int, default=24, help="--compare-engine: prompts in the paired TTFT test")
-    ap.add_argument("--dtype", default=None, help="Engine dtype for --compare-engine (default: the server's)")
+    ap.add_argument(
+        "--compare-fronts",
+        default=None,
+        metavar="tcp://HOST:PORT",
+        help="with an HTTP --backend: the same server's RPC address, to compare the two fronts",
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="--compare-engine: best of N interleaved runs"
+    )
+    ap.add_argument(
+        "--pairs", type=int, default=24, help="--compare-engine: prompts in the paired TTFT test"
+    )
+    ap.add_argument(
+        "--dtype", default=None, help="Engine dtype for --compare-engine (default: the server's)"
+    )
     ap.add_argument("--no-progress", action="store_true")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/serving_<workload>.json)")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/serving_<workload>.json)"
+    )
     return ap.parse_args(argv)
 
 
@@ -626,11 +746,14 @@ async def amain(args) -> dict:
         return await compare(args, shared_prefix(args, rng, vocab))
     if args.compare_fronts:
         if args.backend == "radixrt":
-            raise SystemExit("--compare-fronts compares an HTTP backend (--backend openai) with the RPC client")
+            raise SystemExit(
+                "--compare-fronts compares an HTTP backend (--backend openai) with the RPC client"
+            )
         return await compare_fronts(args, shared_prefix(args, rng, vocab))
     reqs = {"shared-prefix": shared_prefix, "random": random_prompts}.get(args.workload)
-    summary, recs = await bench_server(args, reqs(args, rng, vocab) if reqs else None,
-                                       args.request_rate, args.max_concurrency)
+    summary, recs = await bench_server(
+        args, reqs(args, rng, vocab) if reqs else None, args.request_rate, args.max_concurrency
+    )
     args._recs = recs
     return summary
 
@@ -638,8 +761,13 @@ async def amain(args) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     result = asyncio.run(amain(args))
-    name = ("serving_compare" if args.compare_engine else "serving_fronts" if args.compare_fronts
-            else f"serving_{args.workload.replace('-', '_')}")
+    name = (
+        "serving_compare"
+        if args.compare_engine
+        else "serving_fronts"
+        if args.compare_fronts
+        else f"serving_{args.workload.replace('-', '_')}"
+    )
     if args.backend != "radixrt":
         name += f"_{args.backend.replace('-', '_')}"
     out = Path(args.out) if args.out else RESULTS / f"{name}.json"
@@ -654,9 +782,19 @@ def main(argv=None) -> None:
         print(table(result, args.compare_engine))
     else:
         for k, v in result.items():
-            print(f"| {k} | " + " | ".join(f"{v[c]:.3f}" for c in ("elapsed_s_median", "forward_s_median",
-                                                                 "outside_forward_s_median",
-                                                                 "output_throughput_median")) + " |")
+            print(
+                f"| {k} | "
+                + " | ".join(
+                    f"{v[c]:.3f}"
+                    for c in (
+                        "elapsed_s_median",
+                        "forward_s_median",
+                        "outside_forward_s_median",
+                        "output_throughput_median",
+                    )
+                )
+                + " |"
+            )
     print(f"wrote {out}")
 
 

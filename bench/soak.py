@@ -60,37 +60,49 @@ from pathlib import Path
 RESULTS = Path(__file__).parent / "results"
 PRESETS = {"short": {"duration": 60.0, "clients": 8}, "long": {"duration": 600.0, "clients": 16}}
 OUTCOMES = ("completed", "aborted", "errored", "killed", "lost")
-WORDS = ("radix tree cache prefix token batch decode schedule memory page request reply stream abort "
-         "kernel tensor layer head query key value rotary norm sample logits chunk eviction lock "
-         "slot pool server client socket frame latency throughput").split()
+WORDS = (
+    "radix tree cache prefix token batch decode schedule memory page request reply stream abort "
+    "kernel tensor layer head query key value rotary norm sample logits chunk eviction lock "
+    "slot pool server client socket frame latency throughput"
+).split()
 STOPS = (["e"], ["\n"], [" the", "."], ["zz"], ["a", "o"])
 
 
 # ================================================================ workload
 
+
 @dataclass
 class Plan:
     """One request to send: its input, params, and the fault to inject."""
 
-    kind: str                          # "shared" | "chat" | "invalid"
-    inputs: dict                       # prompt= / input_ids= / messages=
+    kind: str  # "shared" | "chat" | "invalid"
+    inputs: dict  # prompt= / input_ids= / messages=
     params: dict
     stream: bool
-    abort_after: float | None = None   # stream: chunks before abort(); unary: seconds
-    expect_error: str | None = None    # the ErrorCode an invalid request must get
+    abort_after: float | None = None  # stream: chunks before abort(); unary: seconds
+    expect_error: str | None = None  # the ErrorCode an invalid request must get
 
 
 class Workload:
     """Random requests over shared system prompts; the prompts are the same in every worker."""
 
-    def __init__(self, info: dict, rng: random.Random, abort_fraction: float,
-                 invalid_fraction: float) -> None:
-        self.rng, self.vocab, self.max_context = rng, int(info["vocab_size"]), int(info["max_context"])
+    def __init__(
+        self, info: dict, rng: random.Random, abort_fraction: float, invalid_fraction: float
+    ) -> None:
+        self.rng, self.vocab, self.max_context = (
+            rng,
+            int(info["vocab_size"]),
+            int(info["max_context"]),
+        )
         self.abort_fraction, self.invalid_fraction = abort_fraction, invalid_fraction
         shared = random.Random(1234)  # not the worker's seed: every worker shares these prefixes
-        self.systems = [" ".join(shared.choices(WORDS, k=shared.randint(120, 240))) for _ in range(4)]
-        self.system_ids = [[shared.randrange(10, self.vocab - 10) for _ in range(shared.randint(200, 400))]
-                           for _ in range(3)]
+        self.systems = [
+            " ".join(shared.choices(WORDS, k=shared.randint(120, 240))) for _ in range(4)
+        ]
+        self.system_ids = [
+            [shared.randrange(10, self.vocab - 10) for _ in range(shared.randint(200, 400))]
+            for _ in range(3)
+        ]
 
     def words(self, lo: int, hi: int) -> str:
         return " ".join(self.rng.choices(WORDS, k=self.rng.randint(lo, hi)))
@@ -102,14 +114,19 @@ class Workload:
             sp["temperature"] = 0.0
         else:
             sp["temperature"] = round(rng.uniform(0.3, 1.5), 2)
-            for name, value, p in (("top_p", round(rng.uniform(0.5, 1.0), 2), 0.5),
-                                   ("top_k", rng.choice([1, 5, 20, 100]), 0.5),
-                                   ("min_p", round(rng.uniform(0.0, 0.2), 2), 0.2),
-                                   ("seed", rng.randrange(2**31), 0.5)):
+            for name, value, p in (
+                ("top_p", round(rng.uniform(0.5, 1.0), 2), 0.5),
+                ("top_k", rng.choice([1, 5, 20, 100]), 0.5),
+                ("min_p", round(rng.uniform(0.0, 0.2), 2), 0.2),
+                ("seed", rng.randrange(2**31), 0.5),
+            ):
                 if rng.random() < p:
                     sp[name] = value
-        for name, value, p in (("stop", rng.choice(STOPS), 0.2), ("ignore_eos", True, 0.3),
-                               ("logprobs", True, 0.2)):
+        for name, value, p in (
+            ("stop", rng.choice(STOPS), 0.2),
+            ("ignore_eos", True, 0.3),
+            ("logprobs", True, 0.2),
+        ):
             if rng.random() < p:
                 sp[name] = value
         return sp
@@ -124,8 +141,9 @@ class Workload:
     def shared(self) -> Plan:
         rng = self.rng
         if rng.random() < 0.5:
-            ids = rng.choice(self.system_ids) + [rng.randrange(10, self.vocab - 10)
-                                                 for _ in range(rng.randint(4, 60))]
+            ids = rng.choice(self.system_ids) + [
+                rng.randrange(10, self.vocab - 10) for _ in range(rng.randint(4, 60))
+            ]
             return self.plan("shared", {"input_ids": ids})
         prompt = f"{rng.choice(self.systems)}\n\nQuestion: {self.words(4, 30)}?\nAnswer:"
         return self.plan("shared", {"prompt": prompt})
@@ -136,15 +154,18 @@ class Workload:
 
     def invalid(self) -> Plan:
         """A request the server must refuse, with the code it must refuse it with."""
-        cases = [({"input_ids": [1, 2, self.vocab + 5]}, {}, "invalid_request"),
-                 ({"prompt": "hello"}, {"top_p": 0.0}, "invalid_request"),
-                 ({"prompt": "hello"}, {"max_new_tokens": -1}, "invalid_request"),
-                 ({"input_ids": [11] * self.max_context}, {}, "prompt_too_long")]
+        cases = [
+            ({"input_ids": [1, 2, self.vocab + 5]}, {}, "invalid_request"),
+            ({"prompt": "hello"}, {"top_p": 0.0}, "invalid_request"),
+            ({"prompt": "hello"}, {"max_new_tokens": -1}, "invalid_request"),
+            ({"input_ids": [11] * self.max_context}, {}, "prompt_too_long"),
+        ]
         inputs, params, code = self.rng.choice(cases)
         return Plan("invalid", inputs, params, self.rng.random() < 0.5, expect_error=code)
 
 
 # ================================================================== worker
+
 
 class Journal:
     """Append-only JSON lines, one ``os.write`` each: what is written survives a SIGKILL."""
@@ -157,8 +178,9 @@ class Journal:
 
 
 async def try_abort(client, rid: str) -> str:
-    """"acked", or the error code (``unknown_rid`` when the request had already finished)."""
+    """ "acked", or the error code (``unknown_rid`` when the request had already finished)."""
     from radixrt.client import ServerError
+
     try:
         await client.abort(rid)
         return "acked"
@@ -170,8 +192,9 @@ async def run_stream(client, plan: Plan, rid: str, timeout: float, journal: Jour
     t0 = time.monotonic()
     res: dict = {"tokens": 0}
     text = []
-    stream = await client.generate(sampling_params=plan.params, stream=True, rid=rid, timeout=timeout,
-                                   **plan.inputs)
+    stream = await client.generate(
+        sampling_params=plan.params, stream=True, rid=rid, timeout=timeout, **plan.inputs
+    )
     if plan.abort_after == 0:
         res["abort"] = await try_abort(client, rid)
     chunks = 0
@@ -183,8 +206,12 @@ async def run_stream(client, plan: Plan, rid: str, timeout: float, journal: Jour
         res["tokens"] += len(chunk.token_ids)
         text.append(chunk.text)
         res["finish_reason"] = chunk.finish_reason
-        if plan.abort_after and "abort" not in res and chunks >= plan.abort_after \
-                and chunk.finish_reason is None:
+        if (
+            plan.abort_after
+            and "abort" not in res
+            and chunks >= plan.abort_after
+            and chunk.finish_reason is None
+        ):
             res["abort"] = await try_abort(client, rid)
     res.update(latency=time.monotonic() - t0, text="".join(text))
     return res
@@ -193,27 +220,42 @@ async def run_stream(client, plan: Plan, rid: str, timeout: float, journal: Jour
 async def run_unary(client, plan: Plan, rid: str, timeout: float) -> dict:
     t0 = time.monotonic()
     res: dict = {}
-    task = asyncio.ensure_future(client.generate(sampling_params=plan.params, rid=rid, timeout=timeout,
-                                                 **plan.inputs))
+    task = asyncio.ensure_future(
+        client.generate(sampling_params=plan.params, rid=rid, timeout=timeout, **plan.inputs)
+    )
     if plan.abort_after is not None:
         done, _ = await asyncio.wait({task}, timeout=plan.abort_after)
         if not done:
             res["abort"] = await try_abort(client, rid)
     out = await task
-    res.update(latency=time.monotonic() - t0, tokens=len(out.token_ids), finish_reason=out.finish_reason,
-               text=out.text)
+    res.update(
+        latency=time.monotonic() - t0,
+        tokens=len(out.token_ids),
+        finish_reason=out.finish_reason,
+        text=out.text,
+    )
     return res
 
 
 async def execute(client, plan: Plan, rid: str, timeout: float, journal: Journal) -> dict:
     """Send one request and journal its outcome; returns the ``done`` record."""
     from radixrt.client import ServerError
-    journal.write(ev="sent", rid=rid, kind=plan.kind, stream=plan.stream,
-                  abort=plan.abort_after is not None, t=time.time())
+
+    journal.write(
+        ev="sent",
+        rid=rid,
+        kind=plan.kind,
+        stream=plan.stream,
+        abort=plan.abort_after is not None,
+        t=time.time(),
+    )
     rec: dict = {"ev": "done", "rid": rid}
     try:
-        run = run_stream(client, plan, rid, timeout, journal) if plan.stream else \
-            run_unary(client, plan, rid, timeout)
+        run = (
+            run_stream(client, plan, rid, timeout, journal)
+            if plan.stream
+            else run_unary(client, plan, rid, timeout)
+        )
         res = await run
         rec.update(res, outcome="aborted" if res["finish_reason"] == "abort" else "completed")
     except ServerError as e:
@@ -242,7 +284,9 @@ async def request_loop(client, work: Workload, args, name: str, journal: Journal
         else:
             plan = work.invalid() if r < 0.5 + work.invalid_fraction else work.shared()
             rec = await execute(client, plan, next(rids), args.request_timeout, journal)
-            if rec["outcome"] == "errored" and plan.expect_error is None:  # e.g. overloaded: back off
+            if (
+                rec["outcome"] == "errored" and plan.expect_error is None
+            ):  # e.g. overloaded: back off
                 await asyncio.sleep(work.rng.uniform(0.05, 0.5))
 
 
@@ -250,7 +294,9 @@ async def run_chat(client, work: Workload, args, rids, journal: Journal, more) -
     """2-6 turns on a shared system prompt, each sending the whole history (a reused prefix)."""
     history = [{"role": "system", "content": work.rng.choice(work.systems)}]
     for _ in range(work.rng.randint(2, 6)):
-        rec = await execute(client, work.chat_turn(history), next(rids), args.request_timeout, journal)
+        rec = await execute(
+            client, work.chat_turn(history), next(rids), args.request_timeout, journal
+        )
         if rec["outcome"] == "errored":
             await asyncio.sleep(work.rng.uniform(0.05, 0.5))
         if rec["outcome"] != "completed" or not more():
@@ -268,14 +314,23 @@ def parent_alive(pid: int) -> bool:
 
 async def worker_main(args, index: int, journal_path: Path) -> None:
     from radixrt.client import AsyncClient
+
     journal = Journal(str(journal_path))
     client = AsyncClient(args.server, timeout=args.request_timeout, **api_key_kwargs(args))
     await client.connect()
-    work = Workload(client.info, random.Random(args.seed * 100003 + index), args.abort_fraction,
-                    args.invalid_fraction)
+    work = Workload(
+        client.info,
+        random.Random(args.seed * 100003 + index),
+        args.abort_fraction,
+        args.invalid_fraction,
+    )
     try:
-        await asyncio.gather(*(request_loop(client, work, args, f"w{index}-{k}", journal)
-                               for k in range(args.concurrency)))
+        await asyncio.gather(
+            *(
+                request_loop(client, work, args, f"w{index}-{k}", journal)
+                for k in range(args.concurrency)
+            )
+        )
     finally:
         await client.close()
 
@@ -293,6 +348,7 @@ def api_key_kwargs(args) -> dict:
 
 
 # ================================================================== parent
+
 
 @dataclass
 class Worker:
@@ -364,10 +420,20 @@ class Fleet:
     def spawn(self) -> None:
         k = len(self.workers)
         journal = self.workdir / f"worker-{k}.jsonl"
-        args = argparse.Namespace(**{**vars(self.args), "server": self.address, "stop_at": self.stop_at,
-                                     "parent_pid": os.getpid()})
-        proc = self.mp.Process(target=worker_entry, name=f"soak-worker-{k}", daemon=True,
-                               args=(args, k, journal, self.workdir / f"worker-{k}.log"))
+        args = argparse.Namespace(
+            **{
+                **vars(self.args),
+                "server": self.address,
+                "stop_at": self.stop_at,
+                "parent_pid": os.getpid(),
+            }
+        )
+        proc = self.mp.Process(
+            target=worker_entry,
+            name=f"soak-worker-{k}",
+            daemon=True,
+            args=(args, k, journal, self.workdir / f"worker-{k}.log"),
+        )
         proc.start()
         self.workers.append(Worker(k, proc, journal))
 
@@ -440,6 +506,7 @@ class Fleet:
 
 # ------------------------------------------------------------ the server
 
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -452,9 +519,19 @@ class OwnServer:
     def __init__(self, args, workdir: Path) -> None:
         port = free_port()
         self.address = f"tcp://127.0.0.1:{port}"
-        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--port", str(port), "--http-port", "0"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixrt.cli",
+            "launch",
+            "--port",
+            str(port),
+            "--http-port",
+            "0",
+        ]
         if args.model == "tiny":
             from radixrt.testing import tiny_model_path
+
             cmd += ["--model", tiny_model_path("llama"), "--dtype", "float32"]
         elif args.model != "default":
             cmd += ["--model", args.model]
@@ -504,11 +581,14 @@ def server_rss_mb(info: dict, address: str) -> float | None:
     if not is_local(address) or "pids" not in info:
         return None
     from radixrt.testing import process_tree
+
     total_kb = 0
     for pid in process_tree({int(p) for p in info["pids"].values()}):
         try:
             with open(f"/proc/{pid}/status") as f:
-                total_kb += next((int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0)
+                total_kb += next(
+                    (int(line.split()[1]) for line in f if line.startswith("VmRSS:")), 0
+                )
         except OSError:
             pass
     return total_kb / 1024
@@ -531,6 +611,7 @@ def wait_idle(client, timeout: float) -> dict:
 def idle_info(client, timeout: float) -> dict:
     """``wait_idle``, or {"error": ...} when the server does not answer."""
     from radixrt.client import ServerError
+
     try:
         return wait_idle(client, timeout)
     except (TimeoutError, ServerError) as e:
@@ -547,22 +628,39 @@ def server_accounting(before: dict, after: dict, summary: dict) -> dict:
     finished = {k: after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("finished_")}
     total, low = sum(finished.values()), summary["completed"] + summary["aborted"]
     high = low + summary["killed"] + summary["lost"]
-    return {"finished": finished, "finished_total": total, "client_range": [low, high],
-            "consistent": low <= total <= high}
+    return {
+        "finished": finished,
+        "finished_total": total,
+        "client_range": [low, high],
+        "consistent": low <= total <= high,
+    }
 
 
 def kv_check(info: dict) -> dict:
     if "error" in info:
         return {"ok": False, "error": info["error"]}
     idle = info["running"] == 0 and info["waiting"] == 0
-    ok = idle and info["protected_tokens"] == 0 and \
-        info["free_slots"] + info["evictable_tokens"] == info["kv_slots"]
-    keys = ("running", "waiting", "in_flight", "kv_slots", "free_slots", "evictable_tokens",
-            "protected_tokens", "cache_tokens", "evicted_tokens")
+    ok = (
+        idle
+        and info["protected_tokens"] == 0
+        and info["free_slots"] + info["evictable_tokens"] == info["kv_slots"]
+    )
+    keys = (
+        "running",
+        "waiting",
+        "in_flight",
+        "kv_slots",
+        "free_slots",
+        "evictable_tokens",
+        "protected_tokens",
+        "cache_tokens",
+        "evicted_tokens",
+    )
     return {"ok": ok, **{k: info.get(k) for k in keys}}
 
 
 # ---------------------------------------------------------------- report
+
 
 def percentile(xs: list[float], p: float) -> float:
     if not xs:
@@ -581,57 +679,89 @@ def summarize(recs: list[dict], elapsed: float) -> dict:
     lat = [r["latency"] for r in done]
     ttft = [r["ttft"] for r in done if r.get("stream") and "ttft" in r]
     tried = [r for r in recs if r.get("abort")]
-    unexpected = [r for r in recs if r["outcome"] == "errored" and r.get("expected_error") != r["code"]]
+    unexpected = [
+        r for r in recs if r["outcome"] == "errored" and r.get("expected_error") != r["code"]
+    ]
     wrong_success = [r for r in recs if r.get("expected_error") and r["outcome"] != "errored"]
     return {
-        "sent": len(recs), **counts, "errors_by_code": errors,
+        "sent": len(recs),
+        **counts,
+        "errors_by_code": errors,
         "unexpected_errors": len(unexpected) + len(wrong_success),
-        "abort_attempts": len(tried), "abort_too_late": sum(r["outcome"] == "completed" for r in tried),
+        "abort_attempts": len(tried),
+        "abort_too_late": sum(r["outcome"] == "completed" for r in tried),
         "aborted_unrequested": sum(r["outcome"] == "aborted" and not r.get("abort") for r in recs),
         "streamed": sum(bool(r.get("stream")) for r in recs),
         "chat_turns": sum(r.get("kind") == "chat" for r in recs),
-        "elapsed_s": elapsed, "request_throughput": len(done) / elapsed if elapsed else 0.0,
+        "elapsed_s": elapsed,
+        "request_throughput": len(done) / elapsed if elapsed else 0.0,
         "output_tokens": sum(r.get("tokens", 0) for r in done),
-        "latency_p50_ms": 1e3 * percentile(lat, 50), "latency_p99_ms": 1e3 * percentile(lat, 99),
-        "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "latency_p50_ms": 1e3 * percentile(lat, 50),
+        "latency_p99_ms": 1e3 * percentile(lat, 99),
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
     }
 
 
 def print_table(result: dict) -> None:
     s, kv = result["summary"], result["kv_idle"]
     rss = result["server_rss_mb"]
-    rows = [("requests sent", s["sent"])] + [(o, s[o]) for o in OUTCOMES] + [
-        ("errors by code", ", ".join(f"{k}={v}" for k, v in sorted(s["errors_by_code"].items())) or "-"),
-        ("unexpected errors", s["unexpected_errors"]),
-        ("abort attempts / too late", f"{s['abort_attempts']} / {s['abort_too_late']}"),
-        ("aborted, not requested", s["aborted_unrequested"]),
-        ("workers started / killed / crashed / hung",
-         "{started} / {killed} / {crashed} / {hung}".format(**result["workers"])),
-        ("latency p50 / p99 (ms)", f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f}"),
-        ("TTFT p50 / p99 (ms, streamed)", f"{s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f}"),
-        ("completed req/s", f"{s['request_throughput']:.1f}"),
-        ("server finished (client range)", "{finished_total} ({client_range[0]}..{client_range[1]})".format(
-            **result["server_accounting"])),
-        ("server RSS before / after (MiB)",
-         "n/a" if rss["before"] is None else f"{rss['before']:.0f} / {rss['after']:.0f}"),
-        ("idle KV: free + evictable / slots",
-         f"{kv.get('free_slots')} + {kv.get('evictable_tokens')} / {kv.get('kv_slots')}"),
-        ("idle KV: protected / in_flight", f"{kv.get('protected_tokens')} / {kv.get('in_flight')}"),
-        ("idle KV invariant", "ok" if kv["ok"] else "VIOLATED"),
-        ("verdict", "PASS" if result["passed"] else "FAIL"),
-    ]
+    rows = (
+        [("requests sent", s["sent"])]
+        + [(o, s[o]) for o in OUTCOMES]
+        + [
+            (
+                "errors by code",
+                ", ".join(f"{k}={v}" for k, v in sorted(s["errors_by_code"].items())) or "-",
+            ),
+            ("unexpected errors", s["unexpected_errors"]),
+            ("abort attempts / too late", f"{s['abort_attempts']} / {s['abort_too_late']}"),
+            ("aborted, not requested", s["aborted_unrequested"]),
+            (
+                "workers started / killed / crashed / hung",
+                "{started} / {killed} / {crashed} / {hung}".format(**result["workers"]),
+            ),
+            ("latency p50 / p99 (ms)", f"{s['latency_p50_ms']:.1f} / {s['latency_p99_ms']:.1f}"),
+            ("TTFT p50 / p99 (ms, streamed)", f"{s['ttft_p50_ms']:.1f} / {s['ttft_p99_ms']:.1f}"),
+            ("completed req/s", f"{s['request_throughput']:.1f}"),
+            (
+                "server finished (client range)",
+                "{finished_total} ({client_range[0]}..{client_range[1]})".format(
+                    **result["server_accounting"]
+                ),
+            ),
+            (
+                "server RSS before / after (MiB)",
+                "n/a" if rss["before"] is None else f"{rss['before']:.0f} / {rss['after']:.0f}",
+            ),
+            (
+                "idle KV: free + evictable / slots",
+                f"{kv.get('free_slots')} + {kv.get('evictable_tokens')} / {kv.get('kv_slots')}",
+            ),
+            (
+                "idle KV: protected / in_flight",
+                f"{kv.get('protected_tokens')} / {kv.get('in_flight')}",
+            ),
+            ("idle KV invariant", "ok" if kv["ok"] else "VIOLATED"),
+            ("verdict", "PASS" if result["passed"] else "FAIL"),
+        ]
+    )
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     for r in result["lost_requests"][:20]:
-        print(f"LOST {r['rid']} kind={r.get('kind')} stream={r.get('stream')} abort={r.get('abort')} "
-              f"{r.get('reason')}")
+        print(
+            f"LOST {r['rid']} kind={r.get('kind')} stream={r.get('stream')} abort={r.get('abort')} "
+            f"{r.get('reason')}"
+        )
 
 
 # ------------------------------------------------------------------ main
 
+
 def soak(args, workdir: Path) -> dict:
     from radixrt.client import Client
+
     server = None if args.server else OwnServer(args, workdir)
     address = args.server or server.address
     fleet = None
@@ -658,19 +788,28 @@ def soak(args, workdir: Path) -> dict:
     return result
 
 
-def build_result(fleet: Fleet, kills: int, elapsed: float, before: dict, idle: dict,
-                 rss: dict[str, float | None]) -> dict:
+def build_result(
+    fleet: Fleet, kills: int, elapsed: float, before: dict, idle: dict, rss: dict[str, float | None]
+) -> dict:
     recs = [r for w in fleet.workers for r in w.outcomes()]
     summary = summarize(recs, elapsed)
     kv = kv_check(idle)
     fates = [w.fate for w in fleet.workers]
     rss_before, rss_after = rss["before"], rss["after"]
     return {
-        "summary": summary, "kv_idle": kv,
-        "server_rss_mb": {"before": rss_before, "after": rss_after,
-                          "growth": None if None in (rss_before, rss_after) else rss_after - rss_before},
-        "workers": {"started": len(fates), "killed": kills, "crashed": fates.count("crashed"),
-                    "hung": fates.count("hung")},
+        "summary": summary,
+        "kv_idle": kv,
+        "server_rss_mb": {
+            "before": rss_before,
+            "after": rss_after,
+            "growth": None if None in (rss_before, rss_after) else rss_after - rss_before,
+        },
+        "workers": {
+            "started": len(fates),
+            "killed": kills,
+            "crashed": fates.count("crashed"),
+            "hung": fates.count("hung"),
+        },
         "journal_anomalies": [a for w in fleet.workers for a in w.anomalies][:50],
         "lost_requests": [r for r in recs if r["outcome"] == "lost"][:50],
         "server_accounting": server_accounting(before, idle, summary),
@@ -686,23 +825,44 @@ def parse_args(argv=None) -> argparse.Namespace:
     mode.add_argument("--short", action="store_true", help="about 60 s, 8 clients (CI)")
     mode.add_argument("--long", action="store_true", help="10 minutes, 16 clients (a manual run)")
     ap.add_argument("--duration", type=float, default=None, help="seconds of load")
-    ap.add_argument("--clients", type=int, default=None, help="client processes (default 8; --long 16)")
+    ap.add_argument(
+        "--clients", type=int, default=None, help="client processes (default 8; --long 16)"
+    )
     ap.add_argument("--concurrency", type=int, default=2, help="request loops per client")
     ap.add_argument("--abort-fraction", type=float, default=0.10)
-    ap.add_argument("--kill-rate", type=float, default=0.05,
-                    help="fraction of the clients SIGKILLed per minute (at least one kill when > 0)")
-    ap.add_argument("--invalid-fraction", type=float, default=0.02, help="requests the server must refuse")
-    ap.add_argument("--request-timeout", type=float, default=120.0,
-                    help="no reply nor error within this many seconds: lost")
-    ap.add_argument("--idle-timeout", type=float, default=60.0, help="wait this long for an idle server")
-    ap.add_argument("--api-key", default=None, help="pass api_key= to the clients (and to an own server)")
+    ap.add_argument(
+        "--kill-rate",
+        type=float,
+        default=0.05,
+        help="fraction of the clients SIGKILLed per minute (at least one kill when > 0)",
+    )
+    ap.add_argument(
+        "--invalid-fraction", type=float, default=0.02, help="requests the server must refuse"
+    )
+    ap.add_argument(
+        "--request-timeout",
+        type=float,
+        default=120.0,
+        help="no reply nor error within this many seconds: lost",
+    )
+    ap.add_argument(
+        "--idle-timeout", type=float, default=60.0, help="wait this long for an idle server"
+    )
+    ap.add_argument(
+        "--api-key", default=None, help="pass api_key= to the clients (and to an own server)"
+    )
     ap.add_argument("--model", default="tiny", help="own server: tiny | default | a model path")
-    ap.add_argument("--max-total-tokens", type=int, default=8192,
-                    help="own server's KV pool (0: its default)")
+    ap.add_argument(
+        "--max-total-tokens", type=int, default=8192, help="own server's KV pool (0: its default)"
+    )
     ap.add_argument("--ready-timeout", type=float, default=300.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workdir", default=None, help="journals and logs (default: a temporary folder)")
-    ap.add_argument("--out", default=None, help="JSON path (default bench/results/soak-<mode>.json)")
+    ap.add_argument(
+        "--workdir", default=None, help="journals and logs (default: a temporary folder)"
+    )
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default bench/results/soak-<mode>.json)"
+    )
     args = ap.parse_args(argv)
     args.mode = "short" if args.short else "long" if args.long else "custom"
     preset = PRESETS.get(args.mode, {"duration": 60.0, "clients": 8})

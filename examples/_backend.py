@@ -17,6 +17,7 @@ def setup(description: str) -> argparse.Namespace:
     else:
         from radixrt import Engine
         from radixrt.testing import tiny_model_path
+
         model = {"tiny": tiny_model_path("llama"), "default": None}.get(args.model, args.model)
         rl.set_default_backend(rl.EngineBackend(Engine(model=model)))
     return args

@@ -1,10 +1,15 @@
 """Few-shot sentiment classification with ``select`` (choices scored in one shared-prefix call)."""
 
-import radixrt.lang as rl
 from _backend import setup
 
-EXAMPLES = [("I loved every minute of it.", "positive"), ("Total waste of money.", "negative"),
-            ("Works exactly as described, great.", "positive"), ("It broke after a day.", "negative")]
+import radixrt.lang as rl
+
+EXAMPLES = [
+    ("I loved every minute of it.", "positive"),
+    ("Total waste of money.", "negative"),
+    ("Works exactly as described, great.", "positive"),
+    ("It broke after a day.", "negative"),
+]
 
 
 @rl.function
@@ -18,6 +23,10 @@ def classify(s, review):
 
 if __name__ == "__main__":
     setup(__doc__)
-    reviews = ["Absolutely fantastic service.", "The screen cracked immediately.", "Would buy again."]
+    reviews = [
+        "Absolutely fantastic service.",
+        "The screen cracked immediately.",
+        "Would buy again.",
+    ]
     for review, st in zip(reviews, classify.run_batch([{"review": r} for r in reviews])):
         print(f"{review!r:40} -> {st['label']}  {st.get_meta_info('label')['normalized_logprobs']}")

@@ -1,7 +1,8 @@
 """Multi-turn chat: each turn extends the cached conversation."""
 
-import radixrt.lang as rl
 from _backend import setup
+
+import radixrt.lang as rl
 
 
 @rl.function
@@ -14,8 +15,13 @@ def chat(s, questions):
 
 if __name__ == "__main__":
     setup(__doc__)
-    state = chat.run(questions=["What is a radix tree?", "Why does it help an LLM server?",
-                                "Summarize that in five words."])
+    state = chat.run(
+        questions=[
+            "What is a radix tree?",
+            "Why does it help an LLM server?",
+            "Summarize that in five words.",
+        ]
+    )
     if state.error:
         raise state.error
     for m in state.messages():

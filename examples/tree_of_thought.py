@@ -1,7 +1,8 @@
 """Tree of thought: nested forks; every branch hits the prefix its parent cached."""
 
-import radixrt.lang as rl
 from _backend import setup
+
+import radixrt.lang as rl
 
 
 @rl.function
@@ -33,5 +34,9 @@ if __name__ == "__main__":
     for leaf in state.meta["leaves"]:
         print("-" * 60)
         print(leaf.text().split("step by step.\n", 1)[1].strip())
-        print("cached:", leaf.get_meta_info("idea")["cached_tokens"], "prompt:",
-              leaf.get_meta_info("idea")["prompt_tokens"])
+        print(
+            "cached:",
+            leaf.get_meta_info("idea")["cached_tokens"],
+            "prompt:",
+            leaf.get_meta_info("idea")["prompt_tokens"],
+        )

@@ -28,13 +28,25 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any
 
 import zmq
 import zmq.asyncio
 
-from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, ControlRequest, ErrorReply, GenerateOutput,
-                              GenerateRequest, Hello, ReplyBatch, StreamChunk, decode, encode)
+from radixrt.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    ControlRequest,
+    ErrorReply,
+    GenerateOutput,
+    GenerateRequest,
+    Hello,
+    ReplyBatch,
+    StreamChunk,
+    decode,
+    encode,
+)
 from radixrt.sampling import SamplingParams
 
 
@@ -53,17 +65,25 @@ def _params_dict(sp: SamplingParams | dict | None) -> dict | None:
     return sp.to_dict()
 
 
-def _generate_request(req_id: str, prompt, sampling_params, input_ids, messages,
-                      stream: bool) -> GenerateRequest:
-    return GenerateRequest(req_id=req_id, prompt=prompt,
-                           input_ids=list(map(int, input_ids)) if input_ids is not None else None,
-                           messages=list(messages) if messages is not None else None,
-                           sampling_params=_params_dict(sampling_params), stream=stream)
+def _generate_request(
+    req_id: str, prompt, sampling_params, input_ids, messages, stream: bool
+) -> GenerateRequest:
+    return GenerateRequest(
+        req_id=req_id,
+        prompt=prompt,
+        input_ids=list(map(int, input_ids)) if input_ids is not None else None,
+        messages=list(messages) if messages is not None else None,
+        sampling_params=_params_dict(sampling_params),
+        stream=stream,
+    )
 
 
 def _batch_items(prompts, input_ids, messages) -> list[dict]:
-    given = [(k, v) for k, v in (("prompt", prompts), ("input_ids", input_ids),
-                                 ("messages", messages)) if v is not None]
+    given = [
+        (k, v)
+        for k, v in (("prompt", prompts), ("input_ids", input_ids), ("messages", messages))
+        if v is not None
+    ]
     if len(given) != 1:
         raise ValueError("pass exactly one of prompts, input_ids, messages")
     key, values = given[0]
@@ -97,10 +117,13 @@ def _load_public_key(key: str | bytes) -> bytes:
     """A Z85 public key as given, or read from a key file."""
     if isinstance(key, str) and os.path.isfile(key):
         import zmq.auth
+
         return zmq.auth.load_certificate(key)[0]
     key = key.encode() if isinstance(key, str) else key
     if len(key) != 40:
-        raise ValueError("curve_server_key must be a 40-character Z85 public key or a key file path")
+        raise ValueError(
+            "curve_server_key must be a 40-character Z85 public key or a key file path"
+        )
     return key
 
 
@@ -116,8 +139,14 @@ class _Ids:
 class Client:
     """Synchronous client; thread-safe. ``Client("tcp://127.0.0.1:30000", timeout=60)``."""
 
-    def __init__(self, address: str, timeout: float | None = 60.0, *, api_key: str | None = None,
-                 curve_server_key: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = 60.0,
+        *,
+        api_key: str | None = None,
+        curve_server_key: str | bytes | None = None,
+    ) -> None:
         self.address, self.timeout = address, timeout
         self.api_key = api_key if api_key is not None else os.environ.get("RADIXRT_API_KEY") or None
         self._ids = _Ids()
@@ -141,32 +170,57 @@ class Client:
 
     # ------------------------------------------------------------- API
 
-    def generate(self, prompt: str | None = None, sampling_params: SamplingParams | dict | None = None,
-                 *, input_ids: Sequence[int] | None = None, messages: list[dict] | None = None,
-                 stream: bool = False, rid: str | None = None,
-                 timeout: float | None = None) -> GenerateOutput | Stream:
-        req = _generate_request(rid or self._ids(), prompt, sampling_params, input_ids, messages, stream)
+    def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: list[dict] | None = None,
+        stream: bool = False,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateOutput | Stream:
+        req = _generate_request(
+            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream
+        )
         q = self._send(req)
         if stream:
             return Stream(self, req.req_id, q, self._timeout(timeout))
         return self._result(req.req_id, q, self._deadline(timeout))
 
-    def generate_batch(self, prompts: Sequence[str] | None = None,
-                       sampling_params: SamplingParams | dict | None = None, *,
-                       input_ids: Sequence[Sequence[int]] | None = None,
-                       messages: Sequence[list[dict]] | None = None,
-                       timeout: float | None = None) -> list[GenerateOutput]:
+    def generate_batch(
+        self,
+        prompts: Sequence[str] | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        messages: Sequence[list[dict]] | None = None,
+        timeout: float | None = None,
+    ) -> list[GenerateOutput]:
         """All requests go out at once; outputs come back in order."""
         sent = []
         for item in _batch_items(prompts, input_ids, messages):
-            req = _generate_request(self._ids(), item.get("prompt"), sampling_params,
-                                    item.get("input_ids"), item.get("messages"), False)
+            req = _generate_request(
+                self._ids(),
+                item.get("prompt"),
+                sampling_params,
+                item.get("input_ids"),
+                item.get("messages"),
+                False,
+            )
             sent.append((req.req_id, self._send(req)))
         deadline = self._deadline(timeout)
         return [self._result(req_id, q, deadline) for req_id, q in sent]
 
-    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]],
-              timeout: float | None = None, *, cache_salt: str | None = None) -> list[tuple[float, int]]:
+    def score(
+        self,
+        prefix_ids: Sequence[int],
+        continuations: Sequence[Sequence[int]],
+        timeout: float | None = None,
+        *,
+        cache_salt: str | None = None,
+    ) -> list[tuple[float, int]]:
         """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
 
         The prefix is prefilled (and cached, under ``cache_salt``) first; the
@@ -332,8 +386,14 @@ class Stream:
 class AsyncClient:
     """asyncio client (zmq.asyncio). Use ``async with AsyncClient(addr) as c`` or ``await c.connect()``."""
 
-    def __init__(self, address: str, timeout: float | None = 60.0, *, api_key: str | None = None,
-                 curve_server_key: str | bytes | None = None) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = 60.0,
+        *,
+        api_key: str | None = None,
+        curve_server_key: str | bytes | None = None,
+    ) -> None:
         self.address, self.timeout = address, timeout
         self.api_key = api_key if api_key is not None else os.environ.get("RADIXRT_API_KEY") or None
         self._ids = _Ids()
@@ -349,33 +409,48 @@ class AsyncClient:
             self.info = (await self._call(Hello(version=PROTOCOL_VERSION, req_id=self._ids()))).info
         return self
 
-    async def generate(self, prompt: str | None = None,
-                       sampling_params: SamplingParams | dict | None = None, *,
-                       input_ids: Sequence[int] | None = None, messages: list[dict] | None = None,
-                       stream: bool = False, rid: str | None = None,
-                       timeout: float | None = None) -> GenerateOutput | AsyncStream:
+    async def generate(
+        self,
+        prompt: str | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        input_ids: Sequence[int] | None = None,
+        messages: list[dict] | None = None,
+        stream: bool = False,
+        rid: str | None = None,
+        timeout: float | None = None,
+    ) -> GenerateOutput | AsyncStream:
         """A GenerateOutput; with ``stream=True`` an ``AsyncStream`` to ``async for`` over."""
         await self.connect()
-        req = _generate_request(rid or self._ids(), prompt, sampling_params, input_ids, messages, stream)
+        req = _generate_request(
+            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream
+        )
         q = await self._send(req)
         timeout = self.timeout if timeout is None else timeout
         if stream:
             return AsyncStream(self, req.req_id, q, timeout)
         try:
             return _check(await asyncio.wait_for(q.get(), timeout)).output
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self._abort_quietly(req.req_id)
             raise TimeoutError(f"no reply to {req.req_id!r} in time") from None
         finally:
             self._pending.pop(req.req_id, None)
 
-    async def generate_batch(self, prompts: Sequence[str] | None = None,
-                             sampling_params: SamplingParams | dict | None = None, *,
-                             input_ids: Sequence[Sequence[int]] | None = None,
-                             messages: Sequence[list[dict]] | None = None) -> list[GenerateOutput]:
+    async def generate_batch(
+        self,
+        prompts: Sequence[str] | None = None,
+        sampling_params: SamplingParams | dict | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        messages: Sequence[list[dict]] | None = None,
+    ) -> list[GenerateOutput]:
         items = _batch_items(prompts, input_ids, messages)
-        return list(await asyncio.gather(*(self.generate(sampling_params=sampling_params, **item)
-                                           for item in items)))
+        return list(
+            await asyncio.gather(
+                *(self.generate(sampling_params=sampling_params, **item) for item in items)
+            )
+        )
 
     async def abort(self, rid: str) -> None:
         await self._call(AbortRequest(req_id=self._ids(), target=rid))
@@ -387,7 +462,9 @@ class AsyncClient:
         await self._call(ControlRequest(req_id=self._ids(), kind="flush_cache"))
 
     async def health(self) -> bool:
-        return bool((await self._call(ControlRequest(req_id=self._ids(), kind="health"))).data.get("ok"))
+        return bool(
+            (await self._call(ControlRequest(req_id=self._ids(), kind="health"))).data.get("ok")
+        )
 
     async def close(self) -> None:
         if self._reader is not None:
@@ -422,7 +499,7 @@ class AsyncClient:
         q = await self._send(msg)
         try:
             return _check(await asyncio.wait_for(q.get(), self.timeout))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TimeoutError(f"no reply to {msg.req_id!r} in time") from None
         finally:
             self._pending.pop(msg.req_id, None)
@@ -438,7 +515,9 @@ class AsyncClient:
 class AsyncStream:
     """Async iterator of ``StreamChunk``s of request ``rid``."""
 
-    def __init__(self, client: AsyncClient, rid: str, q: asyncio.Queue, timeout: float | None) -> None:
+    def __init__(
+        self, client: AsyncClient, rid: str, q: asyncio.Queue, timeout: float | None
+    ) -> None:
         self.client, self.rid, self._q, self._timeout = client, rid, q, timeout
         self.finished = False
 
@@ -447,7 +526,7 @@ class AsyncStream:
             while not self.finished:
                 try:
                     chunk = _check(await asyncio.wait_for(self._q.get(), self._timeout))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     raise TimeoutError(f"no chunk of {self.rid!r} in time") from None
                 except Exception:
                     self.finished = True

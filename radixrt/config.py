@@ -33,9 +33,17 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def setting(default: object, help: str, *, unset: str | None = None, flag: str | None = None,
-            env: str | None = None, choices: tuple[str, ...] | None = None,
-            hidden: bool = False, cli: bool = True) -> typing.Any:
+def setting(
+    default: object,
+    help: str,
+    *,
+    unset: str | None = None,
+    flag: str | None = None,
+    env: str | None = None,
+    choices: tuple[str, ...] | None = None,
+    hidden: bool = False,
+    cli: bool = True,
+) -> typing.Any:
     """A dataclass field with its documentation in ``metadata``.
 
     ``help``: what the setting does (the ``--help`` line, which adds the default);
@@ -45,41 +53,66 @@ def setting(default: object, help: str, *, unset: str | None = None, flag: str |
     values (checked on construction); ``hidden``: a flag left out of ``--help``;
     ``cli``: False for a field with no flag (TOML and keywords only).
     """
-    metadata = {"help": help, "unset": unset, "flag": flag, "env": env, "choices": choices,
-                "hidden": hidden, "cli": cli}
+    metadata = {
+        "help": help,
+        "unset": unset,
+        "flag": flag,
+        "env": env,
+        "choices": choices,
+        "hidden": hidden,
+        "cli": cli,
+    }
     return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = setting(None, "a Hugging Face model folder",
-                                unset="SmolLM2-135M-Instruct, the embedded model")
-    dtype: str = setting("auto", "weights and KV dtype; auto: bfloat16 on CPU, the model's own "
-                         "on GPU", choices=DTYPES)
-    max_total_tokens: int | None = setting(None, "KV slots in the pool",
-                                           unset="sized from free memory")
+    model: str | None = setting(
+        None, "a Hugging Face model folder", unset="SmolLM2-135M-Instruct, the embedded model"
+    )
+    dtype: str = setting(
+        "auto",
+        "weights and KV dtype; auto: bfloat16 on CPU, the model's own on GPU",
+        choices=DTYPES,
+    )
+    max_total_tokens: int | None = setting(
+        None, "KV slots in the pool", unset="sized from free memory"
+    )
     page_size: int = setting(1, "tokens per KV page; the prefix cache matches whole pages")
-    schedule_policy: str = setting("lpm", "the order waiting requests are admitted in",
-                                   choices=SCHEDULE_POLICIES)
-    disable_radix_cache: bool = setting(False, "turn the prefix cache off: every prompt is "
-                                        "prefilled in full")
-    chunked_prefill_size: int | None = setting(None, "tokens per prefill chunk of a long prompt",
-                                               unset="no chunking")
+    schedule_policy: str = setting(
+        "lpm", "the order waiting requests are admitted in", choices=SCHEDULE_POLICIES
+    )
+    disable_radix_cache: bool = setting(
+        False, "turn the prefix cache off: every prompt is prefilled in full"
+    )
+    chunked_prefill_size: int | None = setting(
+        None, "tokens per prefill chunk of a long prompt", unset="no chunking"
+    )
     max_running_requests: int | None = setting(None, "requests decoding at once", unset="256")
-    attention_backend: str = setting("auto", "attention kernels; auto: triton on GPU, cpu (the "
-                                     "C kernel) on CPU where it builds, else torch (the reference)",
-                                     choices=ATTENTION_BACKENDS)
+    attention_backend: str = setting(
+        "auto",
+        "attention kernels; auto: triton on GPU, cpu (the "
+        "C kernel) on CPU where it builds, else torch (the reference)",
+        choices=ATTENTION_BACKENDS,
+    )
     max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
-    new_token_ratio: float = setting(0.5, "share of a running request's remaining max_new_tokens "
-                                     "kept in reserve when admitting more, 0 to 1")
-    eviction_policy: str = setting("lru", "which cached prefixes go first under memory pressure",
-                                   choices=EVICTION_POLICIES)
-    device: str = setting("auto", "where the model runs: auto (cuda when present), cpu, cuda or "
-                          "cuda:N")
-    seed: int = setting(0, "seeds the sampling of requests without a seed of their own",
-                        flag="--random-seed")
-    enable_torch_compile: bool = setting(False, "compile the model's forward with torch.compile "
-                                         "(slower start, faster steps)")
+    new_token_ratio: float = setting(
+        0.5,
+        "share of a running request's remaining max_new_tokens "
+        "kept in reserve when admitting more, 0 to 1",
+    )
+    eviction_policy: str = setting(
+        "lru", "which cached prefixes go first under memory pressure", choices=EVICTION_POLICIES
+    )
+    device: str = setting(
+        "auto", "where the model runs: auto (cuda when present), cpu, cuda or cuda:N"
+    )
+    seed: int = setting(
+        0, "seeds the sampling of requests without a seed of their own", flag="--random-seed"
+    )
+    enable_torch_compile: bool = setting(
+        False, "compile the model's forward with torch.compile (slower start, faster steps)"
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -110,36 +143,56 @@ class EngineConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = setting("127.0.0.1", "the interface both ports bind; a warning if it is not "
-                        "loopback and there is no API key")
+    host: str = setting(
+        "127.0.0.1",
+        "the interface both ports bind; a warning if it is not loopback and there is no API key",
+    )
     port: int = setting(30000, "the ZeroMQ RPC port")
     http_port: int = setting(8000, "the OpenAI-compatible HTTP API's port; 0: no HTTP")
-    served_model_name: str | None = setting(None, "the model's name in the HTTP API",
-                                            unset="the model folder's name")
-    max_waiting_requests: int | None = setting(None, "refuse new requests with 'overloaded' "
-                                               "past this many waiting", unset="no limit")
-    log_level: str = setting("warning", f"logging level, one of {', '.join(LOG_LEVELS)}, "
-                             "in any case")
-    grace_period: float = setting(30.0, "on SIGTERM, seconds running requests may take to finish "
-                                  "before the rest are aborted")
-    max_message_bytes: int = setting(16 << 20, "refuse client messages larger than this "
-                                     "with too_large")
-    max_prompt_tokens: int | None = setting(None, "refuse longer prompts with prompt_too_long",
-                                            unset="the model's context")
-    max_new_tokens_limit: int = setting(32768, "refuse requests asking for more max_new_tokens "
-                                        "with limit_exceeded")
-    max_requests_per_client: int = setting(256, "requests one client may have in flight; more "
-                                           "get limit_exceeded")
-    api_key: str | None = setting(None, "require this key (or one of KEY1,KEY2,...) on every "
-                                  "request", unset="none", env="RADIXRT_API_KEY")
-    isolate_by_api_key: bool = setting(False, "salt each request's prefix cache with its API key "
-                                       "(needs --api-key)")
-    curve_keys: str | None = setting(None, "CurveZMQ: a folder made by `radixrt curve-keygen`, "
-                                     "holding server.key_secret", unset="plaintext")
-    max_forward_failures: int = setting(3, "consecutive forward-pass failures before the server "
-                                        "exits")
-    debug_faults: str | None = setting(None, "test-only fault injection (radixrt.server.faults)",
-                                       unset="none", hidden=True)
+    served_model_name: str | None = setting(
+        None, "the model's name in the HTTP API", unset="the model folder's name"
+    )
+    max_waiting_requests: int | None = setting(
+        None, "refuse new requests with 'overloaded' past this many waiting", unset="no limit"
+    )
+    log_level: str = setting(
+        "warning", f"logging level, one of {', '.join(LOG_LEVELS)}, in any case"
+    )
+    grace_period: float = setting(
+        30.0, "on SIGTERM, seconds running requests may take to finish before the rest are aborted"
+    )
+    max_message_bytes: int = setting(
+        16 << 20, "refuse client messages larger than this with too_large"
+    )
+    max_prompt_tokens: int | None = setting(
+        None, "refuse longer prompts with prompt_too_long", unset="the model's context"
+    )
+    max_new_tokens_limit: int = setting(
+        32768, "refuse requests asking for more max_new_tokens with limit_exceeded"
+    )
+    max_requests_per_client: int = setting(
+        256, "requests one client may have in flight; more get limit_exceeded"
+    )
+    api_key: str | None = setting(
+        None,
+        "require this key (or one of KEY1,KEY2,...) on every request",
+        unset="none",
+        env="RADIXRT_API_KEY",
+    )
+    isolate_by_api_key: bool = setting(
+        False, "salt each request's prefix cache with its API key (needs --api-key)"
+    )
+    curve_keys: str | None = setting(
+        None,
+        "CurveZMQ: a folder made by `radixrt curve-keygen`, holding server.key_secret",
+        unset="plaintext",
+    )
+    max_forward_failures: int = setting(
+        3, "consecutive forward-pass failures before the server exits"
+    )
+    debug_faults: str | None = setting(
+        None, "test-only fault injection (radixrt.server.faults)", unset="none", hidden=True
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -149,15 +202,20 @@ class ServerConfig:
         _check_port("http_port", self.http_port, allow_zero=True)
         if self.http_port and self.http_port == self.port:
             raise ValueError(f"http_port and port are both {self.port}")
-        for name in ("max_message_bytes", "max_new_tokens_limit", "max_requests_per_client",
-                     "max_forward_failures"):
+        for name in (
+            "max_message_bytes",
+            "max_new_tokens_limit",
+            "max_requests_per_client",
+            "max_forward_failures",
+        ):
             _check_positive(name, getattr(self, name))
         for name in ("max_prompt_tokens", "max_waiting_requests"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         if self.grace_period < 0:
-            raise ValueError(f"grace_period must be a number of seconds >= 0, "
-                             f"got {self.grace_period!r}")
+            raise ValueError(
+                f"grace_period must be a number of seconds >= 0, got {self.grace_period!r}"
+            )
         if self.log_level.lower() not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for name in ("served_model_name", "curve_keys", "debug_faults"):
@@ -189,8 +247,11 @@ def launch_fields() -> Iterator[tuple[type, dataclasses.Field]]:
             yield cls, f
 
 
-def load_config(path: str | None = None, flags: Mapping[str, object] | None = None,
-                environ: Mapping[str, str] | None = None) -> tuple[EngineConfig, ServerConfig]:
+def load_config(
+    path: str | None = None,
+    flags: Mapping[str, object] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> tuple[EngineConfig, ServerConfig]:
     """The engine's and the server's settings from, lowest first: the defaults; the TOML file
     at ``path`` (flat keys, ``-`` or ``_``); each field's ``env`` variable in ``environ``
     (``os.environ`` when None) where set and non-empty; ``flags`` (field name -> value, None
@@ -221,8 +282,10 @@ def _read_toml(path: str) -> dict[str, object]:
 def _reject_unknown(values: Mapping[str, object], source: str) -> None:
     unknown = sorted(set(values) - {f.name for _, f in launch_fields()})
     if unknown:
-        raise ValueError(f"{source}: unknown settings {unknown} (each must be a field of "
-                         "EngineConfig or ServerConfig; see `radixrt launch --help`)")
+        raise ValueError(
+            f"{source}: unknown settings {unknown} (each must be a field of "
+            "EngineConfig or ServerConfig; see `radixrt launch --help`)"
+        )
 
 
 @functools.cache

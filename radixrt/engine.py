@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from typing import Sequence
+from collections.abc import Sequence
 
 from radixrt.config import EngineConfig
 from radixrt.model.loader import ModelConfig, resolve_model_path
@@ -29,20 +29,35 @@ class Engine:
     still usable); ``make_output`` returns finish_reason "error" for it.
     """
 
-    def __init__(self, model: str | None = None, dtype: str = "auto",
-                 max_total_tokens: int | None = None, page_size: int = 1,
-                 schedule_policy: str = "lpm", disable_radix_cache: bool = False,
-                 chunked_prefill_size: int | None = None, max_running_requests: int | None = None,
-                 attention_backend: str = "auto", **kwargs) -> None:
-        self.config = EngineConfig(model=model, dtype=dtype, max_total_tokens=max_total_tokens,
-                                   page_size=page_size, schedule_policy=schedule_policy,
-                                   disable_radix_cache=disable_radix_cache,
-                                   chunked_prefill_size=chunked_prefill_size,
-                                   max_running_requests=max_running_requests,
-                                   attention_backend=attention_backend, **kwargs)
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "auto",
+        max_total_tokens: int | None = None,
+        page_size: int = 1,
+        schedule_policy: str = "lpm",
+        disable_radix_cache: bool = False,
+        chunked_prefill_size: int | None = None,
+        max_running_requests: int | None = None,
+        attention_backend: str = "auto",
+        **kwargs,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            max_total_tokens=max_total_tokens,
+            page_size=page_size,
+            schedule_policy=schedule_policy,
+            disable_radix_cache=disable_radix_cache,
+            chunked_prefill_size=chunked_prefill_size,
+            max_running_requests=max_running_requests,
+            attention_backend=attention_backend,
+            **kwargs,
+        )
         self.model_path = resolve_model_path(model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         from transformers import AutoTokenizer
+
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.model_config)
         self.scheduler = Scheduler(self.config, self.runner, self._decode, self.runner.max_context)
@@ -50,9 +65,13 @@ class Engine:
 
     # ----------------------------------------------------------------- API
 
-    def generate(self, prompts: str | Sequence[str] | None = None,
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, input_ids: Sequence[Sequence[int]] | None = None) -> list[GenerateOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[GenerateOutput]:
         """One GenerateOutput per prompt, in order (a list also for a single str)."""
         ids = self._prompt_ids(prompts, input_ids)
         params = self._per_prompt_params(sampling_params, len(ids))
@@ -64,8 +83,13 @@ class Engine:
         self._raise_if_failed(reqs)
         return [self.make_output(r) for r in reqs]
 
-    def score(self, prefix_ids: Sequence[int], continuations: Sequence[Sequence[int]], *,
-              cache_salt: str | None = None) -> list[tuple[float, int]]:
+    def score(
+        self,
+        prefix_ids: Sequence[int],
+        continuations: Sequence[Sequence[int]],
+        *,
+        cache_salt: str | None = None,
+    ) -> list[tuple[float, int]]:
         """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
 
         The prefix is prefilled once (and cached, under ``cache_salt``); each
@@ -84,8 +108,12 @@ class Engine:
         self._raise_if_failed(reqs)
         return [(sum(r.prompt_logprobs), len(c)) for r, c in zip(reqs, conts)]
 
-    def add_request(self, input_ids: Sequence[int], sampling_params: SamplingParams,
-                    logprob_start_len: int | None = None) -> Req:
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        sampling_params: SamplingParams,
+        logprob_start_len: int | None = None,
+    ) -> Req:
         """Queue one request (validated); drive it with ``step()``, read it with ``make_output``."""
         ids = list(map(int, input_ids))
         self._validate_ids(0, ids)
@@ -143,14 +171,17 @@ class Engine:
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         if len(ids) >= self.runner.max_context:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; the context is "
-                             f"{self.runner.max_context} tokens")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; the context is {self.runner.max_context} tokens"
+            )
         capacity = self.scheduler.kv_capacity
         if len(ids) >= capacity:
             raise ValueError(f"prompt {i} has {len(ids)} tokens; the KV pool holds {capacity}")
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            raise ValueError(
+                f"prompt {i} has token ids outside the vocabulary [0, {vocab}): {bad[:5]}"
+            )
 
     @staticmethod
     def _per_prompt_params(sp, n: int) -> list[SamplingParams]:
@@ -171,8 +202,10 @@ class Engine:
     def _raise_if_failed(reqs: list[Req]) -> None:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
-            raise RuntimeError(f"request {failed[0].rid} failed ({len(failed)} of {len(reqs)} "
-                               f"in this call): {failed[0].error}")
+            raise RuntimeError(
+                f"request {failed[0].rid} failed ({len(failed)} of {len(reqs)} "
+                f"in this call): {failed[0].error}"
+            )
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -72,7 +72,8 @@ def keep_freed_memory() -> bool:
     if _MALLOPT is None:
         return False
     return bool(_MALLOPT(_M_MMAP_THRESHOLD, MALLOC_MMAP_THRESHOLD)) and bool(
-        _MALLOPT(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
+        _MALLOPT(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD)
+    )
 
 
 def _madvise(start: int, end: int, advice: int, tries: int = 2) -> int:
@@ -171,7 +172,10 @@ class HeapCollapser:
         if not self.end or end - self.end < self.step:
             return 0
         # Mapping by mapping (the heap may be several): one collapse across two of them fails.
-        done = sum(collapse(max(start, self.end), min(stop, end))
-                   for start, stop, is_heap in _mappings() if is_heap and start < end and stop > self.end)
+        done = sum(
+            collapse(max(start, self.end), min(stop, end))
+            for start, stop, is_heap in _mappings()
+            if is_heap and start < end and stop > self.end
+        )
         self.end, self.collapsed = end, self.collapsed + done
         return done

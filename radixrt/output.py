@@ -25,8 +25,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from radixrt.protocol import (BatchTextOut, BatchTokenOut, ErrorCode, GenerateOutput, RidError,
-                              TextDelta, TokenDelta)
+from radixrt.protocol import (
+    BatchTextOut,
+    BatchTokenOut,
+    ErrorCode,
+    GenerateOutput,
+    RidError,
+    TextDelta,
+    TokenDelta,
+)
 
 if TYPE_CHECKING:
     from radixrt.scheduler.req import Req
@@ -38,15 +45,18 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
     scored = first and req.logprob_start_len is not None
     top = req.params.top_logprobs > 0
     return TokenDelta(
-        rid=req.rid, token_ids=req.output_ids[n0:n],
+        rid=req.rid,
+        token_ids=req.output_ids[n0:n],
         logprobs=req.output_logprobs[n0:n] if req.params.logprobs else None,
         finish_reason=req.finish_reason if req.finished else None,
-        prompt_tokens=len(req.prompt_ids), cached_tokens=req.cached_tokens,
+        prompt_tokens=len(req.prompt_ids),
+        cached_tokens=req.cached_tokens,
         stop=req.params.stop if first else None,
         first_token_at=(req.first_token_at or 0.0) if first else 0.0,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
-        prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None)
+        prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None,
+    )
 
 
 def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
@@ -56,11 +66,18 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
     text is what the Detokenizer's text deltas of them add up to.
     """
     d = token_delta(req, 0, len(req.output_ids))
-    return GenerateOutput(rid=req.rid, text=cut_at_stop(decode(d.token_ids), req.params.stop),
-                          token_ids=d.token_ids, prompt_tokens=d.prompt_tokens,
-                          cached_tokens=d.cached_tokens, finish_reason=req.finish_reason or "abort",
-                          logprobs=d.logprobs, prompt_logprobs=d.prompt_logprobs,
-                          top_logprobs=d.top_logprobs, prompt_top_logprobs=d.prompt_top_logprobs)
+    return GenerateOutput(
+        rid=req.rid,
+        text=cut_at_stop(decode(d.token_ids), req.params.stop),
+        token_ids=d.token_ids,
+        prompt_tokens=d.prompt_tokens,
+        cached_tokens=d.cached_tokens,
+        finish_reason=req.finish_reason or "abort",
+        logprobs=d.logprobs,
+        prompt_logprobs=d.prompt_logprobs,
+        top_logprobs=d.top_logprobs,
+        prompt_top_logprobs=d.prompt_top_logprobs,
+    )
 
 
 class OutputTracker:
@@ -117,7 +134,7 @@ class DecodeState:
     def __init__(self, stop: list[str] | None) -> None:
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[:prefix_offset] are decoded into text for good
-        self.read_offset = 0    # ids[:read_offset] are decoded into text
+        self.read_offset = 0  # ids[:read_offset] are decoded into text
         self.text = ""
         self.sent = ""
         self.stop = stop
@@ -158,8 +175,11 @@ class Detokenizer:
                 self.forget(item.rid)
                 if item.finish_reason is None:
                     self.dropped.add(item.rid)
-                self.errors.append(RidError(rid=item.rid, code=ErrorCode.INTERNAL,
-                                            message=f"detokenizer failed: {e!r}"))
+                self.errors.append(
+                    RidError(
+                        rid=item.rid, code=ErrorCode.INTERNAL, message=f"detokenizer failed: {e!r}"
+                    )
+                )
         return BatchTextOut(items=items)
 
     def forget(self, rid: str) -> None:
@@ -179,25 +199,35 @@ class Detokenizer:
         else:
             self.advance(st)
             text = self.stable_text(st.text, st.stop)
-        new = text[len(st.sent):] if text.startswith(st.sent) and len(text) > len(st.sent) else ""
+        new = text[len(st.sent) :] if text.startswith(st.sent) and len(text) > len(st.sent) else ""
         st.sent += new
-        return TextDelta(rid=item.rid, text=new, token_ids=item.token_ids, logprobs=item.logprobs,
-                         finish_reason=item.finish_reason, prompt_tokens=item.prompt_tokens,
-                         cached_tokens=item.cached_tokens, prompt_logprobs=item.prompt_logprobs,
-                         top_logprobs=item.top_logprobs,
-                         prompt_top_logprobs=item.prompt_top_logprobs,
-                         first_token_at=item.first_token_at)
+        return TextDelta(
+            rid=item.rid,
+            text=new,
+            token_ids=item.token_ids,
+            logprobs=item.logprobs,
+            finish_reason=item.finish_reason,
+            prompt_tokens=item.prompt_tokens,
+            cached_tokens=item.cached_tokens,
+            prompt_logprobs=item.prompt_logprobs,
+            top_logprobs=item.top_logprobs,
+            prompt_top_logprobs=item.prompt_top_logprobs,
+            first_token_at=item.first_token_at,
+        )
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def advance(self, st: DecodeState) -> None:
         """Append the newly complete text of st.ids to st.text."""
-        new = self.decode(st.ids[st.prefix_offset:])
-        old = (self.decode(st.ids[st.prefix_offset:st.read_offset])
-               if st.read_offset > st.prefix_offset else "")
+        new = self.decode(st.ids[st.prefix_offset :])
+        old = (
+            self.decode(st.ids[st.prefix_offset : st.read_offset])
+            if st.read_offset > st.prefix_offset
+            else ""
+        )
         if len(new) > len(old) and not new.endswith("\ufffd"):
-            st.text += new[len(old):]
+            st.text += new[len(old) :]
             st.prefix_offset, st.read_offset = st.read_offset, len(st.ids)
 
     @staticmethod
@@ -208,5 +238,5 @@ class Detokenizer:
             if cut != text:
                 return cut
             hold = max(len(s) for s in stop) - 1
-            text = text[:len(text) - hold] if hold else text
+            text = text[: len(text) - hold] if hold else text
         return text

@@ -31,20 +31,20 @@ PROTOCOL_VERSION = 1
 
 
 class ErrorCode:
-    MALFORMED = "malformed"                # bytes that are not a message
-    UNKNOWN_MESSAGE = "unknown_message"    # a message type the receiver does not handle
+    MALFORMED = "malformed"  # bytes that are not a message
+    UNKNOWN_MESSAGE = "unknown_message"  # a message type the receiver does not handle
     VERSION_MISMATCH = "version_mismatch"
-    INVALID_REQUEST = "invalid_request"    # bad sampling params, prompt fields, ids
+    INVALID_REQUEST = "invalid_request"  # bad sampling params, prompt fields, ids
     PROMPT_TOO_LONG = "prompt_too_long"
     UNKNOWN_RID = "unknown_rid"
     DUPLICATE_RID = "duplicate_rid"
-    OVERLOADED = "overloaded"              # the waiting queue is full
-    BUSY = "busy"                          # e.g. flush_cache with running requests
-    INTERNAL = "internal"                  # a server fault while handling the request
-    UNAUTHORIZED = "unauthorized"          # missing or wrong API key
-    TOO_LARGE = "too_large"                # a message over the server's byte limit
-    LIMIT_EXCEEDED = "limit_exceeded"      # max_new_tokens or in-flight requests over a limit
-    SHUTTING_DOWN = "shutting_down"        # the server is draining; no new requests
+    OVERLOADED = "overloaded"  # the waiting queue is full
+    BUSY = "busy"  # e.g. flush_cache with running requests
+    INTERNAL = "internal"  # a server fault while handling the request
+    UNAUTHORIZED = "unauthorized"  # missing or wrong API key
+    TOO_LARGE = "too_large"  # a message over the server's byte limit
+    LIMIT_EXCEEDED = "limit_exceeded"  # max_new_tokens or in-flight requests over a limit
+    SHUTTING_DOWN = "shutting_down"  # the server is draining; no new requests
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -70,6 +70,7 @@ class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
 
 
 # ------------------------------------------------------- client → server
+
 
 class Hello(_Msg, tag="hello"):
     version: int
@@ -106,6 +107,7 @@ class ControlRequest(_Msg, tag="control"):
 
 # ------------------------------------------------------- server → client
 
+
 class HelloReply(_Msg, tag="hello_reply"):
     req_id: str
     version: int
@@ -134,7 +136,7 @@ class GenerateReply(_Msg, tag="result"):
 class ReplyBatch(_Msg, tag="batch"):
     """Several replies to one client from one scheduler step, in one frame."""
 
-    items: list[Union[StreamChunk, GenerateReply]]
+    items: list[StreamChunk | GenerateReply]
     req_id: str = ""
 
 
@@ -156,6 +158,7 @@ class ErrorReply(_Msg, tag="error"):
 
 
 # ---------------------------------------------- between server processes
+
 
 class TokenizedRequest(_Msg, tag="tokenized"):
     """TokenizerManager → Scheduler."""
@@ -251,10 +254,26 @@ class ProcessFailed(_Msg, tag="failed"):
 
 
 Message = Union[
-    Hello, GenerateRequest, AbortRequest, ControlRequest,
-    HelloReply, StreamChunk, GenerateReply, ReplyBatch, ControlReply, Ping, ErrorReply,
-    TokenizedRequest, AbortRid, BatchTokenOut, BatchTextOut, RidError, SchedulerReady,
-    ProcessReady, Drained, ProcessFailed,
+    Hello,
+    GenerateRequest,
+    AbortRequest,
+    ControlRequest,
+    HelloReply,
+    StreamChunk,
+    GenerateReply,
+    ReplyBatch,
+    ControlReply,
+    Ping,
+    ErrorReply,
+    TokenizedRequest,
+    AbortRid,
+    BatchTokenOut,
+    BatchTextOut,
+    RidError,
+    SchedulerReady,
+    ProcessReady,
+    Drained,
+    ProcessFailed,
 ]
 MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
 

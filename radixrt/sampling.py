@@ -119,8 +119,12 @@ class SamplingParams:
         if s is not None and (not _is_int(s) or not _SEED_MIN <= s <= _SEED_MAX):
             raise _bad("seed", s, f"None or an int in [{_SEED_MIN}, {_SEED_MAX}]")
         salt = self.cache_salt
-        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_LEN):
-            raise _bad("cache_salt", salt, f"None or a non-empty str of at most {MAX_CACHE_SALT_LEN} chars")
+        if salt is not None and (
+            not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_LEN
+        ):
+            raise _bad(
+                "cache_salt", salt, f"None or a non-empty str of at most {MAX_CACHE_SALT_LEN} chars"
+            )
         self._check_top_logprobs()
 
     def _check_top_logprobs(self) -> None:
@@ -204,12 +208,18 @@ class Sampler:
             self._shared[device] = make_generator(self.seed, device)
         return self._shared[device]
 
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams],
-               generators: list[torch.Generator | None] | None = None) -> SampleOutput:
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None] | None = None,
+    ) -> SampleOutput:
         bsz = logits.shape[0]
         if logits.dim() != 2 or len(params) != bsz:
-            raise ValueError(f"logits must be [B, V] with B == len(params) "
-                             f"(got {tuple(logits.shape)}, {len(params)} params)")
+            raise ValueError(
+                f"logits must be [B, V] with B == len(params) "
+                f"(got {tuple(logits.shape)}, {len(params)} params)"
+            )
         generators = [None] * bsz if generators is None else generators
         if len(generators) != bsz:
             raise ValueError(f"got {len(generators)} generators for {bsz} rows")
@@ -218,10 +228,16 @@ class Sampler:
             return SampleOutput(tokens, None)
         logp = torch.log_softmax(logits.float(), dim=-1)
         chosen = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return SampleOutput(tokens, chosen, topk_logprobs(logp, max(p.top_logprobs for p in params)))
+        return SampleOutput(
+            tokens, chosen, topk_logprobs(logp, max(p.top_logprobs for p in params))
+        )
 
-    def _tokens(self, logits: torch.Tensor, params: list[SamplingParams],
-                generators: list[torch.Generator | None]) -> torch.Tensor:
+    def _tokens(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
         rows = [i for i, p in enumerate(params) if not p.greedy]
         if not rows:  # fast path: one argmax
             return _argmax(logits)
@@ -230,8 +246,9 @@ class Sampler:
             return _sample_rows(logits.float(), params, generators, shared)
         tokens = _argmax(logits)
         idx = torch.tensor(rows, device=logits.device)
-        sub = _sample_rows(logits[idx].float(), [params[i] for i in rows],
-                           [generators[i] for i in rows], shared)
+        sub = _sample_rows(
+            logits[idx].float(), [params[i] for i in rows], [generators[i] for i in rows], shared
+        )
         return tokens.index_copy_(0, idx, sub)
 
 
@@ -253,9 +270,12 @@ def topk_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return ids, values
 
 
-def _sample_rows(logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None],
-                 shared: torch.Generator | None = None) -> torch.Tensor:
+def _sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None = None,
+) -> torch.Tensor:
     """Sample one token per row of float32 ``logits``; no row is greedy."""
     temp = torch.tensor([p.temperature for p in params], device=logits.device)
     scaled = (logits - logits.amax(dim=1, keepdim=True)) / temp.unsqueeze(1)
@@ -274,8 +294,7 @@ def _filter_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """Bool [n, V], True where top-k / top-p / min-p removes the token."""
     dev, vocab = scaled.device, scaled.shape[1]
     top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params],
-                         device=dev)
+    top_p = torch.tensor([p.top_p if p.top_p < 1.0 else math.inf for p in params], device=dev)
     min_p = torch.tensor([p.min_p for p in params], device=dev)
     sorted_logits, order = scaled.sort(dim=1, descending=True, stable=True)
     pos = torch.arange(vocab, device=dev)
@@ -288,8 +307,12 @@ def _filter_mask(scaled: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     return torch.empty_like(remove).scatter_(1, order, remove)
 
 
-def _gumbel(shape: torch.Size, device: torch.device, generators: list[torch.Generator | None],
-            shared: torch.Generator | None = None) -> torch.Tensor:
+def _gumbel(
+    shape: torch.Size,
+    device: torch.device,
+    generators: list[torch.Generator | None],
+    shared: torch.Generator | None = None,
+) -> torch.Tensor:
     """Gumbel noise [n, V] (``-log E``, ``E ~ Exp(1)``), float32.
 
     Seeded rows draw ``V`` uniforms from their own generator; the others share

@@ -88,9 +88,7 @@ _PREFERRED_CORPUS = (
 _CORPUS_TARGET_BYTES = 600_000
 
 # GPT-4 / Qwen2 style pre-tokenisation split.
-_PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 
 def _corpus_files() -> list[Path]:
@@ -126,7 +124,9 @@ def _train_tokenizer(vocab_size: int, model_max_length: int):
 
     n_min = len(SPECIAL_TOKENS) + 256
     if vocab_size < n_min:
-        raise ValueError(f"vocab_size must be >= {n_min} (256 bytes + special tokens), got {vocab_size}")
+        raise ValueError(
+            f"vocab_size must be >= {n_min} (256 bytes + special tokens), got {vocab_size}"
+        )
 
     # The same pipeline transformers' Qwen2Tokenizer rebuilds (AutoTokenizer
     # forces that class for model_type "qwen2"), so every loader agrees on ids.
@@ -194,24 +194,28 @@ def tiny_config(
     ``rope_theta`` (``rope_type`` or the legacy ``type`` names its type), e.g.
     ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}``.
     """
-    return _arch_config(arch, head_dim, dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        hidden_act="silu",
-        max_position_embeddings=max_position_embeddings,
-        initializer_range=initializer_range,
-        rms_norm_eps=rms_norm_eps,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters=_rope_parameters(rope_theta, rope_scaling),
-        bos_token_id=0,
-        eos_token_id=2,
-        pad_token_id=0,
-        dtype="float32",
-    ))
+    return _arch_config(
+        arch,
+        head_dim,
+        dict(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            hidden_act="silu",
+            max_position_embeddings=max_position_embeddings,
+            initializer_range=initializer_range,
+            rms_norm_eps=rms_norm_eps,
+            tie_word_embeddings=tie_word_embeddings,
+            rope_parameters=_rope_parameters(rope_theta, rope_scaling),
+            bos_token_id=0,
+            eos_token_id=2,
+            pad_token_id=0,
+            dtype="float32",
+        ),
+    )
 
 
 def _arch_config(arch: str, head_dim: int | None, common: dict) -> PretrainedConfig:
@@ -223,8 +227,9 @@ def _arch_config(arch: str, head_dim: int | None, common: dict) -> PretrainedCon
         return LlamaConfig(**common, head_dim=head_dim or derived, attention_bias=False)
     if arch == "qwen2":
         if head_dim is not None and head_dim != derived:
-            raise ValueError("qwen2 has no explicit head_dim; it is always "
-                             "hidden_size // num_heads")
+            raise ValueError(
+                "qwen2 has no explicit head_dim; it is always hidden_size // num_heads"
+            )
         return Qwen2Config(**common, use_sliding_window=False)
     if arch == "qwen3":
         # Qwen3 stores head_dim explicitly and, in the real models, it differs
@@ -244,8 +249,9 @@ def _rope_parameters(rope_theta: float, rope_scaling: dict | None) -> dict:
     return rope_parameters
 
 
-def make_tiny_model(path: str | os.PathLike[str], arch: str = "llama", seed: int = 0,
-                    **sizes: Any) -> str:
+def make_tiny_model(
+    path: str | os.PathLike[str], arch: str = "llama", seed: int = 0, **sizes: Any
+) -> str:
     """Write a random-weight Hugging Face model folder to ``path`` and return it.
 
     ``arch`` and the keyword arguments ``sizes`` (``num_layers``,
@@ -336,7 +342,9 @@ def tiny_model_path(arch: str = "llama", seed: int = 0) -> str:
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{arch}-{seed}-", dir=root))
     try:
         make_tiny_model(tmp, arch=arch, seed=seed)
-        (tmp / _MARKER).write_text(json.dumps({"arch": arch, "seed": seed, "version": TINY_MODEL_VERSION}) + "\n")
+        (tmp / _MARKER).write_text(
+            json.dumps({"arch": arch, "seed": seed, "version": TINY_MODEL_VERSION}) + "\n"
+        )
         make_shareable(tmp)
         if final.exists() and not (final / _MARKER).is_file():
             # Not ours (no marker): move it out of the way.

@@ -42,8 +42,10 @@ def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device}")
     if not INTERPRET and device.type != "cuda":
-        raise ValueError(f"{name} is on {device}: Triton kernels need a CUDA tensor "
-                         "(or TRITON_INTERPRET=1 set before import)")
+        raise ValueError(
+            f"{name} is on {device}: Triton kernels need a CUDA tensor "
+            "(or TRITON_INTERPRET=1 set before import)"
+        )
 
 
 def check_float(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype | None = None) -> None:

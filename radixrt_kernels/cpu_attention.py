@@ -23,23 +23,26 @@ from dataclasses import dataclass, field
 import torch
 
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
-MAX_DIM = 256      # ... and at most this
+MAX_DIM = 256  # ... and at most this
 DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass
 class Segments:
     """A forward's key segments, as the kernel takes them (all int64, on the CPU)."""
-    slots: torch.Tensor         # every segment's slots, one after another
-    slot_start: torch.Tensor    # [S + 1] offsets into slots
-    members: torch.Tensor       # every segment's query tokens (rows of q), one after another
+
+    slots: torch.Tensor  # every segment's slots, one after another
+    slot_start: torch.Tensor  # [S + 1] offsets into slots
+    members: torch.Tensor  # every segment's query tokens (rows of q), one after another
     member_start: torch.Tensor  # [S + 1] offsets into members
-    part: torch.Tensor          # [S] 0 or 1: where a member's result for this segment goes
-    num_parts: torch.Tensor     # [T] 1 or 2 per query token
+    part: torch.Tensor  # [S] 0 or 1: where a member's result for this segment goes
+    num_parts: torch.Tensor  # [T] 1 or 2 per query token
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
     two_parts: bool = field(init=False)  # some token has two parts (the merge needs scratch)
-    _call: tuple | None = field(init=False, default=None, repr=False, compare=False)  # see _call_args
+    _call: tuple | None = field(
+        init=False, default=None, repr=False, compare=False
+    )  # see _call_args
 
     def __post_init__(self) -> None:
         self.two_parts = bool((self.num_parts == 2).any())
@@ -48,13 +51,22 @@ class Segments:
         """The kernel's segment arguments and merge scratch for a call on t tokens of h heads of
         d values: built on a forward's first layer, reused by the others (the key also holds
         the tensors' identities, so a Segments whose fields were replaced rebuilds them)."""
-        tensors = (self.slots, self.slot_start, self.members, self.member_start, self.part, self.causal,
-                   self.num_parts)
+        tensors = (
+            self.slots,
+            self.slot_start,
+            self.members,
+            self.member_start,
+            self.part,
+            self.causal,
+            self.num_parts,
+        )
         key = (t, h, d, *map(id, tensors))
         if self._call is None or self._call[0] != key:
             # scratch for merging two parts: acc [T, 2, H, D], then m and l [T, 2, H] each
             scratch = torch.empty(t * 2 * h * (d + 2) if self.two_parts else 0, dtype=torch.float32)
-            merge = tuple(scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1)))
+            merge = tuple(
+                scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1))
+            )
             args = (self.part.numel(), *(None if x is None else x.data_ptr() for x in tensors))
             self._call = (key, scratch, args + merge)
         return self._call[2]
@@ -64,7 +76,12 @@ def supports(k_buf: torch.Tensor) -> bool:
     """True if the kernel takes this KV buffer [N, KH, D] (CPU, float32 or bfloat16, a head_dim
     it handles); queries are cast to its dtype."""
     d = k_buf.shape[-1]
-    return k_buf.device.type == "cpu" and k_buf.dtype in DTYPES and d % DIM_MULTIPLE == 0 and d <= MAX_DIM
+    return (
+        k_buf.device.type == "cpu"
+        and k_buf.dtype in DTYPES
+        and d % DIM_MULTIPLE == 0
+        and d <= MAX_DIM
+    )
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -76,9 +93,15 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-              seg: Segments, scaling: float, new_kv: tuple[torch.Tensor, torch.Tensor,
-                                                    torch.Tensor] | None = None) -> torch.Tensor:
+def attention(
+    lib: ctypes.CDLL,
+    q: torch.Tensor,
+    k_buf: torch.Tensor,
+    v_buf: torch.Tensor,
+    seg: Segments,
+    scaling: float,
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """q [T, H, D] (the query tokens; token rows may be strided), k_buf/v_buf [N, KH, D]
     (contiguous, same dtype) → o [T, H, D].
 
@@ -95,24 +118,49 @@ def attention(lib: ctypes.CDLL, q: torch.Tensor, k_buf: torch.Tensor, v_buf: tor
         new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
         if new_k.stride(0) != new_v.stride(0):
             new_k, new_v = new_k.contiguous(), new_v.contiguous()
-        if not (new_k.dtype == new_v.dtype == k_buf.dtype
-                and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
-                and new_slots.dtype == torch.int64 and new_slots.is_contiguous()):
-            raise ValueError("attention: new k/v must be [n, KH, D] in the buffers' dtype, "
-                             "their slots contiguous int64 [n]")
+        if not (
+            new_k.dtype == new_v.dtype == k_buf.dtype
+            and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
+            and new_slots.dtype == torch.int64
+            and new_slots.is_contiguous()
+        ):
+            raise ValueError(
+                "attention: new k/v must be [n, KH, D] in the buffers' dtype, "
+                "their slots contiguous int64 [n]"
+            )
     rc = lib.radixrt_attention(
-        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), out.data_ptr(),
-        int(q.dtype == torch.bfloat16), t, h, kh, d, scaling, *seg._call_args(t, h, d), torch.get_num_threads(),
-        None if new_k is None else new_k.data_ptr(), None if new_v is None else new_v.data_ptr(),
+        q.data_ptr(),
+        q.stride(0),
+        k_buf.data_ptr(),
+        v_buf.data_ptr(),
+        out.data_ptr(),
+        int(q.dtype == torch.bfloat16),
+        t,
+        h,
+        kh,
+        d,
+        scaling,
+        *seg._call_args(t, h, d),
+        torch.get_num_threads(),
+        None if new_k is None else new_k.data_ptr(),
+        None if new_v is None else new_v.data_ptr(),
         0 if new_k is None else new_k.stride(0),
-        None if new_slots is None else new_slots.data_ptr(), 0 if new_slots is None else new_slots.numel())
+        None if new_slots is None else new_slots.data_ptr(),
+        0 if new_slots is None else new_slots.numel(),
+    )
     if rc != 0:
         raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
     return out
 
 
-def decode_segments(lib: ctypes.CDLL, table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
-                    min_prefix: int, min_group: int) -> Segments:
+def decode_segments(
+    lib: ctypes.CDLL,
+    table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: list[int],
+    min_prefix: int,
+    min_group: int,
+) -> Segments:
     """A decode step's segments (one C call instead of ~60 PyTorch ops): requests grouped by a
     shared prefix (``radixrt.attention.cpu_backend`` states the rule; groups of >= ``min_group``
     requests sharing >= ``min_prefix`` slots), each group's prefix one segment, then each
@@ -124,13 +172,33 @@ def decode_segments(lib: ctypes.CDLL, table: torch.Tensor, req_rows: torch.Tenso
     req_rows = req_rows.contiguous()
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     slots = torch.empty(int(sum(seq_lens)), dtype=torch.int64)
-    ints = torch.empty(10 * b + 2, dtype=torch.int64)  # slot_start, member_start, members, part, num_parts, order
-    slot_start, member_start, members, part, num_parts, order = ints.split([2 * b + 1, 2 * b + 1, 2 * b, 2 * b,
-                                                                            b, b])
-    n = lib.radixrt_decode_segments(table.data_ptr(), table.stride(0), req_rows.data_ptr(), lens.data_ptr(), b,
-                                    min_prefix, min_group, slots.data_ptr(), slot_start.data_ptr(),
-                                    members.data_ptr(), member_start.data_ptr(), part.data_ptr(),
-                                    num_parts.data_ptr(), order.data_ptr())
-    return Segments(slots=slots[:int(slot_start[n])], slot_start=slot_start[:n + 1],
-                    members=members[:int(member_start[n])], member_start=member_start[:n + 1],
-                    part=part[:n], num_parts=num_parts)
+    ints = torch.empty(
+        10 * b + 2, dtype=torch.int64
+    )  # slot_start, member_start, members, part, num_parts, order
+    slot_start, member_start, members, part, num_parts, order = ints.split(
+        [2 * b + 1, 2 * b + 1, 2 * b, 2 * b, b, b]
+    )
+    n = lib.radixrt_decode_segments(
+        table.data_ptr(),
+        table.stride(0),
+        req_rows.data_ptr(),
+        lens.data_ptr(),
+        b,
+        min_prefix,
+        min_group,
+        slots.data_ptr(),
+        slot_start.data_ptr(),
+        members.data_ptr(),
+        member_start.data_ptr(),
+        part.data_ptr(),
+        num_parts.data_ptr(),
+        order.data_ptr(),
+    )
+    return Segments(
+        slots=slots[: int(slot_start[n])],
+        slot_start=slot_start[: n + 1],
+        members=members[: int(member_start[n])],
+        member_start=member_start[: n + 1],
+        part=part[:n],
+        num_parts=num_parts,
+    )

@@ -31,20 +31,68 @@ CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_available: 1 or 0)
-    "radixrt_attention": [_ptr, _i64, _ptr, _ptr, _ptr, _int, _i64, _i64, _i64, _i64, _f32, _i64, _ptr,
-                          _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _int, _ptr, _ptr, _i64,
-                          _ptr, _i64],
+    "radixrt_attention": [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _int,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _f32,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _int,
+        _ptr,
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+    ],
     "radixrt_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int, _int],
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "radixrt_argmax": [_ptr, _i64, _i64, _i64, _int, _ptr, _int],
-    "radixrt_linear": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _int, _int, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64,
-                       _i64, _int],
+    "radixrt_linear": [
+        _ptr,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _int,
+        _int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        _int,
+    ],
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
     "radixrt_linear_available": [],
 }
-RESTYPES = {"radixrt_decode_segments": (ctypes.c_int64, [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr,
-                                                          _ptr, _ptr, _ptr, _ptr, _ptr])}  # the others: int
+RESTYPES = {
+    "radixrt_decode_segments": (
+        ctypes.c_int64,
+        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+    )
+}  # the others: int
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
@@ -102,8 +150,9 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f.read_text() for f in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, " ".join(CFLAGS), cc, version, gomp,
-                                    _cpu_features()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\0".join([*texts, " ".join(CFLAGS), cc, version, gomp, _cpu_features()]).encode()
+    ).hexdigest()[:16]
     target = folder / f"radixrt-cpu-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)

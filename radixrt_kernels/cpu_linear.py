@@ -36,17 +36,24 @@ def available(lib: ctypes.CDLL | None) -> bool:
 
 
 def packable(w: torch.Tensor, gated: bool = False) -> bool:
-    return (w.dim() == 2 and w.is_cpu and w.dtype == torch.bfloat16 and w.shape[1] % K_MULTIPLE == 0
-            and (not gated or w.shape[0] % 64 == 0))
+    return (
+        w.dim() == 2
+        and w.is_cpu
+        and w.dtype == torch.bfloat16
+        and w.shape[1] % K_MULTIPLE == 0
+        and (not gated or w.shape[0] % 64 == 0)
+    )
 
 
 def pack(lib: ctypes.CDLL, w: torch.Tensor, gated: bool = False) -> torch.Tensor:
     """w [N, K] (bf16, K a multiple of 32) in the kernel's layout: a flat bf16 tensor. ``gated``:
     w is [gate; up] and their blocks of 32 rows are interleaved (N a multiple of 64)."""
     if not packable(w, gated):
-        raise ValueError(f"pack: needs a 2-D bf16 CPU weight with in_features a multiple of {K_MULTIPLE}"
-                         f"{' and [gate; up] halves a multiple of 32 rows' if gated else ''}, "
-                         f"got {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"pack: needs a 2-D bf16 CPU weight with in_features a multiple of {K_MULTIPLE}"
+            f"{' and [gate; up] halves a multiple of 32 rows' if gated else ''}, "
+            f"got {w.dtype} {tuple(w.shape)}"
+        )
     n, k = w.shape
     if gated:  # gate block i, then up block i
         w = w.view(2, n // 64, 32, k).transpose(0, 1)
@@ -60,6 +67,7 @@ def pack(lib: ctypes.CDLL, w: torch.Tensor, gated: bool = False) -> torch.Tensor
 class Rope(NamedTuple):
     """The rotary embedding a linear's output gets in its own pass: row r at positions[r]
     (int64) of the float32 tables cos and sin± [max_position, head_dim]; features [0, cols)."""
+
     positions: torch.Tensor
     cos: torch.Tensor
     sin_signed: torch.Tensor
@@ -78,15 +86,24 @@ def packed_elems(n: int, k: int) -> int:
     return -(-n // 32) * 32 * k
 
 
-def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
-           bias: torch.Tensor | None = None, float_out: bool = False, gated: bool = False,
-           rope: Rope | None = None) -> torch.Tensor:
+def linear(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+    float_out: bool = False,
+    gated: bool = False,
+    rope: Rope | None = None,
+) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
     bf16 results widened to float32 with ``float_out``; for a weight packed ``gated``,
     silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``). Called
     for every linear of every step: the checks are kept to a few attribute reads."""
     k = x.shape[-1]
-    if x.dtype != torch.bfloat16 or (bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))):
+    if x.dtype != torch.bfloat16 or (
+        bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))
+    ):
         raise ValueError("linear: x and the bias must be bf16, the bias [n]")
     if packed.numel() != packed_elems(n, k):
         raise ValueError(f"linear: the packed weight does not hold [{n}, {k}]")
@@ -99,18 +116,46 @@ def linear(lib: ctypes.CDLL, x: torch.Tensor, packed: torch.Tensor, n: int,
     rope_args = (None, None, None, 0, 0)
     if rope is not None:
         pos = rope.positions
-        if (x.dim() != 2 or pos.dtype != torch.int64 or pos.shape != (x.shape[0],) or not pos.is_contiguous()
-                or rope.cos.dtype != torch.float32 or rope.sin_signed.dtype != torch.float32
-                or not (rope.cos.is_contiguous() and rope.sin_signed.is_contiguous())
-                or rope.cos.shape[1] != rope.head_dim):
-            raise ValueError("linear: rope needs 2-D x, int64 positions [M] and float32 tables [*, head_dim]")
-        rope_args = (pos.data_ptr(), rope.cos.data_ptr(), rope.sin_signed.data_ptr(), rope.head_dim, rope.cols)
+        if (
+            x.dim() != 2
+            or pos.dtype != torch.int64
+            or pos.shape != (x.shape[0],)
+            or not pos.is_contiguous()
+            or rope.cos.dtype != torch.float32
+            or rope.sin_signed.dtype != torch.float32
+            or not (rope.cos.is_contiguous() and rope.sin_signed.is_contiguous())
+            or rope.cos.shape[1] != rope.head_dim
+        ):
+            raise ValueError(
+                "linear: rope needs 2-D x, int64 positions [M] and float32 tables [*, head_dim]"
+            )
+        rope_args = (
+            pos.data_ptr(),
+            rope.cos.data_ptr(),
+            rope.sin_signed.data_ptr(),
+            rope.head_dim,
+            rope.cols,
+        )
     y = torch.empty(m, width, dtype=torch.float32 if float_out else torch.bfloat16)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    rc = lib.radixrt_linear(x2.data_ptr(), x2.stride(0), packed.data_ptr(),
-                            None if bias is None else bias.data_ptr(), y.data_ptr(), width, float_out, gated,
-                            *rope_args, m, n, k, torch.get_num_threads())
+    rc = lib.radixrt_linear(
+        x2.data_ptr(),
+        x2.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        width,
+        float_out,
+        gated,
+        *rope_args,
+        m,
+        n,
+        k,
+        torch.get_num_threads(),
+    )
     if rc != 0:
-        raise ValueError(f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here")
+        raise ValueError(
+            f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here"
+        )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)

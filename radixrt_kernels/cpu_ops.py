@@ -35,39 +35,81 @@ def _check(rc: int, what: str) -> None:
         raise ValueError(f"{what}: a size the CPU kernel does not take")
 
 
-def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+def rms_norm(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
     """weight · x / sqrt(mean(x²) + eps) for x [T, N] (rows may be strided), weight [N] in x's
     dtype. With ``residual`` (contiguous [T, N], x's dtype) the norm is of x + residual, and
     that sum is written into ``residual``."""
     t, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
-    if weight.dtype != x.dtype or (residual is not None and (residual.dtype != x.dtype
-                                                             or not residual.is_contiguous())):
+    if weight.dtype != x.dtype or (
+        residual is not None and (residual.dtype != x.dtype or not residual.is_contiguous())
+    ):
         raise ValueError("rms_norm: weight and residual must be in x's dtype, residual contiguous")
     if not weight.is_contiguous():
         weight = weight.contiguous()
     out = torch.empty(t, n, dtype=x.dtype)
-    _check(lib.radixrt_rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                                out.data_ptr(), weight.data_ptr(), t, n, eps,
-                                _is_bf16(x, "rms_norm"), torch.get_num_threads()), "rms_norm")
+    _check(
+        lib.radixrt_rms_norm(
+            x.data_ptr(),
+            x.stride(0),
+            None if residual is None else residual.data_ptr(),
+            out.data_ptr(),
+            weight.data_ptr(),
+            t,
+            n,
+            eps,
+            _is_bf16(x, "rms_norm"),
+            torch.get_num_threads(),
+        ),
+        "rms_norm",
+    )
     return out
 
 
-def rope_(lib: ctypes.CDLL, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-          sin_signed: torch.Tensor) -> torch.Tensor:
+def rope_(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+) -> torch.Tensor:
     """Neox rotary embedding of x [T, N, D] in place (token rows may be strided, heads not),
     with float32 tables cos and sin± [max_position, D] at positions (int64 [T]); returns x."""
     t, heads, d = x.shape
-    if (x.stride(2) != 1 or x.stride(1) != d or cos.dtype != torch.float32 or sin_signed.dtype != torch.float32
-            or not (cos.is_contiguous() and sin_signed.is_contiguous())):
-        raise ValueError("rope_: x must have contiguous heads, the tables must be contiguous float32")
+    if (
+        x.stride(2) != 1
+        or x.stride(1) != d
+        or cos.dtype != torch.float32
+        or sin_signed.dtype != torch.float32
+        or not (cos.is_contiguous() and sin_signed.is_contiguous())
+    ):
+        raise ValueError(
+            "rope_: x must have contiguous heads, the tables must be contiguous float32"
+        )
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
-    _check(lib.radixrt_rope(x.data_ptr(), x.stride(0), t, heads, d, positions.data_ptr(),
-                            cos.data_ptr(), sin_signed.data_ptr(),
-                            _is_bf16(x, "rope_"), torch.get_num_threads()), "rope_")
+    _check(
+        lib.radixrt_rope(
+            x.data_ptr(),
+            x.stride(0),
+            t,
+            heads,
+            d,
+            positions.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            _is_bf16(x, "rope_"),
+            torch.get_num_threads(),
+        ),
+        "rope_",
+    )
     return x
 
 
@@ -77,8 +119,17 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(t, n2 // 2, dtype=x.dtype)
-    _check(lib.radixrt_silu_mul(x.data_ptr(), out.data_ptr(), t, n2 // 2, _is_bf16(x, "silu_mul"),
-                                torch.get_num_threads()), "silu_mul")
+    _check(
+        lib.radixrt_silu_mul(
+            x.data_ptr(),
+            out.data_ptr(),
+            t,
+            n2 // 2,
+            _is_bf16(x, "silu_mul"),
+            torch.get_num_threads(),
+        ),
+        "silu_mul",
+    )
     return out
 
 
@@ -89,6 +140,16 @@ def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(b, dtype=torch.int64)
-    _check(lib.radixrt_argmax(x.data_ptr(), b, n, x.stride(0), _is_bf16(x, "argmax"), out.data_ptr(),
-                              torch.get_num_threads()), "argmax")
+    _check(
+        lib.radixrt_argmax(
+            x.data_ptr(),
+            b,
+            n,
+            x.stride(0),
+            _is_bf16(x, "argmax"),
+            out.data_ptr(),
+            torch.get_num_threads(),
+        ),
+        "argmax",
+    )
     return out

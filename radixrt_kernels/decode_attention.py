@@ -28,9 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrt_kernels._common import (INTERPRET, check_device, check_float, check_index,
-                                     check_indptr_values, check_shape, check_slot_values,
-                                     dot_precision, next_power_of_2, upcast_after_load)
+from radixrt_kernels._common import (
+    INTERPRET,
+    check_device,
+    check_float,
+    check_index,
+    check_indptr_values,
+    check_shape,
+    check_slot_values,
+    dot_precision,
+    next_power_of_2,
+    upcast_after_load,
+)
 
 MAX_KV_SPLITS = 64
 
@@ -38,6 +47,7 @@ MAX_KV_SPLITS = 64
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
     """Stage-1 tile and launch options; block_n a power of two >= 16 (tl.dot)."""
+
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
@@ -46,7 +56,9 @@ class DecodeConfig:
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}")
+            raise ValueError(
+                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
+            )
 
 
 INTERPRETER_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
@@ -64,31 +76,44 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) ->
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
 
 
-def launch_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                config: DecodeConfig | None = None) -> dict[str, object]:
+def launch_meta(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, config: DecodeConfig | None = None
+) -> dict[str, object]:
     """Stage 1's constexprs and launch options for these shapes (also used by the compile test)."""
     cfg = config or default_decode_config(head_dim, dtype)
     group = heads // kv_heads
-    return dict(HEAD_DIM=head_dim, GROUP=group, BLOCK_H=max(16, next_power_of_2(group)),
-                BLOCK_N=cfg.block_n, BLOCK_D=max(16, next_power_of_2(head_dim)),
-                UPCAST=upcast_after_load(dtype), DOT_PRECISION=dot_precision(dtype, exact=True),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dict(
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_H=max(16, next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        UPCAST=upcast_after_load(dtype),
+        DOT_PRECISION=dot_precision(dtype, exact=True),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 class DecodeWorkspace(NamedTuple):
     """Stage-1 outputs: float32 ``partial_o [B, H, S, D]`` and ``partial_lse [B, H, S]``."""
+
     partial_o: torch.Tensor
     partial_lse: torch.Tensor
 
     @classmethod
-    def allocate(cls, batch: int, heads: int, head_dim: int, num_kv_splits: int,
-                 device: torch.device | str) -> DecodeWorkspace:
-        return cls(torch.empty(batch, heads, num_kv_splits, head_dim, dtype=torch.float32, device=device),
-                   torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=device))
+    def allocate(
+        cls, batch: int, heads: int, head_dim: int, num_kv_splits: int, device: torch.device | str
+    ) -> DecodeWorkspace:
+        return cls(
+            torch.empty(batch, heads, num_kv_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=device),
+        )
 
 
-def choose_num_kv_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: int,
-                         min_split_len: int = 256) -> int:
+def choose_num_kv_splits(
+    batch: int, kv_heads: int, max_seq_len: int, num_sms: int, min_split_len: int = 256
+) -> int:
     """Enough splits for ~4 stage-1 programs per SM, none shorter than ``min_split_len`` keys."""
     wanted = -(-4 * num_sms // max(1, batch * kv_heads))
     longest = -(-max_seq_len // min_split_len)
@@ -96,13 +121,34 @@ def choose_num_kv_splits(batch: int, kv_heads: int, max_seq_len: int, num_sms: i
 
 
 @triton.jit
-def _decode_stage1(Q, K_buf, V_buf, Kv_indptr, Kv_indices, Partial_o, Partial_lse,
-                   qk_scale,
-                   stride_qb, stride_qh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                   stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_H: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _decode_stage1(
+    Q,
+    K_buf,
+    V_buf,
+    Kv_indptr,
+    Kv_indices,
+    Partial_o,
+    Partial_lse,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,7 +164,9 @@ def _decode_stage1(Q, K_buf, V_buf, Kv_indptr, Kv_indices, Partial_o, Partial_ls
     cols = tl.arange(0, BLOCK_N)
     mask_d = dims < HEAD_DIM
     mask_hd = (group < GROUP)[:, None] & mask_d[None, :]
-    q = tl.load(Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=mask_hd, other=0.0)
+    q = tl.load(
+        Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=mask_hd, other=0.0
+    )
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -127,10 +175,16 @@ def _decode_stage1(Q, K_buf, V_buf, Kv_indptr, Kv_indices, Partial_o, Partial_ls
     for start in range(lo, hi, BLOCK_N):
         mask_n = start + cols < hi
         slots = tl.load(Kv_indices + kv_start + start + cols, mask=mask_n, other=0).to(tl.int64)
-        k = tl.load(K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + dims[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [N, D]
-        v = tl.load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
-                    mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+        k = tl.load(
+            K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + dims[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )  # [N, D]
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
+            mask=mask_n[:, None] & mask_d[None, :],
+            other=0.0,
+        )
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -147,38 +201,79 @@ def _decode_stage1(Q, K_buf, V_buf, Kv_indptr, Kv_indices, Partial_o, Partial_ls
     o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
     lse2 = m_i + tl.log2(tl.where(nonempty, l_i, 1.0))  # log-sum-exp in log2 units
     lse = tl.where(nonempty, lse2 * 0.6931471805599453, float("-inf"))  # · ln 2: natural log
-    tl.store(Partial_o + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dims[None, :],
-             o, mask=mask_hd)
+    tl.store(
+        Partial_o
+        + req * stride_pob
+        + heads[:, None] * stride_poh
+        + split * stride_pos
+        + dims[None, :],
+        o,
+        mask=mask_hd,
+    )
     tl.store(Partial_lse + req * stride_plb + heads * stride_plh + split, lse, mask=group < GROUP)
 
 
 @triton.jit
-def _decode_stage2(Partial_o, Partial_lse, O,
-                   stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh,
-                   NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
-                   BLOCK_D: tl.constexpr):
+def _decode_stage2(
+    Partial_o,
+    Partial_lse,
+    O,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     req = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
     mask_s = splits < NUM_SPLITS
     mask_sd = mask_s[:, None] & (dims < HEAD_DIM)[None, :]
-    lse = tl.load(Partial_lse + req * stride_plb + head * stride_plh + splits, mask=mask_s,
-                  other=float("-inf"))
+    lse = tl.load(
+        Partial_lse + req * stride_plb + head * stride_plh + splits,
+        mask=mask_s,
+        other=float("-inf"),
+    )
     m = tl.max(lse, 0)
     m = tl.where(m == float("-inf"), 0.0, m)  # only for an empty sequence: output 0
     w = tl.exp(lse - m)
-    part = tl.load(Partial_o + req * stride_pob + head * stride_poh + splits[:, None] * stride_pos
-                   + dims[None, :], mask=mask_sd, other=0.0)
+    part = tl.load(
+        Partial_o
+        + req * stride_pob
+        + head * stride_poh
+        + splits[:, None] * stride_pos
+        + dims[None, :],
+        mask=mask_sd,
+        other=0.0,
+    )
     total = tl.sum(w, 0)
     o = tl.sum(w[:, None] * part, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(O + req * stride_ob + head * stride_oh + dims, o.to(O.dtype.element_ty), mask=dims < HEAD_DIM)
+    tl.store(
+        O + req * stride_ob + head * stride_oh + dims,
+        o.to(O.dtype.element_ty),
+        mask=dims < HEAD_DIM,
+    )
 
 
-def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
-                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
-                     num_kv_splits: int, workspace: DecodeWorkspace | None = None,
-                     config: DecodeConfig | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int,
+    workspace: DecodeWorkspace | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
     """Write each request's attention over its KV slots into o; return o.
 
     q, o ``[B, H, D]``; k_buffer, v_buffer ``[num_slots, KH, D]``, one dtype;
@@ -187,31 +282,72 @@ def decode_attention(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Te
     ``DecodeWorkspace.allocate(B, H, D, num_kv_splits, device)``) may be
     reused across layers; None allocates one.
     """
-    _check_decode_args(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, num_kv_splits,
-                       workspace)
+    _check_decode_args(
+        q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, num_kv_splits, workspace
+    )
     batch, heads, head_dim = q.shape
     if batch == 0:
         return o
-    ws = workspace if workspace is not None else DecodeWorkspace.allocate(batch, heads, head_dim,
-                                                                          num_kv_splits, q.device)
+    ws = (
+        workspace
+        if workspace is not None
+        else DecodeWorkspace.allocate(batch, heads, head_dim, num_kv_splits, q.device)
+    )
     meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
     po, pl = ws.partial_o, ws.partial_lse
     _decode_stage1[(batch, k_buffer.shape[1], num_kv_splits)](
-        q, k_buffer, v_buffer, kv_indptr, kv_indices, po, pl, sm_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1),
-        po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1), **meta)
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        po,
+        pl,
+        sm_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        **meta,
+    )
     _decode_stage2[(batch, heads)](
-        po, pl, o, po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1),
-        o.stride(0), o.stride(1),
-        NUM_SPLITS=num_kv_splits, HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_kv_splits),
-        BLOCK_D=meta["BLOCK_D"], num_warps=4)
+        po,
+        pl,
+        o,
+        po.stride(0),
+        po.stride(1),
+        po.stride(2),
+        pl.stride(0),
+        pl.stride(1),
+        o.stride(0),
+        o.stride(1),
+        NUM_SPLITS=num_kv_splits,
+        HEAD_DIM=head_dim,
+        BLOCK_S=next_power_of_2(num_kv_splits),
+        BLOCK_D=meta["BLOCK_D"],
+        num_warps=4,
+    )
     return o
 
 
-def _check_decode_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor, o: torch.Tensor,
-                       kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
-                       num_kv_splits: int, workspace: DecodeWorkspace | None) -> None:
+def _check_decode_args(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    num_kv_splits: int,
+    workspace: DecodeWorkspace | None,
+) -> None:
     check_float("q", q, 3)
     batch, heads, head_dim = q.shape
     for name, x in (("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
@@ -225,15 +361,25 @@ def _check_decode_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
     check_index("kv_indptr", kv_indptr, batch + 1)
     check_index("kv_indices", kv_indices)
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
-        raise ValueError(f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}")
+        raise ValueError(
+            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
+        )
     if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    tensors = [("q", q), ("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer),
-               ("kv_indptr", kv_indptr), ("kv_indices", kv_indices)]
+    tensors = [
+        ("q", q),
+        ("o", o),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+        ("kv_indptr", kv_indptr),
+        ("kv_indices", kv_indices),
+    ]
     if workspace is not None:
         _check_workspace(workspace, (batch, heads, num_kv_splits, head_dim))
-        tensors += [("workspace.partial_o", workspace.partial_o),
-                    ("workspace.partial_lse", workspace.partial_lse)]
+        tensors += [
+            ("workspace.partial_o", workspace.partial_o),
+            ("workspace.partial_lse", workspace.partial_lse),
+        ]
     for name, x in tensors:
         check_device(name, x, q.device)
     check_indptr_values("kv_indptr", kv_indptr, None)
@@ -242,8 +388,10 @@ def _check_decode_args(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.
 
 
 def _check_workspace(ws: DecodeWorkspace, shape: tuple[int, int, int, int]) -> None:
-    for name, t, want in (("workspace.partial_o", ws.partial_o, shape),
-                          ("workspace.partial_lse", ws.partial_lse, shape[:3])):
+    for name, t, want in (
+        ("workspace.partial_o", ws.partial_o, shape),
+        ("workspace.partial_lse", ws.partial_lse, shape[:3]),
+    ):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise ValueError(f"{name} must be a float32 tensor")
         check_shape(name, t, want)

@@ -29,14 +29,24 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrt_kernels._common import (INTERPRET, check_device, check_float, check_index,
-                                     check_indptr_values, check_shape, check_slot_values,
-                                     dot_precision, next_power_of_2, upcast_after_load)
+from radixrt_kernels._common import (
+    INTERPRET,
+    check_device,
+    check_float,
+    check_index,
+    check_indptr_values,
+    check_shape,
+    check_slot_values,
+    dot_precision,
+    next_power_of_2,
+    upcast_after_load,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class ExtendConfig:
     """Tile sizes and launch options; block sizes are powers of two >= 16 (tl.dot)."""
+
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
@@ -48,9 +58,13 @@ class ExtendConfig:
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
         if self.block_m % self.block_n:
-            raise ValueError(f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})")
+            raise ValueError(
+                f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})"
+            )
         if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}")
+            raise ValueError(
+                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
+            )
 
 
 #: Small tiles for the interpreter: short test sequences still span several chunks.
@@ -76,14 +90,22 @@ def default_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) ->
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
-def launch_meta(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                config: ExtendConfig | None = None) -> dict[str, object]:
+def launch_meta(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, config: ExtendConfig | None = None
+) -> dict[str, object]:
     """The kernel's constexprs and launch options for these shapes (also used by the compile test)."""
     cfg = config or default_extend_config(head_dim, dtype)
-    return dict(HEAD_DIM=head_dim, GROUP=heads // kv_heads, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                BLOCK_D=max(16, next_power_of_2(head_dim)), UPCAST=upcast_after_load(dtype),
-                DOT_PRECISION=dot_precision(dtype, exact=False),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return dict(
+        HEAD_DIM=head_dim,
+        GROUP=heads // kv_heads,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        UPCAST=upcast_after_load(dtype),
+        DOT_PRECISION=dot_precision(dtype, exact=False),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
 
 
 @triton.jit
@@ -106,13 +128,37 @@ def _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Qo_indptr, Kv_indptr, Kv_indices,
-                   qk_scale,
-                   stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                   stride_ot, stride_oh, stride_kbs, stride_kbh, stride_vbs, stride_vbh,
-                   HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+def _extend_kernel(
+    Q,
+    K_new,
+    V_new,
+    O,
+    K_buf,
+    V_buf,
+    Qo_indptr,
+    Kv_indptr,
+    Kv_indices,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     # Last blocks first: under the causal mask they carry the most work.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
@@ -127,7 +173,11 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Qo_indptr, Kv_indptr, Kv_in
     dims = tl.arange(0, BLOCK_D)
     mask_d = dims < HEAD_DIM
     mask_md = (rows < ext_len)[:, None] & mask_d[None, :]
-    q = _load(Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :], mask_md, UPCAST)
+    q = _load(
+        Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask_md,
+        UPCAST,
+    )
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -138,48 +188,78 @@ def _extend_kernel(Q, K_new, V_new, O, K_buf, V_buf, Qo_indptr, Kv_indptr, Kv_in
     for start in range(0, prefix_len, BLOCK_N):
         mask_n = start + cols < prefix_len
         slots = tl.load(Kv_indices + kv_start + start + cols, mask=mask_n, other=0).to(tl.int64)
-        kt = _load(K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + dims[:, None],
-                   mask_d[:, None] & mask_n[None, :], UPCAST)  # [D, N]
+        kt = _load(
+            K_buf + slots[None, :] * stride_kbs + kv_head * stride_kbh + dims[:, None],
+            mask_d[:, None] & mask_n[None, :],
+            UPCAST,
+        )  # [D, N]
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
-        v = _load(V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
-                  mask_n[:, None] & mask_d[None, :], UPCAST)
+        v = _load(
+            V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
+            mask_n[:, None] & mask_d[None, :],
+            UPCAST,
+        )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
 
     # (2) new keys j < block_m·BLOCK_M <= i: visible to every row, all < ext_len
     diag = block_m * BLOCK_M
     for start in range(0, diag, BLOCK_N):
         toks = (q_start + start + cols).to(tl.int64)
-        kt = _load(K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
-                   mask_d[:, None], UPCAST)
+        kt = _load(
+            K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
+            mask_d[:, None],
+            UPCAST,
+        )
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-        v = _load(V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
-                  mask_d[None, :], UPCAST)
+        v = _load(
+            V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+            mask_d[None, :],
+            UPCAST,
+        )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
 
     # (3) the diagonal chunks: key j visible to query i iff j <= i (and j < ext_len)
     for start in range(diag, tl.minimum(ext_len, diag + BLOCK_M), BLOCK_N):
         mask_n = start + cols < ext_len
         toks = (q_start + start + cols).to(tl.int64)
-        kt = _load(K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
-                   mask_d[:, None] & mask_n[None, :], UPCAST)
+        kt = _load(
+            K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
+            mask_d[:, None] & mask_n[None, :],
+            UPCAST,
+        )
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
         visible = (start + cols[None, :] <= rows[:, None]) & mask_n[None, :]
         qk = tl.where(visible, qk, float("-inf"))
-        v = _load(V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
-                  mask_n[:, None] & mask_d[None, :], UPCAST)
+        v = _load(
+            V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
+            mask_n[:, None] & mask_d[None, :],
+            UPCAST,
+        )
         acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
 
     o = acc / l_i[:, None]
-    tl.store(O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             o.to(O.dtype.element_ty), mask=mask_md)
+    tl.store(
+        O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
+        o.to(O.dtype.element_ty),
+        mask=mask_md,
+    )
 
 
-def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, o: torch.Tensor,
-                     k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor,
-                     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
-                     max_extend_len: int | None = None,
-                     config: ExtendConfig | None = None) -> torch.Tensor:
+def extend_attention(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int | None = None,
+    config: ExtendConfig | None = None,
+) -> torch.Tensor:
     """Write attention of the new tokens over prefix + themselves (causal) into o; return o.
 
     q, o ``[T, H, D]``; k_new, v_new ``[T, KH, D]``; k_buffer, v_buffer
@@ -188,8 +268,19 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     (the longest ``qo_indptr`` segment) sizes the grid; None reads it from
     qo_indptr (a device sync on CUDA). A smaller value leaves rows unwritten.
     """
-    _check_extend_args(q, k_new, v_new, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
-                       sm_scale, max_extend_len)
+    _check_extend_args(
+        q,
+        k_new,
+        v_new,
+        o,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale,
+        max_extend_len,
+    )
     t, heads, head_dim = q.shape
     batch = qo_indptr.numel() - 1
     if t == 0 or batch == 0:
@@ -199,22 +290,55 @@ def extend_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, 
     meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
     grid = (triton.cdiv(max_extend_len, meta["BLOCK_M"]), heads, batch)
     _extend_kernel[grid](
-        q, k_new, v_new, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices,
+        q,
+        k_new,
+        v_new,
+        o,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
         sm_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
-        o.stride(0), o.stride(1), k_buffer.stride(0), k_buffer.stride(1),
-        v_buffer.stride(0), v_buffer.stride(1), **meta)
+        q.stride(0),
+        q.stride(1),
+        k_new.stride(0),
+        k_new.stride(1),
+        v_new.stride(0),
+        v_new.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        **meta,
+    )
     return o
 
 
-def _check_extend_args(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, o: torch.Tensor,
-                       k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor,
-                       kv_indptr: torch.Tensor, kv_indices: torch.Tensor, sm_scale: float,
-                       max_extend_len: int | None) -> None:
+def _check_extend_args(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int | None,
+) -> None:
     check_float("q", q, 3)
     t, heads, head_dim = q.shape
-    for name, x in (("k_new", k_new), ("v_new", v_new), ("o", o), ("k_buffer", k_buffer),
-                    ("v_buffer", v_buffer)):
+    for name, x in (
+        ("k_new", k_new),
+        ("v_new", v_new),
+        ("o", o),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+    ):
         check_float(name, x, 3, q.dtype)
     kv_heads = k_buffer.shape[1]
     if kv_heads == 0 or heads % kv_heads:
@@ -227,9 +351,17 @@ def _check_extend_args(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor
     check_index("qo_indptr", qo_indptr)
     check_index("kv_indptr", kv_indptr, qo_indptr.numel())
     check_index("kv_indices", kv_indices)
-    for name, x in (("q", q), ("k_new", k_new), ("v_new", v_new), ("o", o), ("k_buffer", k_buffer),
-                    ("v_buffer", v_buffer), ("qo_indptr", qo_indptr), ("kv_indptr", kv_indptr),
-                    ("kv_indices", kv_indices)):
+    for name, x in (
+        ("q", q),
+        ("k_new", k_new),
+        ("v_new", v_new),
+        ("o", o),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+        ("qo_indptr", qo_indptr),
+        ("kv_indptr", kv_indptr),
+        ("kv_indices", kv_indices),
+    ):
         check_device(name, x, q.device)
     if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")

@@ -10,13 +10,20 @@ from __future__ import annotations
 import torch
 
 
-def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                 slots: torch.Tensor) -> None:
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
     k_buffer[slots.long()] = k.to(k_buffer.dtype)
     v_buffer[slots.long()] = v.to(v_buffer.dtype)
 
 
-def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> torch.Tensor:
+def attention_ref(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float
+) -> torch.Tensor:
     """q [n, H, D] = the last n of L tokens, k/v [L, KH, D] → float32 [n, H, D], causal."""
     n, heads, _ = q.shape
     length, kv_heads, _ = k.shape
@@ -29,15 +36,22 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: f
     return (scores.softmax(-1) @ vf).transpose(0, 1)
 
 
-def extend_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                         k_buffer: torch.Tensor, v_buffer: torch.Tensor, qo_indptr: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                         sm_scale: float) -> torch.Tensor:
+def extend_attention_ref(
+    q: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """Like ``extend_attention``; returns a new tensor shaped and typed like q."""
     out = torch.empty_like(q)
     qo, kv = qo_indptr.tolist(), kv_indptr.tolist()
     for b in range(len(qo) - 1):
-        slots = kv_indices[kv[b]:kv[b + 1]].long()
+        slots = kv_indices[kv[b] : kv[b + 1]].long()
         new = slice(qo[b], qo[b + 1])
         k = torch.cat([k_buffer[slots].float(), k_new[new].float()])
         v = torch.cat([v_buffer[slots].float(), v_new[new].float()])
@@ -45,13 +59,20 @@ def extend_attention_ref(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tens
     return out
 
 
-def decode_attention_ref(q: torch.Tensor, k_buffer: torch.Tensor, v_buffer: torch.Tensor,
-                         kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                         sm_scale: float) -> torch.Tensor:
+def decode_attention_ref(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> torch.Tensor:
     """Like ``decode_attention``; returns a new tensor shaped and typed like q."""
     out = torch.empty_like(q)
     kv = kv_indptr.tolist()
     for b in range(len(kv) - 1):
-        slots = kv_indices[kv[b]:kv[b + 1]].long()
-        out[b] = attention_ref(q[b:b + 1], k_buffer[slots], v_buffer[slots], sm_scale)[0].to(q.dtype)
+        slots = kv_indices[kv[b] : kv[b + 1]].long()
+        out[b] = attention_ref(q[b : b + 1], k_buffer[slots], v_buffer[slots], sm_scale)[0].to(
+            q.dtype
+        )
     return out

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -29,12 +30,12 @@ class ForwardMode(enum.Enum):
 @dataclass
 class ForwardBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor      # int64 [T]
-    positions: torch.Tensor      # int64 [T]
+    input_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
     out_cache_loc: torch.Tensor  # int64 [T], slots receiving the new K/V
-    req_rows: torch.Tensor       # int64 [B], rows of req_to_token
-    seq_lens: list[int]          # [B] KV length after this step
-    extend_lens: list[int]       # [B] new tokens per request (all 1 in decode)
+    req_rows: torch.Tensor  # int64 [B], rows of req_to_token
+    seq_lens: list[int]  # [B] KV length after this step
+    extend_lens: list[int]  # [B] new tokens per request (all 1 in decode)
     # Which token positions (indices into T) need logits; default: each request's last.
     logits_indices: torch.Tensor | None = None
     attn_backend: AttentionBackend | None = field(default=None, repr=False)  # set by the runner
@@ -65,8 +66,15 @@ class AttentionBackend(ABC):
         """Build the per-step index tensors (once per step, shared by all layers)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scaling: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scaling: float,
+    ) -> torch.Tensor:
         """q [T, H, D], k/v [T, KH, D] → attention output [T, H, D]."""
 
 
@@ -90,21 +98,32 @@ def forward_context(batch: ForwardBatch) -> Iterator[None]:
 
 
 @torch.library.custom_op("radixrt::attention", mutates_args=())
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                  scaling: float) -> torch.Tensor:
+def _attention_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+) -> torch.Tensor:
     batch = _current_batch
     if batch is None:
-        raise RuntimeError("radixrt::attention ran outside forward_context (no batch to attend over)")
+        raise RuntimeError(
+            "radixrt::attention ran outside forward_context (no batch to attend over)"
+        )
     return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling)
 
 
 @_attention_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float) -> torch.Tensor:
+def _(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+) -> torch.Tensor:
     return q.new_empty(q.shape)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-              batch: ForwardBatch | None, scaling: float) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    batch: ForwardBatch | None,
+    scaling: float,
+) -> torch.Tensor:
     """The layer's attention: straight to the batch's backend, or (batch None: inside a
     compiled model) through the ``radixrt::attention`` op."""
     if batch is None:

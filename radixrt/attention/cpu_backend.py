@@ -32,8 +32,10 @@ def unavailable_reason(pool: KVPool) -> str | None:
     if cpu_library.load(cache_dir()) is None:
         return f"the CPU kernels' library is unavailable: {cpu_library.why_unavailable()}"
     if not cpu_attention.supports(pool.k_buffers[0]):
-        return (f"the kernel takes float32 or bf16 heads of a multiple of {cpu_attention.DIM_MULTIPLE}"
-                f" up to {cpu_attention.MAX_DIM}, not {pool.dtype} heads of {pool.head_dim}")
+        return (
+            f"the kernel takes float32 or bf16 heads of a multiple of {cpu_attention.DIM_MULTIPLE}"
+            f" up to {cpu_attention.MAX_DIM}, not {pool.dtype} heads of {pool.head_dim}"
+        )
     return None
 
 
@@ -51,25 +53,36 @@ class CpuAttentionBackend(AttentionBackend):
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
             batch.attn_metadata = cpu_attention.decode_segments(
-                self.lib, table, batch.req_rows, batch.seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
+                self.lib, table, batch.req_rows, batch.seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE
+            )
         else:
-            batch.attn_metadata = extend_segments(table, batch.req_rows, batch.seq_lens,
-                                                  batch.extend_lens)
+            batch.attn_metadata = extend_segments(
+                table, batch.req_rows, batch.seq_lens, batch.extend_lens
+            )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scaling: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scaling: float,
+    ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]."""
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         dt, out_dtype = k_buf.dtype, q.dtype
         if not q.dtype == k.dtype == v.dtype == dt:
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
-        o = cpu_attention.attention(self.lib, q, k_buf, v_buf, batch.attn_metadata, scaling,
-                                    (k, v, batch.out_cache_loc))
+        o = cpu_attention.attention(
+            self.lib, q, k_buf, v_buf, batch.attn_metadata, scaling, (k, v, batch.out_cache_loc)
+        )
         return o.to(out_dtype)
 
 
-def extend_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int],
-                    extend_lens: list[int]) -> cpu_attention.Segments:
+def extend_segments(
+    table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int], extend_lens: list[int]
+) -> cpu_attention.Segments:
     """An extend's segments: per request its whole sequence, causal, with its new tokens as
     members."""
     dev = table.device
@@ -79,10 +92,11 @@ def extend_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[
     ext = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
     t, s = int(ext.sum()), len(seq_lens)
     return cpu_attention.Segments(
-        slots=table[:, :valid.shape[1]].index_select(0, req_rows)[valid],  # request by request
+        slots=table[:, : valid.shape[1]].index_select(0, req_rows)[valid],  # request by request
         slot_start=torch.cat([zero, lens.cumsum(0)]),
         members=torch.arange(t, device=dev),
         member_start=torch.cat([zero, ext.cumsum(0)]),
         part=torch.zeros(s, dtype=torch.int64, device=dev),
         num_parts=torch.ones(t, dtype=torch.int64, device=dev),
-        causal=torch.ones(s, dtype=torch.int64, device=dev))
+        causal=torch.ones(s, dtype=torch.int64, device=dev),
+    )

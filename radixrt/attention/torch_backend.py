@@ -22,10 +22,10 @@ from radixrt.attention.base import AttentionBackend, ForwardBatch
 
 @dataclass
 class _Meta:
-    slots: torch.Tensor    # int64 [B, L]: each request's slots, padded with slot 0
-    q_rows: torch.Tensor   # int64 [B, Q]: each request's rows of q, padded with row 0
+    slots: torch.Tensor  # int64 [B, L]: each request's slots, padded with slot 0
+    q_rows: torch.Tensor  # int64 [B, Q]: each request's rows of q, padded with row 0
     q_valid: torch.Tensor  # bool [B, Q]: real queries (their order is q's)
-    mask: torch.Tensor     # bool [B, 1, Q, L]: query i of request b sees key j
+    mask: torch.Tensor  # bool [B, 1, Q, L]: query i of request b sees key j
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -36,18 +36,25 @@ class TorchAttentionBackend(AttentionBackend):
         dev = table.device
         seq = torch.tensor(batch.seq_lens, dtype=torch.int64, device=dev)
         ext = torch.tensor(batch.extend_lens, dtype=torch.int64, device=dev)
-        keys = torch.arange(max(batch.seq_lens), device=dev)                 # [L]
+        keys = torch.arange(max(batch.seq_lens), device=dev)  # [L]
         queries = torch.arange(max(batch.extend_lens), device=dev)[None, :]  # [1, Q]
-        in_seq = keys[None, :] < seq[:, None]                                 # [B, L]
-        slots = torch.where(in_seq, table[:, :keys.numel()].index_select(0, batch.req_rows), 0)
+        in_seq = keys[None, :] < seq[:, None]  # [B, L]
+        slots = torch.where(in_seq, table[:, : keys.numel()].index_select(0, batch.req_rows), 0)
         q_valid = queries < ext[:, None]
         q_rows = torch.where(q_valid, (ext.cumsum(0) - ext)[:, None] + queries, 0)
-        last_key = (seq - ext)[:, None] + queries                             # [B, Q]
+        last_key = (seq - ext)[:, None] + queries  # [B, Q]
         mask = (keys[None, None, :] <= last_key[:, :, None]) & in_seq[:, None, :]
         batch.attn_metadata = _Meta(slots, q_rows, q_valid, mask[:, None])
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scaling: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scaling: float,
+    ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] → [T, H, D] in q's dtype."""
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         meta: _Meta = batch.attn_metadata
@@ -55,8 +62,9 @@ class TorchAttentionBackend(AttentionBackend):
         qq = q.index_select(0, meta.q_rows.reshape(-1)).view(b, nq, h, d).transpose(1, 2)
         kk = _gather(self.pool.k_buffers[layer_id], meta.slots, h)
         vv = _gather(self.pool.v_buffers[layer_id], meta.slots, h)
-        o = F.scaled_dot_product_attention(qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=meta.mask,
-                                           scale=scaling)                     # [B, H, Q, D]
+        o = F.scaled_dot_product_attention(
+            qq, kk.to(q.dtype), vv.to(q.dtype), attn_mask=meta.mask, scale=scaling
+        )  # [B, H, Q, D]
         return o.transpose(1, 2)[meta.q_valid]
 
 

@@ -37,15 +37,15 @@ MIN_SPLIT_LEN = 256
 
 @dataclass
 class _ExtendMeta:
-    qo_indptr: torch.Tensor   # int64 [B + 1] over the T new tokens
-    kv_indptr: torch.Tensor   # int64 [B + 1] over kv_indices
+    qo_indptr: torch.Tensor  # int64 [B + 1] over the T new tokens
+    kv_indptr: torch.Tensor  # int64 [B + 1] over kv_indices
     kv_indices: torch.Tensor  # int64 [sum of prefix lens]: slots of each cached prefix
     max_extend_len: int
 
 
 @dataclass
 class _DecodeMeta:
-    kv_indptr: torch.Tensor   # int64 [B + 1]
+    kv_indptr: torch.Tensor  # int64 [B + 1]
     kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
     num_kv_splits: int
     workspace: DecodeWorkspace | None = None  # allocated by the first layer
@@ -62,35 +62,71 @@ class TritonAttentionBackend(AttentionBackend):
         elif INTERPRET:
             self.num_sms, self.min_split_len = INTERPRETER_SMS, INTERPRETER_MIN_SPLIT
         else:
-            raise ValueError(f"attention_backend='triton' needs a CUDA device, got {pool.device} "
-                             "(on CPU set TRITON_INTERPRET=1 before import, or use 'torch')")
+            raise ValueError(
+                f"attention_backend='triton' needs a CUDA device, got {pool.device} "
+                "(on CPU set TRITON_INTERPRET=1 before import, or use 'torch')"
+            )
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
             kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
-            splits = choose_num_kv_splits(batch.batch_size, self.pool.kv_heads, max(batch.seq_lens),
-                                          self.num_sms, self.min_split_len)
+            splits = choose_num_kv_splits(
+                batch.batch_size,
+                self.pool.kv_heads,
+                max(batch.seq_lens),
+                self.num_sms,
+                self.min_split_len,
+            )
             batch.attn_metadata = _DecodeMeta(kv_indptr, kv_indices, splits)
             return
         kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.prefix_lens)
-        batch.attn_metadata = _ExtendMeta(_indptr(batch.extend_lens, table.device), kv_indptr,
-                                          kv_indices, max(batch.extend_lens))
+        batch.attn_metadata = _ExtendMeta(
+            _indptr(batch.extend_lens, table.device), kv_indptr, kv_indices, max(batch.extend_lens)
+        )
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
-                batch: ForwardBatch, scaling: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer_id: int,
+        batch: ForwardBatch,
+        scaling: float,
+    ) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
         o = q.new_empty(q.shape)
         meta = batch.attn_metadata
         if isinstance(meta, _DecodeMeta):
             if meta.workspace is None:
-                meta.workspace = DecodeWorkspace.allocate(q.shape[0], q.shape[1], q.shape[2],
-                                                          meta.num_kv_splits, q.device)
-            return decode_attention(q, k_buf, v_buf, o, meta.kv_indptr, meta.kv_indices, scaling,
-                                    meta.num_kv_splits, meta.workspace)
-        return extend_attention(q, k, v, o, k_buf, v_buf, meta.qo_indptr, meta.kv_indptr,
-                                meta.kv_indices, scaling, meta.max_extend_len)
+                meta.workspace = DecodeWorkspace.allocate(
+                    q.shape[0], q.shape[1], q.shape[2], meta.num_kv_splits, q.device
+                )
+            return decode_attention(
+                q,
+                k_buf,
+                v_buf,
+                o,
+                meta.kv_indptr,
+                meta.kv_indices,
+                scaling,
+                meta.num_kv_splits,
+                meta.workspace,
+            )
+        return extend_attention(
+            q,
+            k,
+            v,
+            o,
+            k_buf,
+            v_buf,
+            meta.qo_indptr,
+            meta.kv_indptr,
+            meta.kv_indices,
+            scaling,
+            meta.max_extend_len,
+        )
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
@@ -101,12 +137,15 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
     return host
 
 
-def _kv_index(table: torch.Tensor, rows: torch.Tensor, lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _kv_index(
+    table: torch.Tensor, rows: torch.Tensor, lens: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(indptr [B + 1], ``table[rows[b], :lens[b]]`` for every b, concatenated), on table's device."""
     indptr = _indptr(lens, table.device)
     counts = indptr[1:] - indptr[:-1]
     total = sum(lens)
     row_of = torch.repeat_interleave(rows.to(table.device), counts, output_size=total)
-    pos = torch.arange(total, device=table.device) - torch.repeat_interleave(indptr[:-1], counts,
-                                                                             output_size=total)
+    pos = torch.arange(total, device=table.device) - torch.repeat_interleave(
+        indptr[:-1], counts, output_size=total
+    )
     return indptr, table[row_of, pos]

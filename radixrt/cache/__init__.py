@@ -6,14 +6,31 @@ import torch
 
 from radixrt.cache.allocator import KVSlotAllocator
 from radixrt.cache.kv_pool import KVPool
-from radixrt.cache.radix_cache import MatchResult, NamespaceNode, PeekResult, RadixCache, TokenBuffer, TreeNode
+from radixrt.cache.radix_cache import (
+    MatchResult,
+    NamespaceNode,
+    PeekResult,
+    RadixCache,
+    TokenBuffer,
+    TreeNode,
+)
 
-__all__ = ["KVSlotAllocator", "KVPool", "MatchResult", "NamespaceNode", "PeekResult", "RadixCache", "TokenBuffer",
-           "TreeNode", "check_slot_partition"]
+__all__ = [
+    "KVSlotAllocator",
+    "KVPool",
+    "MatchResult",
+    "NamespaceNode",
+    "PeekResult",
+    "RadixCache",
+    "TokenBuffer",
+    "TreeNode",
+    "check_slot_partition",
+]
 
 
-def check_slot_partition(allocator: KVSlotAllocator, cache: RadixCache | None,
-                         private: list[torch.Tensor]) -> None:
+def check_slot_partition(
+    allocator: KVSlotAllocator, cache: RadixCache | None, private: list[torch.Tensor]
+) -> None:
     """Assert every usable slot is in exactly one place.
 
     The places are: the free list, one tree node, or one running request's

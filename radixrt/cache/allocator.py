@@ -63,7 +63,9 @@ class KVSlotAllocator:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         if num_slots % page_size != 0:
-            raise ValueError(f"num_slots ({num_slots}) must be a multiple of page_size ({page_size})")
+            raise ValueError(
+                f"num_slots ({num_slots}) must be a multiple of page_size ({page_size})"
+            )
         if num_slots < 2 * page_size:
             raise ValueError(f"num_slots ({num_slots}) must hold at least 2 pages of {page_size}")
         self.num_slots = num_slots
@@ -122,7 +124,7 @@ class KVSlotAllocator:
         pages = self._take_pages(-(-(n - in_tail) // p))
         if pages is None:
             return None
-        fresh = self._page_slots(pages)[:n - in_tail]
+        fresh = self._page_slots(pages)[: n - in_tail]
         return torch.from_numpy(np.concatenate([tail, fresh]))
 
     def free(self, slots: torch.Tensor | np.ndarray) -> None:
@@ -133,8 +135,9 @@ class KVSlotAllocator:
             slots = slots.numpy()
         n = slots.size
         if n > _SMALL:
-            self._free_vectorized(slots if slots.dtype is _INT64 and slots.ndim == 1
-                                  else _as_numpy(slots))
+            self._free_vectorized(
+                slots if slots.dtype is _INT64 and slots.ndim == 1 else _as_numpy(slots)
+            )
         elif n and slots.dtype.kind in "iu":
             self._free_small(slots.reshape(-1).tolist())
         elif n:
@@ -149,11 +152,11 @@ class KVSlotAllocator:
 
     def free_slots(self) -> torch.Tensor:
         """Every free slot id (for integrity checks)."""
-        return torch.from_numpy(self._page_slots(self._stack[:self._top]))
+        return torch.from_numpy(self._page_slots(self._stack[: self._top]))
 
     def check_integrity(self) -> None:
-        pages = self._stack[:self._top]
-        states = self._state_np[:self.num_pages]
+        pages = self._stack[: self._top]
+        states = self._state_np[: self.num_pages]
         assert pages.size == np.unique(pages).size, "free list holds a page twice"
         assert int((states == _FREE).sum()) == pages.size, "free flags disagree with free list"
         assert bool((states[pages] == _FREE).all()), "free list holds a page not flagged free"
@@ -173,12 +176,13 @@ class KVSlotAllocator:
             pages = sorted({s // p for s in slots})
         for page in pages:
             if not 0 < page < num_pages or state[page] != _USED:
-                self._raise_bad_free(np.array(slots, dtype=np.int64),
-                                     np.array(pages, dtype=np.int64))
+                self._raise_bad_free(
+                    np.array(slots, dtype=np.int64), np.array(pages, dtype=np.int64)
+                )
         for page in pages:
             state[page] = _FREE
         top = self._top
-        self._stack[top:top + len(pages)] = pages[::-1]
+        self._stack[top : top + len(pages)] = pages[::-1]
         self._top = top + len(pages)
 
     def _free_vectorized(self, slots: np.ndarray) -> None:
@@ -204,27 +208,30 @@ class KVSlotAllocator:
             pages = pages[self._scratch[pages] == order]
         state[pages] = _FREE
         top = self._top
-        self._stack[top:top + pages.size] = pages[::-1]
+        self._stack[top : top + pages.size] = pages[::-1]
         self._top = top + pages.size
 
     def _check_range(self, slots: np.ndarray) -> None:
         lo, hi = int(slots.min()), int(slots.max())
         if lo < self.page_size or hi >= self.num_slots:
-            raise ValueError(f"free: slot ids must be in [{self.page_size}, {self.num_slots}); "
-                             f"got min {lo}, max {hi}")
+            raise ValueError(
+                f"free: slot ids must be in [{self.page_size}, {self.num_slots}); "
+                f"got min {lo}, max {hi}"
+            )
 
     def _raise_bad_free(self, slots: np.ndarray, pages: np.ndarray) -> None:
         self._check_range(slots)
         bad = np.unique(pages[self._state_np[pages] != _USED])[:8] * self.page_size
-        raise ValueError(f"free: slots {bad.tolist()} are already free (double free, "
-                         "or never handed out)")
+        raise ValueError(
+            f"free: slots {bad.tolist()} are already free (double free, or never handed out)"
+        )
 
     def _take_pages(self, num_pages: int) -> np.ndarray | None:
         """Pop num_pages page ids (a fresh array), or None and take nothing."""
         if num_pages > self._top:
             return None
         self._top -= num_pages
-        pages = self._stack[self._top:self._top + num_pages][::-1].copy()
+        pages = self._stack[self._top : self._top + num_pages][::-1].copy()
         self._state_np[pages] = _USED
         return pages
 

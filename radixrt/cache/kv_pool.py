@@ -19,9 +19,17 @@ from radixrt.memory import huge_page_zeros
 
 
 class KVPool:
-    def __init__(self, num_slots: int, num_layers: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, max_running: int, max_context: int,
-                 device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        max_running: int,
+        max_context: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.num_slots = num_slots
         self.num_layers = num_layers
         self.kv_heads = kv_heads
@@ -34,7 +42,9 @@ class KVPool:
         else:
             kv = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k_buffers, self.v_buffers = list(kv[0].unbind()), list(kv[1].unbind())
-        self.req_to_token = torch.zeros((max_running, max_context), dtype=torch.int64, device=self.device)
+        self.req_to_token = torch.zeros(
+            (max_running, max_context), dtype=torch.int64, device=self.device
+        )
         self.max_running = max_running
         self.max_context = max_context
         self._free_rows = list(range(max_running - 1, -1, -1))
@@ -55,8 +65,12 @@ class KVPool:
         """Write k, v ``[n, kv_heads, head_dim]`` into ``slots`` ``[n]`` of one layer."""
         n = slots.numel()
         # index_copy_ on a 2-D view: advanced-index assignment is orders of magnitude slower on CPU.
-        self.k_buffers[layer].view(self.num_slots, -1).index_copy_(0, slots, k.reshape(n, -1).to(self.dtype))
-        self.v_buffers[layer].view(self.num_slots, -1).index_copy_(0, slots, v.reshape(n, -1).to(self.dtype))
+        self.k_buffers[layer].view(self.num_slots, -1).index_copy_(
+            0, slots, k.reshape(n, -1).to(self.dtype)
+        )
+        self.v_buffers[layer].view(self.num_slots, -1).index_copy_(
+            0, slots, v.reshape(n, -1).to(self.dtype)
+        )
 
     def kv_bytes(self) -> int:
         per = self.k_buffers[0].element_size() * self.kv_heads * self.head_dim

@@ -50,7 +50,8 @@ from __future__ import annotations
 
 import functools
 import struct
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,11 +65,27 @@ _INT64 = np.dtype(np.int64)
 
 
 class TreeNode:
-    __slots__ = ("id", "_key", "head", "_np", "parent", "children", "lock_ref",
-                 "last_access", "hit_count", "entry")
+    __slots__ = (
+        "id",
+        "_key",
+        "head",
+        "_np",
+        "parent",
+        "children",
+        "lock_ref",
+        "last_access",
+        "hit_count",
+        "entry",
+    )
 
-    def __init__(self, node_id: int, key: bytes, head: int | tuple[int, ...] | None,
-                 value: np.ndarray, parent: TreeNode | None) -> None:
+    def __init__(
+        self,
+        node_id: int,
+        key: bytes,
+        head: int | tuple[int, ...] | None,
+        value: np.ndarray,
+        parent: TreeNode | None,
+    ) -> None:
         self.id = node_id
         self._key = key  # packed token ids (native int64); b"" for a root
         self.head = head  # the key of this node in parent.children
@@ -123,9 +140,9 @@ class MatchResult(NamedTuple):
 
 
 class InsertResult(NamedTuple):
-    cached_len: int           # tokens the tree already held (the caller's slots for them are its to free)
+    cached_len: int  # tokens the tree already held (the caller's slots for them are its to free)
     kv_indices: torch.Tensor  # int64 [inserted length]: the tree's slots for the whole inserted key
-    last_node: TreeNode       # the node that ends exactly at the inserted key
+    last_node: TreeNode  # the node that ends exactly at the inserted key
 
 
 class PeekResult(NamedTuple):
@@ -156,7 +173,7 @@ class TokenBuffer:
     @property
     def array(self) -> np.ndarray:
         """The token ids so far: a view into the buffer, which later ``extend``s may not reach."""
-        return self._buf[:self._len]
+        return self._buf[: self._len]
 
     def extend(self, token_ids: Sequence[int]) -> None:
         """Append token ids; raises ValueError (appending nothing) unless they fit in int64."""
@@ -196,8 +213,9 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 class RadixCache:
     """Prefix tree over token ids; values are KV slot indices."""
 
-    def __init__(self, allocator: KVSlotAllocator, page_size: int = 1,
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, allocator: KVSlotAllocator, page_size: int = 1, eviction_policy: str = "lru"
+    ) -> None:
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be 'lru' or 'lfu', got {eviction_policy!r}")
         if page_size != allocator.page_size:
@@ -249,14 +267,16 @@ class RadixCache:
         node, pos, _, _ = self._walk(node, tokens, self._aligned_len(tokens), split=False)
         return PeekResult(pos, node)
 
-    def insert(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
-               cache_salt: str | None = None) -> int:
+    def insert(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, cache_salt: str | None = None
+    ) -> int:
         """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many were cached
         (``insert_prefix``'s ``cached_len``)."""
         return self.insert_prefix(token_ids, kv_indices, cache_salt).cached_len
 
-    def insert_prefix(self, token_ids: Sequence[int], kv_indices: torch.Tensor,
-                      cache_salt: str | None = None) -> InsertResult:
+    def insert_prefix(
+        self, token_ids: Sequence[int], kv_indices: torch.Tensor, cache_salt: str | None = None
+    ) -> InsertResult:
         """Add ``token_ids`` → ``kv_indices`` under ``cache_salt``; return how many tokens were
         cached already, the tree's slots for the whole key and the node ending at it.
 
@@ -284,7 +304,7 @@ class RadixCache:
         # so the tree never shares state with the caller). Packing may reject
         # the tokens: up to here the tree gained at most a split, no content.
         done = len(packed) // _TOKEN_BYTES
-        key = packed[pos * _TOKEN_BYTES:] if pos else packed
+        key = packed[pos * _TOKEN_BYTES :] if pos else packed
         if done < n:
             key += _pack(tokens, done, n)
         value = slots[pos:n].copy()
@@ -357,7 +377,9 @@ class RadixCache:
     def reset(self) -> None:
         """Free every cached slot and empty the tree. Nothing may be locked."""
         if self.protected_size:
-            raise RuntimeError(f"reset with {self.protected_size} tokens locked by running requests")
+            raise RuntimeError(
+                f"reset with {self.protected_size} tokens locked by running requests"
+            )
         slots = [n._np for n in self._nodes() if n is not self.root]
         if slots:
             # In ascending order: the next allocations then get runs of consecutive slots.
@@ -389,20 +411,29 @@ class RadixCache:
             if not node.children and node.lock_ref == 0:
                 leaves.add(node.id)
             values.append(node._np)
-        assert evictable == self.evictable_size, f"evictable_size {self.evictable_size} != {evictable}"
-        assert protected == self.protected_size, f"protected_size {self.protected_size} != {protected}"
+        assert evictable == self.evictable_size, (
+            f"evictable_size {self.evictable_size} != {evictable}"
+        )
+        assert protected == self.protected_size, (
+            f"protected_size {self.protected_size} != {protected}"
+        )
         in_set = {e[-1].id for e in self._evictable}
         assert len(in_set) == len(self._evictable), "a node is in the evictable set twice"
-        assert in_set == leaves, f"evictable set {sorted(in_set)} != unlocked leaves {sorted(leaves)}"
+        assert in_set == leaves, (
+            f"evictable set {sorted(in_set)} != unlocked leaves {sorted(leaves)}"
+        )
         for e in self._evictable:
             assert e is e[-1].entry and e == self._entry(e[-1]), f"stale evictable entry {e[:-1]}"
         slots = np.concatenate(values) if values else np.empty(0, dtype=np.int64)
         assert slots.size == np.unique(slots).size, "a slot is held by two tree nodes"
         if slots.size:
             assert int(slots.min()) >= self.page_size, "the tree holds a reserved slot"
-            assert int(slots.max()) < self.allocator.num_slots, "the tree holds an out-of-range slot"
-            assert not bool(self.allocator.is_free(torch.from_numpy(slots)).any()), \
+            assert int(slots.max()) < self.allocator.num_slots, (
+                "the tree holds an out-of-range slot"
+            )
+            assert not bool(self.allocator.is_free(torch.from_numpy(slots)).any()), (
                 "a slot is both free and in the tree"
+            )
 
     # ------------------------------------------------------------ internals
 
@@ -410,21 +441,27 @@ class RadixCache:
         p = self.page_size
         assert isinstance(node._key, bytes) and node._key, f"{node!r} has an empty key"
         assert len(node._key) % _TOKEN_BYTES == 0, f"{node!r}: key is not whole int64 tokens"
-        assert isinstance(node._np, np.ndarray) and node._np.dtype == np.int64 \
-            and node._np.ndim == 1, f"{node!r}: value is not a 1-D int64 array"
+        assert (
+            isinstance(node._np, np.ndarray) and node._np.dtype == np.int64 and node._np.ndim == 1
+        ), f"{node!r}: value is not a 1-D int64 array"
         assert node.num_tokens == node._np.size, f"{node!r}: key/value lengths differ"
         assert node.num_tokens % p == 0, f"{node!r}: key is not page-aligned"
         assert node.head == self._child_key(node.key, 0), f"{node!r}: head is not its first page"
         assert node.parent.children.get(node.head) is node, f"{node!r}: bad parent link"
         child_refs = sum(c.lock_ref for c in node.children.values())
-        assert node.lock_ref >= child_refs, f"{node!r}: lock_ref below its children's sum {child_refs}"
+        assert node.lock_ref >= child_refs, (
+            f"{node!r}: lock_ref below its children's sum {child_refs}"
+        )
         assert node.lock_ref >= 0
 
     def _check_namespace(self, ns: TreeNode) -> None:
         assert isinstance(ns, NamespaceNode), f"{ns!r} has an empty key"
-        assert ns.parent is self.root and self.root.children.get(ns.salt) is ns, f"{ns!r}: bad parent link"
-        assert ns._np.size == 0 and ns.lock_ref == 1 and ns.entry is None and ns.head == ns.salt, \
+        assert ns.parent is self.root and self.root.children.get(ns.salt) is ns, (
+            f"{ns!r}: bad parent link"
+        )
+        assert ns._np.size == 0 and ns.lock_ref == 1 and ns.entry is None and ns.head == ns.salt, (
             f"{ns!r}: not root-like"
+        )
         assert ns.children, f"{ns!r} is empty but still in the tree"
 
     def _namespace(self, salt: str, create: bool = True) -> NamespaceNode | None:
@@ -451,21 +488,27 @@ class RadixCache:
             yield node
             stack.extend(node.children.values())
 
-    def _new_node(self, key: bytes, head: int | tuple[int, ...] | None, value: np.ndarray,
-                  parent: TreeNode | None) -> TreeNode:
+    def _new_node(
+        self,
+        key: bytes,
+        head: int | tuple[int, ...] | None,
+        value: np.ndarray,
+        parent: TreeNode | None,
+    ) -> TreeNode:
         node = TreeNode(self._next_id, key, head, value, parent)
         self._next_id += 1
         return node
 
     def _child_key(self, tokens: list[int], pos: int) -> int | tuple[int, ...]:
         """The children-dict key of a run starting at ``tokens[pos]`` (a token, or a page as a tuple)."""
-        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos:pos + self.page_size])
+        return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
 
     def _aligned_len(self, tokens: list[int] | np.ndarray) -> int:
         return len(tokens) // self.page_size * self.page_size
 
-    def _walk(self, node: TreeNode, tokens: list[int] | np.ndarray, n: int,
-              split: bool = True) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
+    def _walk(
+        self, node: TreeNode, tokens: list[int] | np.ndarray, n: int, split: bool = True
+    ) -> tuple[TreeNode, int, list[np.ndarray], bytes]:
         """Follow ``tokens[:n]`` down from ``node`` as far as the tree has it.
 
         Where the run leaves an edge part-way, that edge is split so the last
@@ -484,7 +527,7 @@ class RadixCache:
         packed, done = b"", 0  # packed == pack(tokens[:done])
         pos, values, page = 0, [], self.page_size
         while pos < n:
-            child = node.children.get(tokens[pos] if page == 1 else tuple(tokens[pos:pos + page]))
+            child = node.children.get(tokens[pos] if page == 1 else tuple(tokens[pos : pos + page]))
             if child is None:
                 break
             edge = child._key
@@ -500,7 +543,7 @@ class RadixCache:
                 node = child
                 continue
             off = pos * _TOKEN_BYTES
-            hit = common_prefix_len(edge, packed[off:off + len(edge)]) // _TOKEN_BYTES
+            hit = common_prefix_len(edge, packed[off : off + len(edge)]) // _TOKEN_BYTES
             hit -= hit % page  # > 0: the child's first page matched
             node = self._split(child, hit) if split else child
             values.append(node._np[:hit])
@@ -528,9 +571,12 @@ class RadixCache:
         head = self._head_struct.unpack_from(key)
         return head[0] if self.page_size == 1 else head
 
-    def _touch_path(self, node: TreeNode, hit: bool,
-                    new_leaf: tuple[bytes, int | tuple[int, ...], np.ndarray] | None = None
-                    ) -> TreeNode:
+    def _touch_path(
+        self,
+        node: TreeNode,
+        hit: bool,
+        new_leaf: tuple[bytes, int | tuple[int, ...], np.ndarray] | None = None,
+    ) -> TreeNode:
         """Refresh last_access (and hit_count) from node up to its root (root or namespace);
         returns the path's lowest node.
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import queue
 import threading
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import Iterator
 
 from radixrt.output import Detokenizer, OutputTracker
 from radixrt.protocol import GenerateOutput
@@ -46,8 +46,9 @@ class Backend:
     def cache_prefix(self, ids: list[int], cache_salt: str | None = None) -> GenerateOutput:
         return self.generate(ids, SamplingParams(max_new_tokens=0, cache_salt=cache_salt))
 
-    def score(self, prefix: list[int], continuations: list[list[int]],
-              cache_salt: str | None = None) -> list[tuple[float, int]]:
+    def score(
+        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+    ) -> list[tuple[float, int]]:
         raise NotImplementedError
 
 
@@ -62,14 +63,20 @@ class EngineBackend(Backend):
         self._lock = threading.Lock()
         self.request_log: deque[list[int]] = deque(maxlen=request_log_len)
 
-    def _submit(self, ids: list[int], sp: SamplingParams, logprob_start_len: int | None = None,
-                deltas: queue.Queue | None = None) -> Future:
+    def _submit(
+        self,
+        ids: list[int],
+        sp: SamplingParams,
+        logprob_start_len: int | None = None,
+        deltas: queue.Queue | None = None,
+    ) -> Future:
         fut: Future = Future()
         self.request_log.append(list(ids))
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._drive, name="radixrt-lang-engine",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._drive, name="radixrt-lang-engine", daemon=True
+                )
                 self._thread.start()
             self._inbox.put((list(ids), sp, logprob_start_len, fut, deltas))
         return fut
@@ -138,8 +145,9 @@ class EngineBackend(Backend):
                 pass
         yield fut.result()
 
-    def score(self, prefix: list[int], continuations: list[list[int]],
-              cache_salt: str | None = None) -> list[tuple[float, int]]:
+    def score(
+        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+    ) -> list[tuple[float, int]]:
         self.cache_prefix(prefix, cache_salt)
         sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         futs = [self._submit(prefix + c, sp, logprob_start_len=len(prefix)) for c in continuations]
@@ -154,9 +162,16 @@ class RuntimeEndpoint(Backend):
     not answer the handshake within ``connect_timeout`` seconds.
     """
 
-    def __init__(self, address: str, timeout: float | None = 120.0, connect_timeout: float = 5.0, *,
-                 api_key: str | None = None, curve_server_key: str | bytes | None = None,
-                 request_log_len: int | None = REQUEST_LOG_LEN) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float | None = 120.0,
+        connect_timeout: float = 5.0,
+        *,
+        api_key: str | None = None,
+        curve_server_key: str | bytes | None = None,
+        request_log_len: int | None = REQUEST_LOG_LEN,
+    ) -> None:
         self.address, self.timeout, self.connect_timeout = address, timeout, connect_timeout
         self.api_key, self.curve_server_key = api_key, curve_server_key
         self._client = None
@@ -169,8 +184,13 @@ class RuntimeEndpoint(Backend):
         with self._lock:
             if self._client is None:
                 from radixrt.client import Client
-                c = Client(self.address, timeout=self.connect_timeout, api_key=self.api_key,
-                           curve_server_key=self.curve_server_key)
+
+                c = Client(
+                    self.address,
+                    timeout=self.connect_timeout,
+                    api_key=self.api_key,
+                    curve_server_key=self.curve_server_key,
+                )
                 c.timeout = self.timeout
                 self._client = c
             return self._client
@@ -179,6 +199,7 @@ class RuntimeEndpoint(Backend):
     def tokenizer(self):
         if self._tokenizer is None:
             from transformers import AutoTokenizer
+
             self._tokenizer = AutoTokenizer.from_pretrained(self.client.info["model"])
         return self._tokenizer
 
@@ -198,12 +219,18 @@ class RuntimeEndpoint(Backend):
                 yield chunk.text
             token_ids.extend(chunk.token_ids)
             last = chunk
-        yield GenerateOutput(rid="", text="".join(text), token_ids=token_ids,
-                             prompt_tokens=last.prompt_tokens, cached_tokens=last.cached_tokens,
-                             finish_reason=last.finish_reason)
+        yield GenerateOutput(
+            rid="",
+            text="".join(text),
+            token_ids=token_ids,
+            prompt_tokens=last.prompt_tokens,
+            cached_tokens=last.cached_tokens,
+            finish_reason=last.finish_reason,
+        )
 
-    def score(self, prefix: list[int], continuations: list[list[int]],
-              cache_salt: str | None = None) -> list[tuple[float, int]]:
+    def score(
+        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+    ) -> list[tuple[float, int]]:
         self.request_log.append(list(prefix))
         self.request_log.extend(prefix + c for c in continuations)
         return self.client.score(prefix, continuations, cache_salt=cache_salt)

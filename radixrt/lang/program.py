@@ -24,9 +24,10 @@ from __future__ import annotations
 import queue
 import threading
 from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from radixrt.sampling import SamplingParams
 
@@ -44,6 +45,7 @@ def get_default_backend():
 
 
 # ----------------------------------------------------------- expressions
+
 
 @dataclass
 class Gen:
@@ -63,12 +65,33 @@ class Role:
     body: list[Any] = field(default_factory=list)
 
 
-def gen(name: str | None = None, max_tokens: int = 128, stop: str | list[str] | None = None,
-        temperature: float = 0.0, top_p: float = 1.0, top_k: int = -1, min_p: float = 0.0,
-        ignore_eos: bool = False, seed: int | None = None, **extra) -> Gen:
+def gen(
+    name: str | None = None,
+    max_tokens: int = 128,
+    stop: str | list[str] | None = None,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    min_p: float = 0.0,
+    ignore_eos: bool = False,
+    seed: int | None = None,
+    **extra,
+) -> Gen:
     """Generate (greedy by default) and store the text under ``name``."""
-    return Gen(name, dict(max_new_tokens=max_tokens, stop=stop, temperature=temperature, top_p=top_p,
-                          top_k=top_k, min_p=min_p, ignore_eos=ignore_eos, seed=seed, **extra))
+    return Gen(
+        name,
+        dict(
+            max_new_tokens=max_tokens,
+            stop=stop,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=min_p,
+            ignore_eos=ignore_eos,
+            seed=seed,
+            **extra,
+        ),
+    )
 
 
 def select(name: str | None = None, choices: list[str] = ()) -> Select:
@@ -91,6 +114,7 @@ def assistant(*body) -> Role:
 
 # --------------------------------------------------------- chat template
 
+
 class ChatFormat:
     """Role prefix/suffix strings of a tokenizer's chat template."""
 
@@ -108,23 +132,32 @@ class ChatFormat:
             if first:
                 head, msgs = "", [{"role": role, "content": _PLACEHOLDER}]
             else:
-                lead = [{"role": "system", "content": "S"}] if role != "system" else \
-                    [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+                lead = (
+                    [{"role": "system", "content": "S"}]
+                    if role != "system"
+                    else [{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]
+                )
                 head = self._render(lead)
                 msgs = lead + [{"role": role, "content": _PLACEHOLDER}]
             text = self._render(msgs)
             if not text.startswith(head) or _PLACEHOLDER not in text:
                 raise ValueError(f"cannot derive the {role!r} turn from the chat template")
-            pre, post = text[len(head):].split(_PLACEHOLDER)
+            pre, post = text[len(head) :].split(_PLACEHOLDER)
             self._cache[key] = (pre, post)
         return self._cache[key]
 
 
 # ----------------------------------------------------------------- state
 
+
 class ProgramState:
-    def __init__(self, backend, ids: list[int] | None = None, stream_q: queue.Queue | None = None,
-                 cache_salt: str | None = None) -> None:
+    def __init__(
+        self,
+        backend,
+        ids: list[int] | None = None,
+        stream_q: queue.Queue | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
         self.backend = backend
         self.cache_salt = cache_salt  # sent with every request of this state and its forks
         self.tokenizer = backend.tokenizer
@@ -141,7 +174,7 @@ class ProgramState:
     def _bos(self) -> list[int]:
         full = self.tokenizer.encode("a")
         bare = self.tokenizer.encode("a", add_special_tokens=False)
-        return full[:len(full) - len(bare)] if full[len(full) - len(bare):] == bare else []
+        return full[: len(full) - len(bare)] if full[len(full) - len(bare) :] == bare else []
 
     # ------------------------------------------------------------- public
 
@@ -153,8 +186,9 @@ class ProgramState:
         try:
             return self.variables[name]
         except KeyError:
-            raise KeyError(f"no variable {name!r} in this state "
-                           f"(known: {sorted(self.variables)})") from None
+            raise KeyError(
+                f"no variable {name!r} in this state (known: {sorted(self.variables)})"
+            ) from None
 
     def get_meta_info(self, name: str) -> dict:
         return self.meta.get(name, {})
@@ -211,11 +245,18 @@ class ProgramState:
         if self._stream_q is not None and text:
             self._stream_q.put((name, text))
 
-    def _append_text(self, text: str, ids: list[int] | None = None, name: str | None = None,
-                     streamed: bool = False) -> None:
+    def _append_text(
+        self,
+        text: str,
+        ids: list[int] | None = None,
+        name: str | None = None,
+        streamed: bool = False,
+    ) -> None:
         if not text and not ids:
             return
-        self.ids.extend(self.tokenizer.encode(text, add_special_tokens=False) if ids is None else ids)
+        self.ids.extend(
+            self.tokenizer.encode(text, add_special_tokens=False) if ids is None else ids
+        )
         self._text.append(text)
         if self._role is not None:
             self._messages[-1]["content"] += text
@@ -247,15 +288,25 @@ class ProgramState:
                     self._emit(expr.name, item)
                 else:
                     out = item
-        self._append_text(out.text, self._output_ids(out), expr.name, streamed=self._stream_q is not None)
-        self._store(expr.name, out.text, prompt_tokens=out.prompt_tokens, cached_tokens=out.cached_tokens,
-                    finish_reason=out.finish_reason)
+        self._append_text(
+            out.text, self._output_ids(out), expr.name, streamed=self._stream_q is not None
+        )
+        self._store(
+            expr.name,
+            out.text,
+            prompt_tokens=out.prompt_tokens,
+            cached_tokens=out.cached_tokens,
+            finish_reason=out.finish_reason,
+        )
 
     def _output_ids(self, out) -> list[int]:
         """Ids to continue from: the generated ids when they decode to the text, else the text's."""
         ids = list(out.token_ids)
-        while ids and self.tokenizer.decode(ids[-1:], skip_special_tokens=True) == "" and ids[-1] in \
-                set(self.tokenizer.all_special_ids):
+        while (
+            ids
+            and self.tokenizer.decode(ids[-1:], skip_special_tokens=True) == ""
+            and ids[-1] in set(self.tokenizer.all_special_ids)
+        ):
             ids.pop()
         if self.tokenizer.decode(ids, skip_special_tokens=True) == out.text:
             return ids
@@ -267,8 +318,12 @@ class ProgramState:
         normalized = [lp / max(n, 1) for lp, n in scores]
         best = max(range(len(conts)), key=lambda i: normalized[i])
         self._append_text(expr.choices[best], conts[best], expr.name)
-        self._store(expr.name, expr.choices[best], normalized_logprobs=normalized,
-                    logprobs=[lp for lp, _ in scores])
+        self._store(
+            expr.name,
+            expr.choices[best],
+            normalized_logprobs=normalized,
+            logprobs=[lp for lp, _ in scores],
+        )
 
     def _store(self, name: str | None, value: Any, **meta) -> None:
         if name is not None:
@@ -291,6 +346,7 @@ class ForkGroup(list):
 
 # -------------------------------------------------------------- function
 
+
 class Program:
     def __init__(self, fn: Callable) -> None:
         self.fn = fn
@@ -300,18 +356,23 @@ class Program:
     def __call__(self, *args, **kwargs):
         return self.run(*args, **kwargs)
 
-    def run(self, *args, backend=None, stream: bool = False, cache_salt: str | None = None,
-            **kwargs) -> ProgramState:
+    def run(
+        self, *args, backend=None, stream: bool = False, cache_salt: str | None = None, **kwargs
+    ) -> ProgramState:
         """Run once; errors inside the program end up in ``state.error``.
 
         ``cache_salt``: the prefix-cache namespace of every request of the run.
         """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
-            raise RuntimeError("no backend: call radixrt.lang.set_default_backend(...) or pass backend=")
+            raise RuntimeError(
+                "no backend: call radixrt.lang.set_default_backend(...) or pass backend="
+            )
         SamplingParams(cache_salt=cache_salt)  # a bad salt raises here, not inside the program
         backend.ensure_ready()
-        state = ProgramState(backend, stream_q=queue.Queue() if stream else None, cache_salt=cache_salt)
+        state = ProgramState(
+            backend, stream_q=queue.Queue() if stream else None, cache_salt=cache_salt
+        )
         if stream:
             threading.Thread(target=self._execute, args=(state, args, kwargs), daemon=True).start()
         else:
@@ -327,8 +388,15 @@ class Program:
             if state._stream_q is not None:
                 state._stream_q.put(None)
 
-    def run_batch(self, batch_kwargs: list[dict], *, backend=None, num_threads: int = 16,
-                  progress_bar: bool = False, cache_salt: str | None = None) -> list[ProgramState]:
+    def run_batch(
+        self,
+        batch_kwargs: list[dict],
+        *,
+        backend=None,
+        num_threads: int = 16,
+        progress_bar: bool = False,
+        cache_salt: str | None = None,
+    ) -> list[ProgramState]:
         """Run once per kwargs dict (in order); the batch's common prompt prefix is cached first.
 
         ``cache_salt`` applies to every run; a kwargs dict's own ``cache_salt``
@@ -337,7 +405,9 @@ class Program:
         """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
-            raise RuntimeError("no backend: call radixrt.lang.set_default_backend(...) or pass backend=")
+            raise RuntimeError(
+                "no backend: call radixrt.lang.set_default_backend(...) or pass backend="
+            )
         backend.ensure_ready()
         batch_kwargs = [{"cache_salt": cache_salt, **kw} for kw in batch_kwargs]
         salts = Counter(kw["cache_salt"] for kw in batch_kwargs)
@@ -349,6 +419,7 @@ class Program:
         bar = None
         if progress_bar:
             from tqdm import tqdm
+
             bar = tqdm(total=len(batch_kwargs), desc=self.__name__)
 
         def one(kw: dict) -> ProgramState:

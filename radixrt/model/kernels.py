@@ -26,13 +26,21 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from radixrt.model.linear_methods import (ActAfter, AmxGatedLinear, AmxLinear, AmxRotaryQKV,
-                                          LinearMethod, OneDNNLinear, QKVShape, RotateAfter,
-                                          onednn_works)
+from radixrt.model.linear_methods import (
+    ActAfter,
+    AmxGatedLinear,
+    AmxLinear,
+    AmxRotaryQKV,
+    LinearMethod,
+    OneDNNLinear,
+    QKVShape,
+    RotateAfter,
+    onednn_works,
+)
 from radixrt_kernels import cpu_linear, cpu_ops
 
-
 # ---- elementwise kernels: PyTorch's ops --------------------------------------------------------
+
 
 class TorchRMSNorm:
     """weight · x·rsqrt(mean(x²) + eps), computed in float32 as Hugging Face's Llama does; with a
@@ -40,9 +48,13 @@ class TorchRMSNorm:
 
     name = "torch"
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is not None:
             x = residual = x + residual
         normed = weight * F.rms_norm(x.float(), weight.shape, eps=eps).to(x.dtype)
@@ -55,8 +67,9 @@ class TorchRotary:
 
     name = "torch"
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin_signed: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
         c = cos[positions].unsqueeze(1).to(x.dtype)
         s = sin_signed[positions].unsqueeze(1).to(x.dtype)
         return x * c + x.roll(x.shape[-1] // 2, -1) * s
@@ -76,15 +89,20 @@ class TorchSiluMul:
 # Each takes what the C function takes (2-D rows for the norm and SiLU-and-mul, heads contiguous
 # for the rotation) and hands any other layout to PyTorch's op, with the same roundings.
 
+
 class CRMSNorm(TorchRMSNorm):
     name = "c"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if x.dim() != 2 or weight.dtype != x.dtype:  # a per-head norm of q or k [T, H, D]
             return super().__call__(x, weight, eps, residual)
         if residual is None:
@@ -101,8 +119,9 @@ class CRotary(TorchRotary):
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
-                 sin_signed: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> torch.Tensor:
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             return super().__call__(x, positions, cos, sin_signed)
         return cpu_ops.rope_(self.lib, x, positions, cos, sin_signed)
@@ -122,13 +141,20 @@ class CSiluMul(TorchSiluMul):
 
 # ---- the set ------------------------------------------------------------------------------------
 
+
 class Kernels:
     """One model's kernels. ``linear`` is the method for weights it takes, ``fallback`` for the
     rest; ``amx_lib`` (the library, when the AMX kernel runs) enables the fused forms."""
 
-    def __init__(self, linear: LinearMethod | None = None, fallback: LinearMethod | None = None,
-                 norm: TorchRMSNorm | None = None, rotary: TorchRotary | None = None,
-                 act: TorchSiluMul | None = None, amx_lib: ctypes.CDLL | None = None) -> None:
+    def __init__(
+        self,
+        linear: LinearMethod | None = None,
+        fallback: LinearMethod | None = None,
+        norm: TorchRMSNorm | None = None,
+        rotary: TorchRotary | None = None,
+        act: TorchSiluMul | None = None,
+        amx_lib: ctypes.CDLL | None = None,
+    ) -> None:
         self.linear = linear or LinearMethod()
         self.fallback = fallback or self.linear
         self.norm = norm or TorchRMSNorm()
@@ -148,25 +174,35 @@ class Kernels:
             return AmxGatedLinear(self.amx_lib)
         return ActAfter(self.linear_for(2 * half, in_features), self.act)
 
-    def rotary_qkv_for(self, shape: QKVShape, out_features: int,
-                       in_features: int) -> AmxRotaryQKV | RotateAfter:
+    def rotary_qkv_for(
+        self, shape: QKVShape, out_features: int, in_features: int
+    ) -> AmxRotaryQKV | RotateAfter:
         """qkv [out_features, in_features] → q and k rotated, v."""
-        if (self.amx_lib is not None and _amx_takes(out_features, in_features)
-                and cpu_linear.rope_fusable(shape.head_dim)):
+        if (
+            self.amx_lib is not None
+            and _amx_takes(out_features, in_features)
+            and cpu_linear.rope_fusable(shape.head_dim)
+        ):
             return AmxRotaryQKV(self.amx_lib, shape)
         return RotateAfter(self.linear_for(out_features, in_features), shape)
 
     def describe(self) -> dict[str, str]:
-        return {"linear": self.linear.name, "linear_fallback": self.fallback.name,
-                "rms_norm": self.norm.name, "rotary": self.rotary.name, "silu_mul": self.act.name}
+        return {
+            "linear": self.linear.name,
+            "linear_fallback": self.fallback.name,
+            "rms_norm": self.norm.name,
+            "rotary": self.rotary.name,
+            "silu_mul": self.act.name,
+        }
 
 
 def _amx_takes(out_features: int, in_features: int, gated: bool = False) -> bool:
     return in_features % cpu_linear.K_MULTIPLE == 0 and (not gated or out_features % 64 == 0)
 
 
-def choose_kernels(device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None,
-                   compiled: bool = False) -> Kernels:
+def choose_kernels(
+    device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None, compiled: bool = False
+) -> Kernels:
     """The kernels for a model of ``dtype`` on ``device`` (``lib``: the CPU kernels' library, or
     None; ``compiled``: the model runs under torch.compile)."""
     if device.type != "cpu":

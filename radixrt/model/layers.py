@@ -21,8 +21,9 @@ DEFAULT_KERNELS = Kernels()  # PyTorch's ops: for layers built outside a model r
 
 def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter shape "
-                         f"{tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}"
+        )
     param.copy_(loaded)
 
 
@@ -30,8 +31,13 @@ class Linear(nn.Module):
     """y = x·Wᵀ + b, W [out_features, in_features], through the method the kernels give a
     weight of this shape."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 kernels: Kernels = DEFAULT_KERNELS) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        kernels: Kernels = DEFAULT_KERNELS,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -52,8 +58,9 @@ class Linear(nn.Module):
     def prepare_weights(self) -> None:
         """The weight in the method's layout (it replaces the loaded one: no second copy)."""
         if not self.prepared:
-            self.weight = nn.Parameter(self.method.prepare(self.weight.detach()),
-                                       requires_grad=False)
+            self.weight = nn.Parameter(
+                self.method.prepare(self.weight.detach()), requires_grad=False
+            )
             self.prepared = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,8 +71,9 @@ class GateUpLinear(Linear):
     """An MLP's [gate; up] projection followed by SiLU-and-mul: x [.., K] → silu(x·gateᵀ)·(x·upᵀ)
     [.., intermediate]. The checkpoint's gate and up weights load as shards 0 and 1."""
 
-    def __init__(self, in_features: int, intermediate: int,
-                 kernels: Kernels = DEFAULT_KERNELS) -> None:
+    def __init__(
+        self, in_features: int, intermediate: int, kernels: Kernels = DEFAULT_KERNELS
+    ) -> None:
         self.intermediate = intermediate
         super().__init__(in_features, 2 * intermediate, False, kernels)
 
@@ -84,8 +92,15 @@ class QKVLinear(Linear):
     """q, k and v projections in one matmul: x [T, K] → q [T, H, D], k and v [T, KH, D] (views
     of one output). The checkpoint's q, k and v weights load as shards "q", "k", "v"."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, kernels: Kernels = DEFAULT_KERNELS) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        kernels: Kernels = DEFAULT_KERNELS,
+    ) -> None:
         self.shape = QKVShape(head_dim, num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias, kernels)
@@ -95,8 +110,9 @@ class QKVLinear(Linear):
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         _copy_into(param.data.narrow(0, offset, size), loaded)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         qkv = self.method.apply(x, self.weight, self.bias, self.out_features)
         t, cols = x.shape[0], self.shape.qk_cols
         qk, v = qkv[:, :cols].view(t, -1, self.head_dim), qkv[:, cols:].view(t, -1, self.head_dim)
@@ -108,19 +124,28 @@ class RotaryQKVLinear(QKVLinear):
     """``QKVLinear`` whose q and k come out rotated at ``positions`` by ``rotary`` (for models
     with nothing between the projection and the rotation)."""
 
-    def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 rotary: RotaryEmbedding, bias: bool = False,
-                 kernels: Kernels = DEFAULT_KERNELS) -> None:
+    def __init__(
+        self,
+        hidden: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        rotary: RotaryEmbedding,
+        bias: bool = False,
+        kernels: Kernels = DEFAULT_KERNELS,
+    ) -> None:
         super().__init__(hidden, head_dim, num_heads, num_kv_heads, bias, kernels)
         self.rotary = rotary
 
     def _method(self, kernels: Kernels):
         return kernels.rotary_qkv_for(self.shape, self.out_features, self.in_features)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        qk, v = self.method.apply(x, self.weight, self.bias, self.out_features, positions,
-                                  self.rotary)
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qk, v = self.method.apply(
+            x, self.weight, self.bias, self.out_features, positions, self.rotary
+        )
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         return q, k, v
 
@@ -171,8 +196,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.kernel = kernels.norm
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         return self.kernel(x, self.weight, self.eps, residual)
 
 
@@ -181,8 +207,14 @@ class RotaryEmbedding(nn.Module):
     (``radixrt.model.rope``). The rotation may happen in place: callers pass a tensor of their
     own and use the result."""
 
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict | None = None,
-                 kernels: Kernels = DEFAULT_KERNELS) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        max_position: int,
+        base: float,
+        scaling: dict | None = None,
+        kernels: Kernels = DEFAULT_KERNELS,
+    ) -> None:
         super().__init__()
         cos, sin_signed = rope.cos_sin_tables(head_dim, max_position, base, scaling)
         self.register_buffer("cos", cos, persistent=False)

@@ -29,7 +29,8 @@ oneDNN and AMX kernels run as the opaque ops ``radixrt::onednn_linear`` and
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,8 +46,9 @@ class LinearMethod:
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return w
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-              n: int) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
         return F.linear(x, w, bias)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
@@ -65,8 +67,9 @@ class OneDNNLinear(LinearMethod):
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return _ONEDNN_PACK(w, None)
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-              n: int) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
         return onednn_linear(x, w, bias)
 
 
@@ -81,8 +84,9 @@ class AmxLinear(LinearMethod):
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.pack(self.lib, w)
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
-              n: int) -> torch.Tensor:
+    def apply(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
         return amx_linear(x, w, bias, n)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
@@ -90,6 +94,7 @@ class AmxLinear(LinearMethod):
 
 
 # ---- [gate; up] → silu(gate)·up ------------------------------------------------------------
+
 
 class ActAfter:
     """A linear method, then an activation of its [.., 2N] output: [.., N]."""
@@ -123,8 +128,10 @@ class AmxGatedLinear:
 
 # ---- qkv with q and k rotated ---------------------------------------------------------------
 
+
 class QKVShape(NamedTuple):
     """The head layout of a qkv output row: [q heads | k heads | v heads], each head_dim wide."""
+
     head_dim: int
     num_heads: int
     num_kv_heads: int
@@ -144,8 +151,15 @@ class RotateAfter:
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return self.linear.prepare(w)
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int,
-              positions: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        positions: torch.Tensor,
+        rotary,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q and k rotated [T, H + KH, D], v [T, KH, D])."""
         qkv = self.linear.apply(x, w, bias, n)
         t, (d, cols) = qkv.shape[0], (self.shape.head_dim, self.shape.qk_cols)
@@ -164,8 +178,15 @@ class AmxRotaryQKV:
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.pack(self.lib, w)
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int,
-              positions: torch.Tensor, rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        bias: torch.Tensor | None,
+        n: int,
+        positions: torch.Tensor,
+        rotary,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         d, cols = self.shape.head_dim, self.shape.qk_cols
         rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, d, cols)
         qkv = amx_linear(x, w, bias, n, rope=rope)
@@ -202,45 +223,74 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @torch.library.custom_op("radixrt::onednn_linear", mutates_args=())
-def _onednn_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                      out_features: int) -> torch.Tensor:
+def _onednn_linear_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
 
 
 @_onednn_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-      out_features: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-               float_out: bool = False, gated: bool = False,
-               rope: cpu_linear.Rope | None = None) -> torch.Tensor:
+def amx_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    float_out: bool = False,
+    gated: bool = False,
+    rope: cpu_linear.Rope | None = None,
+) -> torch.Tensor:
     """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
     silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``; q and k rotated with
     ``rope``)."""
     if torch.compiler.is_compiling():
         r = rope or cpu_linear.Rope(None, None, None, 0, 0)
         return _amx_linear_op(x, packed, bias, out_features, float_out, gated, *r)
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated,
-                             rope)
+    return cpu_linear.linear(
+        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope
+    )
 
 
 @torch.library.custom_op("radixrt::amx_linear", mutates_args=())
-def _amx_linear_op(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
-                   out_features: int, float_out: bool, gated: bool,
-                   positions: torch.Tensor | None, cos: torch.Tensor | None,
-                   sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
+def _amx_linear_op(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    float_out: bool,
+    gated: bool,
+    positions: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin_signed: torch.Tensor | None,
+    head_dim: int,
+    rope_cols: int,
+) -> torch.Tensor:
     rope = None
     if positions is not None:
         rope = cpu_linear.Rope(positions, cos, sin_signed, head_dim, rope_cols)
-    return cpu_linear.linear(cpu_library.loaded(), x, packed, out_features, bias, float_out, gated,
-                             rope)
+    return cpu_linear.linear(
+        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope
+    )
 
 
 @_amx_linear_op.register_fake
-def _(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-      float_out: bool, gated: bool, positions: torch.Tensor | None, cos: torch.Tensor | None,
-      sin_signed: torch.Tensor | None, head_dim: int, rope_cols: int) -> torch.Tensor:
+def _(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    float_out: bool,
+    gated: bool,
+    positions: torch.Tensor | None,
+    cos: torch.Tensor | None,
+    sin_signed: torch.Tensor | None,
+    head_dim: int,
+    rope_cols: int,
+) -> torch.Tensor:
     width = out_features // 2 if gated else out_features
     return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)

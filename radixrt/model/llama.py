@@ -13,21 +13,32 @@ the step's batch through ``forward_context``.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from radixrt.attention.base import ForwardBatch, attention, forward_context
 from radixrt.model.kernels import Kernels
-from radixrt.model.layers import (DEFAULT_KERNELS, GateUpLinear, Linear, LMHead, QKVLinear, RMSNorm,
-                                  RotaryEmbedding, RotaryQKVLinear, VocabEmbedding, prepare_weights)
+from radixrt.model.layers import (
+    DEFAULT_KERNELS,
+    GateUpLinear,
+    Linear,
+    LMHead,
+    QKVLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RotaryQKVLinear,
+    VocabEmbedding,
+    prepare_weights,
+)
 from radixrt.model.loader import ModelConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 kernels: Kernels) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         heads = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
@@ -36,14 +47,22 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
         else:  # the projection hands q and k over rotated
-            self.qkv_proj = RotaryQKVLinear(*heads, rotary, bias=cfg.attention_bias, kernels=kernels)
+            self.qkv_proj = RotaryQKVLinear(
+                *heads, rotary, bias=cfg.attention_bias, kernels=kernels
+            )
             self.q_norm = self.k_norm = None
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, kernels=kernels)
         self.rotary = rotary  # one for the model
-        self.scaling = cfg.head_dim ** -0.5
+        self.scaling = cfg.head_dim**-0.5
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(h, positions)
         if self.q_norm is not None:
             q = self.rotary(positions, self.q_norm(q))
@@ -55,7 +74,9 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(cfg.hidden_size, cfg.intermediate_size, kernels)  # SiLU-and-mul included
+        self.gate_up_proj = GateUpLinear(
+            cfg.hidden_size, cfg.intermediate_size, kernels
+        )  # SiLU-and-mul included
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -63,16 +84,22 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 kernels: Kernels) -> None:
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels
+    ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, kernels)
         self.mlp = LlamaMLP(cfg, kernels)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, residual: torch.Tensor | None,
-                batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): their sum is the hidden state
         after this layer, formed by the next norm (the add fused into it)."""
         if residual is None:
@@ -88,13 +115,17 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 kernels)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_layers))
+        rotary = RotaryEmbedding(
+            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, kernels
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                batch: ForwardBatch | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the last layer's output, the residual before it): the final hidden state is their sum."""
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
@@ -104,8 +135,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     # checkpoint name → (our parameter name, shard id)
-    STACKED = (("q_proj", "qkv_proj", "q"), ("k_proj", "qkv_proj", "k"), ("v_proj", "qkv_proj", "v"),
-               ("gate_proj", "gate_up_proj", 0), ("up_proj", "gate_up_proj", 1))
+    STACKED = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
 
     def __init__(self, cfg: ModelConfig, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__()
@@ -119,14 +155,21 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [N, vocab] at ``batch.logits_indices`` (default: each request's last token)."""
-        idx = batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        idx = (
+            batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
+        )
         if self.compiled is None:
             return self.logits(batch.input_ids, batch.positions, idx, batch)
         with forward_context(batch):
             return self.compiled(batch.input_ids, batch.positions, idx)
 
-    def logits(self, input_ids: torch.Tensor, positions: torch.Tensor, idx: torch.Tensor,
-               batch: ForwardBatch | None = None) -> torch.Tensor:
+    def logits(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        idx: torch.Tensor,
+        batch: ForwardBatch | None = None,
+    ) -> torch.Tensor:
         h, residual = self.model(input_ids, positions, batch)
         normed, _ = self.model.norm(h[idx], residual[idx])
         return self.lm_head(normed)
@@ -140,7 +183,9 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded = set()
         for name, tensor in weights:
-            if "rotary_emb" in name or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+            if "rotary_emb" in name or (
+                name == "lm_head.weight" and self.config.tie_word_embeddings
+            ):
                 continue
             target, shard = self._map_name(name)
             if target not in params:
@@ -168,5 +213,7 @@ class LlamaForCausalLM(nn.Module):
 
 def _copy_whole(param: torch.Tensor, loaded: torch.Tensor) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)

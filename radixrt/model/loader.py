@@ -76,8 +76,12 @@ _ARCH_BY_CLASS = {
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
 }
-_LLAMA3_ROPE_KEYS = ("factor", "low_freq_factor", "high_freq_factor",
-                     "original_max_position_embeddings")
+_LLAMA3_ROPE_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+)
 # rope types whose transformers tables depend on the length of the sequence in each forward
 _LENGTH_DEPENDENT_ROPE = {
     "longrope": "transformers rotates by short_factor or long_factor depending on the length of "
@@ -86,8 +90,16 @@ _LENGTH_DEPENDENT_ROPE = {
 # num_key_value_heads where config.json has none (transformers' config classes; else num_heads)
 _DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8}
 _SILU_ACTS = ("silu", "swish")  # the names transformers' ACT2FN maps to SiLU
-_POSITIVE_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                        "num_kv_heads", "head_dim", "max_position_embeddings")
+_POSITIVE_INT_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "max_position_embeddings",
+)
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -146,15 +158,18 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise _invalid(f"architecture must be one of {ARCHITECTURES}, "
-                           f"got {self.architecture!r}")
+            raise _invalid(
+                f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}"
+            )
         for name in _POSITIVE_INT_FIELDS:
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:
                 raise _invalid(f"{name} must be a positive int, got {value!r}")
         if self.num_heads % self.num_kv_heads:
-            raise _invalid(f"num_heads ({self.num_heads}) must be a multiple of "
-                           f"num_kv_heads ({self.num_kv_heads})")
+            raise _invalid(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
         for name in ("rms_norm_eps", "rope_theta"):
             value = getattr(self, name)
             if not _is_positive_number(value):
@@ -209,8 +224,9 @@ class ModelConfig:
             raise ValueError(f"cannot use {cfg_file}: {e}") from e
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any],
-                  generation_config: Mapping[str, Any] | None = None) -> ModelConfig:
+    def from_dict(
+        cls, config: Mapping[str, Any], generation_config: Mapping[str, Any] | None = None
+    ) -> ModelConfig:
         """Build from the parsed config.json dict (transformers v4 or v5 layout).
 
         Every field is read as transformers' config and model classes for the
@@ -269,12 +285,15 @@ def _checked_rope_scaling(rope_scaling: Mapping[str, Any]) -> dict[str, Any]:
         why = _LENGTH_DEPENDENT_ROPE[rope_type]
         raise _invalid(f"rope_scaling type {rope_type!r} is not supported: {why}")
     if rope_type not in rope.ROPE_TYPES:
-        raise _invalid(f"rope_scaling['rope_type'] must be one of {rope.ROPE_TYPES}, "
-                       f"got {rope_type!r}")
+        raise _invalid(
+            f"rope_scaling['rope_type'] must be one of {rope.ROPE_TYPES}, got {rope_type!r}"
+        )
     _check_full_rotation("rope_scaling['partial_rotary_factor']", rs.get("partial_rotary_factor"))
     if not _is_positive_number(rs.get("factor")):
-        raise _invalid(f"rope_scaling['factor'] must be a positive number for {rope_type}, "
-                       f"got {rs.get('factor')!r}")
+        raise _invalid(
+            f"rope_scaling['factor'] must be a positive number for {rope_type}, "
+            f"got {rs.get('factor')!r}"
+        )
     if rope_type == "llama3":
         _check_llama3_rope(rs)
     elif rope_type == "yarn":
@@ -297,8 +316,10 @@ def _check_llama3_rope(rs: Mapping[str, Any]) -> None:
         raise _invalid(f"llama3 rope_scaling lacks {missing}")
     low, high = rs["low_freq_factor"], rs["high_freq_factor"]
     if not (_is_positive_number(low) and _is_positive_number(high) and low < high):
-        raise _invalid("llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
-                       f"got {low!r}, {high!r}")
+        raise _invalid(
+            "llama3 rope_scaling needs 0 < low_freq_factor < high_freq_factor, "
+            f"got {low!r}, {high!r}"
+        )
     _check_original_context(rs)
 
 
@@ -306,15 +327,17 @@ def _check_yarn_rope(rs: Mapping[str, Any]) -> None:
     _check_original_context(rs)
     for key in ("attention_factor", "beta_fast", "beta_slow"):
         if rs.get(key) is not None and not _is_positive_number(rs[key]):
-            raise _invalid(f"yarn rope_scaling[{key!r}] must be None or a positive number, "
-                           f"got {rs[key]!r}")
+            raise _invalid(
+                f"yarn rope_scaling[{key!r}] must be None or a positive number, got {rs[key]!r}"
+            )
     for key in ("mscale", "mscale_all_dim"):
         value = rs.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise _invalid(f"yarn rope_scaling[{key!r}] must be None or a number, got {value!r}")
     if rs.get("truncate") is not None and not isinstance(rs["truncate"], bool):
-        raise _invalid(f"yarn rope_scaling['truncate'] must be None or a bool, "
-                       f"got {rs['truncate']!r}")
+        raise _invalid(
+            f"yarn rope_scaling['truncate'] must be None or a bool, got {rs['truncate']!r}"
+        )
 
 
 def _check_full_rotation(field: str, value: Any) -> None:
@@ -331,8 +354,9 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
     over the whole head, no o_proj bias, one attention span for every layer) does not."""
     act = config.get("hidden_act", "silu")
     if act not in _SILU_ACTS:
-        raise ValueError(f"hidden_act {act!r} is not supported: radixrt's MLP is SiLU-gated "
-                         "('silu')")
+        raise ValueError(
+            f"hidden_act {act!r} is not supported: radixrt's MLP is SiLU-gated ('silu')"
+        )
     if arch == "llama" and config.get("mlp_bias"):
         raise ValueError("mlp_bias = true is not supported: radixrt's MLP projections have no bias")
     if arch in ("llama", "qwen3") and config.get("attention_bias"):
@@ -341,8 +365,10 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
             "bias too, which radixrt's attention does not have"
         )
     _check_full_rotation("partial_rotary_factor", config.get("partial_rotary_factor"))
-    _check_full_rotation("rope_parameters['partial_rotary_factor']",
-                         _rope_params(config).get("partial_rotary_factor"))
+    _check_full_rotation(
+        "rope_parameters['partial_rotary_factor']",
+        _rope_params(config).get("partial_rotary_factor"),
+    )
 
 
 def _architecture(config: Mapping[str, Any]) -> str:
@@ -366,13 +392,15 @@ def _head_dim(config: Mapping[str, Any], arch: str) -> int:
         return head_dim
     hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
     if hidden % num_heads:
-        raise ValueError(f"hidden_size {hidden} is not divisible by "
-                         f"num_attention_heads {num_heads}")
+        raise ValueError(
+            f"hidden_size {hidden} is not divisible by num_attention_heads {num_heads}"
+        )
     return hidden // num_heads
 
 
-def _merged_eos_ids(config: Mapping[str, Any],
-                    generation_config: Mapping[str, Any] | None) -> tuple[int, ...]:
+def _merged_eos_ids(
+    config: Mapping[str, Any], generation_config: Mapping[str, Any] | None
+) -> tuple[int, ...]:
     eos: list[int] = []
     for src in (config, generation_config or {}):
         ids = src.get("eos_token_id")
@@ -425,8 +453,9 @@ def _rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
     params = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if params and all(isinstance(v, Mapping) for v in params.values()):  # per layer type
         if "full_attention" not in params:
-            raise ValueError("per-layer-type rope_parameters without 'full_attention': "
-                             f"{sorted(params)}")
+            raise ValueError(
+                f"per-layer-type rope_parameters without 'full_attention': {sorted(params)}"
+            )
         params = params["full_attention"]
     return dict(params)
 
@@ -497,7 +526,9 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
     )
 
 
-def iter_weights(path: str | os.PathLike[str], *, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: str | os.PathLike[str], *, device: str = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor in the folder's safetensors files.
 
     If ``model.safetensors.index.json`` exists only the shards it lists are read
@@ -535,7 +566,10 @@ def _read_marker(folder: Path) -> dict[str, Any] | None:
         marker = json.loads((folder / _MARKER).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    if marker.get("conversion_version") != CONVERSION_VERSION or not (folder / "config.json").is_file():
+    if (
+        marker.get("conversion_version") != CONVERSION_VERSION
+        or not (folder / "config.json").is_file()
+    ):
         return None
     return marker
 
@@ -607,7 +641,9 @@ def default_model_path() -> str:
                 version = importlib.metadata.version(DEFAULT_MODEL_DIST)
             except importlib.metadata.PackageNotFoundError:  # pragma: no cover
                 version = None
-            convert_gguf(gguf, target, source_info={"distribution": f"{DEFAULT_MODEL_DIST}=={version}"})
+            convert_gguf(
+                gguf, target, source_info={"distribution": f"{DEFAULT_MODEL_DIST}=={version}"}
+            )
     return str(target)
 
 
@@ -721,8 +757,12 @@ def _cleaned_config(src_config: Any, dtype: torch.dtype, eos_id: int | None) -> 
     rms_norm_eps as written before float32 storage, ``dtype``, and ``eos_id`` where the
     config names no eos token."""
     cfg = src_config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path",
-                "transformers_version"):
+    for key in (
+        "quantization_config",
+        "_name_or_path",
+        "_model_name_or_path",
+        "transformers_version",
+    ):
         cfg.pop(key, None)
     if isinstance(cfg.get("rms_norm_eps"), float):
         cfg["rms_norm_eps"] = _f32_roundtrip_clean(cfg["rms_norm_eps"])

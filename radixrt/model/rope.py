@@ -36,15 +36,17 @@ import torch
 ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
 
 
-def cos_sin_tables(head_dim: int, max_position: int, base: float,
-                   scaling: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def cos_sin_tables(
+    head_dim: int, max_position: int, base: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos·a [max_position, head_dim], sin±·a [max_position, head_dim]), float32.
 
     ``scaling`` is None for plain RoPE or a dict whose ``rope_type`` is one of
     :data:`ROPE_TYPES`; ``a`` is its attention factor.
     """
-    inv_freq, attention_factor = inv_freq_and_attention_factor(head_dim, max_position, base,
-                                                               scaling)
+    inv_freq, attention_factor = inv_freq_and_attention_factor(
+        head_dim, max_position, base, scaling
+    )
     t = torch.arange(max_position, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat([freqs, freqs], dim=-1)
@@ -53,15 +55,17 @@ def cos_sin_tables(head_dim: int, max_position: int, base: float,
     return cos, torch.cat([-sin, sin], dim=-1)
 
 
-def inv_freq_and_attention_factor(head_dim: int, max_position: int, base: float,
-                                  scaling: dict | None = None) -> tuple[torch.Tensor, float]:
+def inv_freq_and_attention_factor(
+    head_dim: int, max_position: int, base: float, scaling: dict | None = None
+) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim / 2] float32, the factor cos and sin are multiplied by)."""
     if scaling is None:
         return _inv_freq(head_dim, base), 1.0
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type not in _INV_FREQ:
-        raise ValueError(f"rope_scaling type {rope_type!r} has no static tables; "
-                         f"known: {ROPE_TYPES}")
+        raise ValueError(
+            f"rope_scaling type {rope_type!r} has no static tables; known: {ROPE_TYPES}"
+        )
     return _INV_FREQ[rope_type](head_dim, max_position, base, scaling)
 
 
@@ -96,8 +100,9 @@ def _llama3(dim: int, max_position: int, base: float, s: dict) -> tuple[torch.Te
 def _yarn(dim: int, max_position: int, base: float, s: dict) -> tuple[torch.Tensor, float]:
     factor = s["factor"]
     fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1  # transformers' defaults
-    low, high = _yarn_correction_range(fast, slow, dim, base, s["original_max_position_embeddings"],
-                                       s.get("truncate", True))
+    low, high = _yarn_correction_range(
+        fast, slow, dim, base, s["original_max_position_embeddings"], s.get("truncate", True)
+    )
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     # 1 on the dimensions that keep their frequency, 0 on those divided by factor
@@ -108,9 +113,11 @@ def _yarn(dim: int, max_position: int, base: float, s: dict) -> tuple[torch.Tens
     return inv_freq, yarn_attention_factor(s)
 
 
-def _yarn_correction_range(fast: float, slow: float, dim: int, base: float, old_ctx: int,
-                           truncate: bool | None) -> tuple[float, float]:
+def _yarn_correction_range(
+    fast: float, slow: float, dim: int, base: float, old_ctx: int, truncate: bool | None
+) -> tuple[float, float]:
     """The dimension indices that make ``fast`` and ``slow`` rotations over ``old_ctx``."""
+
     def dim_of(rotations: float) -> float:
         return (dim * math.log(old_ctx / (rotations * 2 * math.pi))) / (2 * math.log(base))
 

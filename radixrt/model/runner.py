@@ -13,7 +13,12 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.config import EngineConfig
-from radixrt.memory import HeapCollapser, anonymous_regions, collapse_anonymous_memory, keep_freed_memory
+from radixrt.memory import (
+    HeapCollapser,
+    anonymous_regions,
+    collapse_anonymous_memory,
+    keep_freed_memory,
+)
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
@@ -45,15 +50,25 @@ def make_attention_backend(name: str, pool: KVPool) -> AttentionBackend:
     kernel on the CPU where it takes the pool, else the reference backend ("torch")."""
     if name == "auto":
         from radixrt.attention.cpu_backend import unavailable_reason
-        name = "triton" if pool.device.type == "cuda" else "cpu" if unavailable_reason(pool) is None else "torch"
+
+        name = (
+            "triton"
+            if pool.device.type == "cuda"
+            else "cpu"
+            if unavailable_reason(pool) is None
+            else "torch"
+        )
     if name == "cpu":
         from radixrt.attention.cpu_backend import CpuAttentionBackend
+
         return CpuAttentionBackend(pool)
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
+
         return TorchAttentionBackend(pool)
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
+
         return TritonAttentionBackend(pool)
     raise ValueError(f"unknown attention_backend {name!r}")
 
@@ -67,21 +82,36 @@ class ModelRunner:
         self.model_cfg = model_cfg
         # A sliding-window model (Mistral v0.1) is exact as long as no sequence
         # outgrows its window, so the window bounds the context.
-        self.max_context = min(model_cfg.max_position_embeddings,
-                               model_cfg.sliding_window or model_cfg.max_position_embeddings)
+        self.max_context = min(
+            model_cfg.max_position_embeddings,
+            model_cfg.sliding_window or model_cfg.max_position_embeddings,
+        )
         lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
-        self.kernels = choose_kernels(self.device, self.dtype, lib, compiled=config.enable_torch_compile)
+        self.kernels = choose_kernels(
+            self.device, self.dtype, lib, compiled=config.enable_torch_compile
+        )
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
         num_slots = self._num_slots(config)
-        self.pool = KVPool(num_slots, model_cfg.num_layers, self.model.model.layers[0].self_attn.num_kv_heads,
-                           model_cfg.head_dim, self.dtype, config.running_limit,
-                           self.max_context + config.page_size, self.device)
+        self.pool = KVPool(
+            num_slots,
+            model_cfg.num_layers,
+            self.model.model.layers[0].self_attn.num_kv_heads,
+            model_cfg.head_dim,
+            self.dtype,
+            config.running_limit,
+            self.max_context + config.page_size,
+            self.device,
+        )
         self.attn_backend = make_attention_backend(config.attention_backend, self.pool)
         # Huge pages for the weights, the KV pool and the heap the activations reuse, where the
         # weights outgrow the caches (a test-sized model would only pay the collapse).
-        self.huge_pages = self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
-        self.huge_page_bytes = collapse_anonymous_memory(since=host_memory) if self.huge_pages else 0
+        self.huge_pages = (
+            self.device.type == "cpu" and self._weight_bytes() >= HUGE_PAGE_MIN_WEIGHT_BYTES
+        )
+        self.huge_page_bytes = (
+            collapse_anonymous_memory(since=host_memory) if self.huge_pages else 0
+        )
         self.heap = HeapCollapser() if self.huge_pages else None
         if config.enable_torch_compile:
             self.model.enable_torch_compile()
@@ -104,8 +134,12 @@ class ModelRunner:
         if config.max_total_tokens is not None:
             usable = config.max_total_tokens
         else:
-            per_slot = KVPool.bytes_per_slot(self.model_cfg.num_layers, self.model_cfg.num_kv_heads,
-                                             self.model_cfg.head_dim, self.dtype)
+            per_slot = KVPool.bytes_per_slot(
+                self.model_cfg.num_layers,
+                self.model_cfg.num_kv_heads,
+                self.model_cfg.head_dim,
+                self.dtype,
+            )
             budget = CPU_KV_BUDGET_BYTES
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -127,14 +161,23 @@ class ModelRunner:
         counts of 1 graphs of their own, so three shapes cover every later batch: several
         requests (extend or decode), one request's extend, one request's decode. Their K/V go
         to slot 0, the reserved padding slot, which is zeroed again afterwards."""
-        for mode, lens in ((ForwardMode.EXTEND, [3, 2]), (ForwardMode.EXTEND, [4]), (ForwardMode.DECODE, [1])):
+        for mode, lens in (
+            (ForwardMode.EXTEND, [3, 2]),
+            (ForwardMode.EXTEND, [4]),
+            (ForwardMode.DECODE, [1]),
+        ):
             t = sum(lens)
-            self.forward(ForwardBatch(
-                mode=mode, input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
-                positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
-                out_cache_loc=torch.zeros(t, dtype=torch.int64, device=self.device),
-                req_rows=torch.zeros(len(lens), dtype=torch.int64, device=self.device),
-                seq_lens=list(lens), extend_lens=list(lens)))
+            self.forward(
+                ForwardBatch(
+                    mode=mode,
+                    input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
+                    positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
+                    out_cache_loc=torch.zeros(t, dtype=torch.int64, device=self.device),
+                    req_rows=torch.zeros(len(lens), dtype=torch.int64, device=self.device),
+                    seq_lens=list(lens),
+                    extend_lens=list(lens),
+                )
+            )
         for buf in (*self.pool.k_buffers, *self.pool.v_buffers):
             buf[0].zero_()
 

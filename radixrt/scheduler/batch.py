@@ -39,18 +39,22 @@ class ScheduledBatch:
             start = req.kv_len
             ids.extend(req.ids_slice(start, start + n))
             positions.append(torch.arange(start, start + n, dtype=torch.int64))
-            locs.append(pool.req_to_token[req.row, start:start + n])
+            locs.append(pool.req_to_token[req.row, start : start + n])
         self.layout = self._logits_layout()
         logits_indices = None
         if self.layout is not None:
-            logits_indices = torch.tensor(self.layout.indices, dtype=torch.int64, device=pool.device)
+            logits_indices = torch.tensor(
+                self.layout.indices, dtype=torch.int64, device=pool.device
+            )
         return ForwardBatch(
             logits_indices=logits_indices,
             mode=self.mode,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=pool.device),
             positions=torch.cat(positions).to(pool.device),
             out_cache_loc=torch.cat(locs),
-            req_rows=torch.tensor([r.row for r in self.reqs], dtype=torch.int64, device=pool.device),
+            req_rows=torch.tensor(
+                [r.row for r in self.reqs], dtype=torch.int64, device=pool.device
+            ),
             seq_lens=[r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)],
             extend_lens=list(self.extend_lens),
         )
@@ -61,7 +65,9 @@ class ScheduledBatch:
         Position p of the extend (p >= logprob_start_len - 1, p + 1 < len(prompt))
         predicts prompt[p + 1].
         """
-        if self.mode is not ForwardMode.EXTEND or all(r.logprob_start_len is None for r in self.reqs):
+        if self.mode is not ForwardMode.EXTEND or all(
+            r.logprob_start_len is None for r in self.reqs
+        ):
             return None
         last_rows, spans, indices, offset = [], [], [], 0
         for req, n in zip(self.reqs, self.extend_lens):
@@ -69,8 +75,10 @@ class ScheduledBatch:
             if req.logprob_start_len is not None:
                 first = max(req.kv_len, req.logprob_start_len - 1)
                 end = min(req.kv_len + n, len(req.prompt_ids) - 1)
-                targets = req.prompt_ids[first + 1:end + 1] if end > first else []
-                indices.extend(range(offset + first - req.kv_len, offset + first - req.kv_len + len(targets)))
+                targets = req.prompt_ids[first + 1 : end + 1] if end > first else []
+                indices.extend(
+                    range(offset + first - req.kv_len, offset + first - req.kv_len + len(targets))
+                )
             spans.append((len(indices) - len(targets), targets))
             last_rows.append(len(indices))
             indices.append(offset + n - 1)

@@ -22,8 +22,9 @@ from radixrt.scheduler.req import Req
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, page_size: int, disable_radix_cache: bool,
-                 eviction_policy: str = "lru") -> None:
+    def __init__(
+        self, pool: KVPool, page_size: int, disable_radix_cache: bool, eviction_policy: str = "lru"
+    ) -> None:
         self.pool = pool
         self.allocator = KVSlotAllocator(pool.num_slots, page_size)
         self.tree = RadixCache(self.allocator, page_size, eviction_policy)
@@ -44,7 +45,7 @@ class KVManager:
         """Cached prefix length for ``req`` (for ordering and probes: changes nothing in the tree)."""
         if self.disabled:
             return 0
-        return self.tree.peek_prefix(req.fill_ids[:req.match_limit], req.params.cache_salt).hit_len
+        return self.tree.peek_prefix(req.fill_ids[: req.match_limit], req.params.cache_salt).hit_len
 
     def admit(self, req: Req) -> bool:
         """Give ``req`` a row and lock its cached prefix. False if no row is free."""
@@ -57,12 +58,12 @@ class KVManager:
             room = min(req.fill_len + req.remaining_new_tokens, self.pool.max_context)
             ids = self.token_ids[req.rid] = TokenBuffer(req.prompt_ids, capacity=room)
             ids.extend(req.output_ids)  # a retracted request resumes with its output
-            match = self.tree.match_prefix(ids.array[:req.match_limit], req.params.cache_salt)
+            match = self.tree.match_prefix(ids.array[: req.match_limit], req.params.cache_salt)
         req.last_node = self.tree.root if match is None else match.last_node
         req.prefix_len = req.kv_len = 0 if match is None else match.hit_len
         self.tree.lock(req.last_node)
         if req.prefix_len:
-            self.pool.req_to_token[row, :req.prefix_len] = match.kv_indices
+            self.pool.req_to_token[row, : req.prefix_len] = match.kv_indices
         self.running[req.rid] = req
         return True
 
@@ -74,7 +75,7 @@ class KVManager:
             self.evict(n + self.page_size)
             slots = self.allocator.alloc_extend(n, last)
         if slots is not None:
-            self.pool.req_to_token[req.row, req.kv_len:req.kv_len + n] = slots
+            self.pool.req_to_token[req.row, req.kv_len : req.kv_len + n] = slots
         return slots
 
     def free_uncomputed(self, req: Req, n: int) -> None:
@@ -83,10 +84,10 @@ class KVManager:
         With page_size > 1 the first of them may fill req's partly used tail
         page, which stays req's (``release`` frees it with the tail).
         """
-        slots = self.pool.req_to_token[req.row, req.kv_len:req.kv_len + n]
+        slots = self.pool.req_to_token[req.row, req.kv_len : req.kv_len + n]
         p = self.page_size
         if p > 1 and req.kv_len % p:
-            slots = slots[p - req.kv_len % p:]
+            slots = slots[p - req.kv_len % p :]
         self.allocator.free(slots.clone())
 
     def evict(self, num_tokens: int) -> int:
@@ -103,10 +104,10 @@ class KVManager:
         if self.disabled or req.kv_len == 0:
             return
         table = self.pool.req_to_token[req.row]
-        ids, slots, salt = self._ids(req, req.kv_len), table[:req.kv_len], req.params.cache_salt
+        ids, slots, salt = self._ids(req, req.kv_len), table[: req.kv_len], req.params.cache_salt
         inserted = self.tree.insert_prefix(ids, slots, salt)
-        self.allocator.free(slots[req.prefix_len:inserted.cached_len].clone())
-        table[:inserted.kv_indices.numel()] = inserted.kv_indices
+        self.allocator.free(slots[req.prefix_len : inserted.cached_len].clone())
+        table[: inserted.kv_indices.numel()] = inserted.kv_indices
         self.tree.lock(inserted.last_node)
         self.tree.unlock(req.last_node)
         req.last_node, req.prefix_len = inserted.last_node, inserted.kv_indices.numel()
@@ -121,7 +122,7 @@ class KVManager:
     def release(self, req: Req) -> None:
         """Req leaves the running set (finish, abort or retraction): its KV goes to the tree."""
         self.cache_computed(req)
-        tail = self.pool.req_to_token[req.row, req.prefix_len:req.kv_len].clone()
+        tail = self.pool.req_to_token[req.row, req.prefix_len : req.kv_len].clone()
         self.allocator.free(tail)
         self.tree.unlock(req.last_node)
         self.pool.free_row(req.row)
@@ -131,18 +132,23 @@ class KVManager:
 
     def private_slots(self) -> list[torch.Tensor]:
         table = self.pool.req_to_token
-        return [table[r.row, r.prefix_len:r.kv_len] for r in self.running.values()]
+        return [table[r.row, r.prefix_len : r.kv_len] for r in self.running.values()]
 
     def check(self, idle: bool) -> None:
         """Assert the slot partition (and, at idle, that nothing is protected)."""
         check_slot_partition(self.allocator, self.tree, self.private_slots())
-        assert self.token_ids.keys() <= self.running.keys(), "token ids kept for a request that left"
+        assert self.token_ids.keys() <= self.running.keys(), (
+            "token ids kept for a request that left"
+        )
         if idle:
             assert not self.running, f"{len(self.running)} requests still hold KV at idle"
-            assert self.tree.protected_size == 0, f"protected_size {self.tree.protected_size} at idle"
+            assert self.tree.protected_size == 0, (
+                f"protected_size {self.tree.protected_size} at idle"
+            )
             total = self.allocator.available + self.tree.evictable_size
-            assert total == self.allocator.capacity, \
+            assert total == self.allocator.capacity, (
                 f"available + evictable = {total} != capacity {self.allocator.capacity}"
+            )
 
     def flush(self) -> None:
         if self.running:

@@ -39,8 +39,10 @@ def _dfs_weight(waiting: list[Req], kv: KVManager) -> list[Req]:
     at_node: dict[int, list[Req]] = defaultdict(list)
     weight: dict[int, int] = defaultdict(int)
     # Peeks change nothing: ordering the queue neither splits nodes nor counts as an access.
-    nodes = [tree.peek_prefix(r.fill_ids[:r.fill_len - 1], r.params.cache_salt).last_node
-             for r in waiting]
+    nodes = [
+        tree.peek_prefix(r.fill_ids[: r.fill_len - 1], r.params.cache_salt).last_node
+        for r in waiting
+    ]
     for req, node in zip(waiting, nodes):
         at_node[node.id].append(req)
         while node is not None:

@@ -26,9 +26,15 @@ class ReqState(enum.Enum):
 
 
 class Req:
-    def __init__(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                 eos_ids: tuple[int, ...] = (), generator: torch.Generator | None = None,
-                 logprob_start_len: int | None = None) -> None:
+    def __init__(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        eos_ids: tuple[int, ...] = (),
+        generator: torch.Generator | None = None,
+        logprob_start_len: int | None = None,
+    ) -> None:
         self.rid = rid
         # Prompt scoring: log p(prompt_ids[j] | prompt_ids[:j]) for j >= logprob_start_len
         # is collected into prompt_logprobs (positions j-1 are always recomputed), and with
@@ -70,7 +76,7 @@ class Req:
         """``fill_ids[start:end]`` without building fill_ids (cheap in decode)."""
         n = len(self.prompt_ids)
         if start >= n:
-            return self.output_ids[start - n:end - n]
+            return self.output_ids[start - n : end - n]
         return self.fill_ids[start:end]
 
     @property
@@ -99,5 +105,7 @@ class Req:
         return self.state is ReqState.FINISHED
 
     def __repr__(self) -> str:
-        return (f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
-                f"kv={self.kv_len}, prefix={self.prefix_len}, {self.state.value})")
+        return (
+            f"Req({self.rid!r}, prompt={len(self.prompt_ids)}, out={len(self.output_ids)}, "
+            f"kv={self.kv_len}, prefix={self.prefix_len}, {self.state.value})"
+        )

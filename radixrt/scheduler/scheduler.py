@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -47,14 +47,16 @@ DEDUP_MIN_TOKENS = 32
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, runner, decode_fn: Callable[[list[int]], str],
-                 max_context: int) -> None:
+    def __init__(
+        self, config: EngineConfig, runner, decode_fn: Callable[[list[int]], str], max_context: int
+    ) -> None:
         self.config = config
         self.runner = runner
         self.decode_fn = decode_fn
         self.max_context = max_context
-        self.kv = KVManager(runner.pool, config.page_size, config.disable_radix_cache,
-                            config.eviction_policy)
+        self.kv = KVManager(
+            runner.pool, config.page_size, config.disable_radix_cache, config.eviction_policy
+        )
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
         self.decoding: list[Req] = []
@@ -106,7 +108,9 @@ class Scheduler:
             return self._fail_batch(batch, e)
         elapsed = time.perf_counter() - start
         self.stats["forward_s"] += elapsed
-        self.stats["decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"] += elapsed
+        self.stats[
+            "decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"
+        ] += elapsed
         self.forward_failures = 0
         return self.process_output(batch, logits)
 
@@ -161,7 +165,11 @@ class Scheduler:
         n = self._extend_len(req, budget)
         whole = req.fill_len - req.kv_len
         too_big = n < whole and self.config.chunked_prefill_size is None and busy
-        if too_big or (busy and n + reserve > self.kv.free_for_new()) or self.kv.alloc(req, n) is None:
+        if (
+            too_big
+            or (busy and n + reserve > self.kv.free_for_new())
+            or self.kv.alloc(req, n) is None
+        ):
             self.kv.release(req)
             return 0
         if not req.admitted:
@@ -184,8 +192,10 @@ class Scheduler:
             return False
         ids, salt = req.fill_ids, req.params.cache_salt
         # Only a same-salt request's prompt lands in req's namespace of the tree.
-        shared = max((common_prefix_len(ids, r.prompt_ids) for r in admitted
-                      if r.params.cache_salt == salt), default=0)
+        shared = max(
+            (common_prefix_len(ids, r.prompt_ids) for r in admitted if r.params.cache_salt == salt),
+            default=0,
+        )
         return shared - self.kv.prefix_len_hint(req) >= DEDUP_MIN_TOKENS
 
     def _decode_reservation(self) -> int:
@@ -232,7 +242,7 @@ class Scheduler:
         last_rows, spans, _ = batch.layout
         for req, (start, targets) in zip(batch.reqs, spans):
             if targets:
-                rows = logits[start:start + len(targets)]
+                rows = logits[start : start + len(targets)]
                 tgt = torch.tensor(targets, dtype=torch.int64, device=rows.device)
                 logp = torch.log_softmax(rows.float(), dim=-1)
                 req.prompt_logprobs.extend(logp.gather(1, tgt[:, None])[:, 0].tolist())
@@ -258,8 +268,11 @@ class Scheduler:
             return finished
         try:
             every = len(rows) == logits.shape[0]  # a decode step: no copy of [B, vocab] logits
-            out = self.sampler.sample(logits if every else logits[rows], [r.params for r in to_sample],
-                                      [r.generator for r in to_sample])
+            out = self.sampler.sample(
+                logits if every else logits[rows],
+                [r.params for r in to_sample],
+                [r.generator for r in to_sample],
+            )
         except Exception as e:  # their KV is computed and good; only this step's tokens are lost
             return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
         token_ids = out.token_ids.tolist()
@@ -337,10 +350,15 @@ class Scheduler:
     def get_stats(self) -> dict[str, float]:
         s = dict(self.stats)
         tree = self.kv.tree
-        s.update(evicted_tokens=self.kv.evicted_tokens, cache_tokens=tree.total_size(),
-                 evictable_tokens=tree.evictable_size, protected_tokens=tree.protected_size,
-                 free_slots=self.kv.allocator.available, running=len(self.kv.running),
-                 waiting=len(self.waiting))
+        s.update(
+            evicted_tokens=self.kv.evicted_tokens,
+            cache_tokens=tree.total_size(),
+            evictable_tokens=tree.evictable_size,
+            protected_tokens=tree.protected_size,
+            free_slots=self.kv.allocator.available,
+            running=len(self.kv.running),
+            waiting=len(self.waiting),
+        )
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         return s

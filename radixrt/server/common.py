@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -70,6 +70,7 @@ def run_child(role: str, args: dict, main: Callable[[zmq.Context, zmq.Socket], N
     except Exception:
         ready.send(encode(ProcessFailed(role=role, pid=os.getpid(), error=traceback.format_exc())))
         import time
+
         time.sleep(0.5)  # let the report leave before the process exits
         os._exit(1)
 

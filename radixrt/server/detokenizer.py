@@ -21,6 +21,7 @@ from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_
 def run_detokenizer(args: dict) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         from transformers import AutoTokenizer
+
         detok = Detokenizer(AutoTokenizer.from_pretrained(args["model_path"]))
         armed = faults.parse(args["server"].debug_faults)
         if armed is not None:

@@ -71,8 +71,10 @@ def parse(spec: str | None) -> Faults | None:
         kind, _, mode = item.strip().partition(":")
         mode = mode or "marker"
         if kind not in KINDS or mode not in MODES:
-            raise ValueError(f"bad --debug-faults item {item!r}: expected KIND or KIND:always "
-                             f"with KIND one of {', '.join(KINDS)}")
+            raise ValueError(
+                f"bad --debug-faults item {item!r}: expected KIND or KIND:always "
+                f"with KIND one of {', '.join(KINDS)}"
+            )
         armed[kind] = mode
     return Faults(armed)
 

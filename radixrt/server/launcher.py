@@ -42,8 +42,10 @@ class Launcher:
     def __init__(self, config: EngineConfig, server: ServerConfig) -> None:
         self.config, self.server = config, server
         self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
-        self.addrs = {name: f"ipc://{self.tmpdir}/{name}" for name in
-                      ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")}
+        self.addrs = {
+            name: f"ipc://{self.tmpdir}/{name}"
+            for name in ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")
+        }
         self.ctx = zmq.Context()
         self.ready = self.ctx.socket(zmq.PULL)
         self.ready.setsockopt(zmq.LINGER, 0)
@@ -51,7 +53,7 @@ class Launcher:
         self.procs: dict[str, multiprocessing.Process] = {}
         self.ready_printed = False
         self.stop_signal: int | None = None  # stop at once
-        self.drain_signal = False            # a first SIGTERM once ready: drain
+        self.drain_signal = False  # a first SIGTERM once ready: drain
         self.draining_since: float | None = None
         self.drain_announced = False
 
@@ -69,8 +71,10 @@ class Launcher:
             where = f"tcp://{host}:{server.port}"
             if server.http_port:
                 where += f" and http://{host}:{server.http_port}"
-            print(f"radixrt ready on {where} (model {info['model_name']}, {info['kv_slots']} KV slots)",
-                  flush=True)
+            print(
+                f"radixrt ready on {where} (model {info['model_name']}, {info['kv_slots']} KV slots)",
+                flush=True,
+            )
             return self.supervise()
         finally:
             self.shutdown()
@@ -78,7 +82,7 @@ class Launcher:
     def _on_signal(self, signum, frame) -> None:
         if signum == signal.SIGTERM and self.ready_printed and not self.drain_signal:
             self.drain_signal = True  # announced by supervise(); the drain itself starts now,
-            self.start_drain()        # not when the poll below next wakes (up to POLL_MS later)
+            self.start_drain()  # not when the poll below next wakes (up to POLL_MS later)
         else:
             self.stop_signal = signum
 
@@ -86,16 +90,21 @@ class Launcher:
         from radixrt.server.detokenizer import run_detokenizer
         from radixrt.server.scheduler_process import run_scheduler_process
         from radixrt.server.tokenizer_manager import run_tokenizer_manager
+
         mp = multiprocessing.get_context("spawn")
         base = {**self.addrs, "parent_pid": os.getpid(), "server": self.server}
-        self._spawn(mp, "scheduler", run_scheduler_process,
-                    {**base, "engine": dataclasses.asdict(self.config)})
+        self._spawn(
+            mp,
+            "scheduler",
+            run_scheduler_process,
+            {**base, "engine": dataclasses.asdict(self.config)},
+        )
         from radixrt.model.loader import resolve_model_path
+
         base["model_path"] = resolve_model_path(self.config.model)
         self._spawn(mp, "detokenizer", run_detokenizer, base)
         pids = {name: p.pid for name, p in self.procs.items()}
-        self._spawn(mp, "tokenizer_manager", run_tokenizer_manager,
-                    {**base, "pids": pids})
+        self._spawn(mp, "tokenizer_manager", run_tokenizer_manager, {**base, "pids": pids})
 
     def _spawn(self, mp, name: str, target, args: dict) -> None:
         proc = mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
@@ -133,16 +142,26 @@ class Launcher:
         while self.stop_signal is None:
             if self.drain_signal and not self.drain_announced:
                 self.drain_announced = True
-                print(f"radixrt: SIGTERM: draining (grace period {self.server.grace_period} s; "
-                      "a second SIGTERM stops at once)", file=sys.stderr, flush=True)
-            if self.draining_since is not None and time.monotonic() > self.draining_since + \
-                    self.server.grace_period + DRAIN_SLACK_S:
+                print(
+                    f"radixrt: SIGTERM: draining (grace period {self.server.grace_period} s; "
+                    "a second SIGTERM stops at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            if (
+                self.draining_since is not None
+                and time.monotonic()
+                > self.draining_since + self.server.grace_period + DRAIN_SLACK_S
+            ):
                 print("radixrt: error: the drain did not finish; stopping", file=sys.stderr)
                 return 1
             dead = self.dead_child()
             if dead is not None:
-                print(f"radixrt: error: the {dead} process exited "
-                      f"(code {self.procs[dead].exitcode}); shutting down", file=sys.stderr)
+                print(
+                    f"radixrt: error: the {dead} process exited "
+                    f"(code {self.procs[dead].exitcode}); shutting down",
+                    file=sys.stderr,
+                )
                 return 1
             if self.ready.poll(POLL_MS):  # signals set flags; seen within a second
                 msg = decode(self.ready.recv())
@@ -151,8 +170,10 @@ class Launcher:
                     return 1
                 if isinstance(msg, Drained):
                     if msg.aborted:
-                        print(f"radixrt: grace period over; aborted {msg.aborted} running requests",
-                              file=sys.stderr)
+                        print(
+                            f"radixrt: grace period over; aborted {msg.aborted} running requests",
+                            file=sys.stderr,
+                        )
                         return 1
                     print("radixrt: drained; stopping", file=sys.stderr, flush=True)
                     return 0

@@ -15,21 +15,71 @@ Every name starts with ``radixrt:``, as SGLang's start with ``sglang:``.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 disable_created_metrics()  # no *_created series: the process start time says as much
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
-                   5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-TOKEN_GAP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                     0.5, 0.75, 1.0, 2.0, 5.0)
+LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+)
+TOKEN_GAP_BUCKETS = (
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.0,
+    5.0,
+)
 
 # server_info key -> (metric name, help); counters, then gauges
 SCHEDULER_COUNTERS = {
     "evicted_tokens": ("radixrt:evicted_tokens", "Tokens evicted from the prefix cache"),
-    "prefill_tokens": ("radixrt:prefill_tokens", "Prompt tokens computed (not served from the cache)"),
+    "prefill_tokens": (
+        "radixrt:prefill_tokens",
+        "Prompt tokens computed (not served from the cache)",
+    ),
     "retractions": ("radixrt:retractions", "Running requests retracted for lack of KV"),
 }
 SCHEDULER_GAUGES = {
@@ -37,7 +87,10 @@ SCHEDULER_GAUGES = {
     "kv_slots": ("radixrt:kv_slots", "KV slots in the pool"),
     "free_slots": ("radixrt:kv_slots_free", "KV slots on the free list"),
     "evictable_tokens": ("radixrt:kv_slots_evictable", "KV slots held by unlocked cached prefixes"),
-    "protected_tokens": ("radixrt:kv_slots_protected", "KV slots held by prefixes running requests lock"),
+    "protected_tokens": (
+        "radixrt:kv_slots_protected",
+        "KV slots held by prefixes running requests lock",
+    ),
     "cache_tokens": ("radixrt:cache_tokens", "Tokens held by the radix tree"),
     "running": ("radixrt:num_running_reqs", "Requests running in the scheduler"),
     "waiting": ("radixrt:num_waiting_reqs", "Requests waiting in the scheduler"),
@@ -61,18 +114,39 @@ class ServerMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         reg = self.registry
-        self.requests = Counter("radixrt:requests", "Finished requests by finish reason", ["finish_reason"],
-                                registry=reg)
-        self.prompt_tokens = Counter("radixrt:prompt_tokens", "Prompt tokens of finished requests", registry=reg)
-        self.cached_tokens = Counter("radixrt:cached_tokens", "Prompt tokens served from the prefix cache",
-                                     registry=reg)
-        self.generation_tokens = Counter("radixrt:generation_tokens", "Generated tokens", registry=reg)
-        self.ttft = Histogram("radixrt:time_to_first_token_seconds", "Time to first token",
-                              buckets=LATENCY_BUCKETS, registry=reg)
-        self.itl = Histogram("radixrt:inter_token_latency_seconds", "Time between two output tokens",
-                             buckets=TOKEN_GAP_BUCKETS, registry=reg)
-        self.e2e = Histogram("radixrt:e2e_request_latency_seconds", "Arrival to last token",
-                             buckets=LATENCY_BUCKETS, registry=reg)
+        self.requests = Counter(
+            "radixrt:requests",
+            "Finished requests by finish reason",
+            ["finish_reason"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "radixrt:prompt_tokens", "Prompt tokens of finished requests", registry=reg
+        )
+        self.cached_tokens = Counter(
+            "radixrt:cached_tokens", "Prompt tokens served from the prefix cache", registry=reg
+        )
+        self.generation_tokens = Counter(
+            "radixrt:generation_tokens", "Generated tokens", registry=reg
+        )
+        self.ttft = Histogram(
+            "radixrt:time_to_first_token_seconds",
+            "Time to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.itl = Histogram(
+            "radixrt:inter_token_latency_seconds",
+            "Time between two output tokens",
+            buckets=TOKEN_GAP_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "radixrt:e2e_request_latency_seconds",
+            "Arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.scheduler = SchedulerCollector()
         reg.register(self.scheduler)
 
@@ -85,7 +159,9 @@ class ServerMetrics:
         for _ in range(count):
             self.itl.observe(per_token)
 
-    def on_finish(self, reason: str, prompt: int, cached: int, generated: int, latency: float) -> None:
+    def on_finish(
+        self, reason: str, prompt: int, cached: int, generated: int, latency: float
+    ) -> None:
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)

@@ -25,9 +25,19 @@ import sys
 import zmq
 
 from radixrt.output import OutputTracker
-from radixrt.protocol import (AbortRid, BatchTokenOut, ControlReply, ControlRequest, ErrorCode,
-                              ErrorReply, RidError, SchedulerReady, TokenizedRequest, decode,
-                              encode)
+from radixrt.protocol import (
+    AbortRid,
+    BatchTokenOut,
+    ControlReply,
+    ControlRequest,
+    ErrorCode,
+    ErrorReply,
+    RidError,
+    SchedulerReady,
+    TokenizedRequest,
+    decode,
+    encode,
+)
 from radixrt.sampling import make_generator
 from radixrt.scheduler.req import Req
 from radixrt.server import faults
@@ -41,6 +51,7 @@ class RepeatedForwardFailure(RuntimeError):
 class SchedulerProcess:
     def __init__(self, args: dict, ctx: zmq.Context) -> None:
         from radixrt.engine import Engine
+
         self.args = args
         self.engine = Engine(**args["engine"])
         self.scheduler = self.engine.scheduler
@@ -56,10 +67,16 @@ class SchedulerProcess:
 
     def info(self) -> dict:
         eng = self.engine
-        return {"model": eng.model_path, "model_name": os.path.basename(os.path.normpath(eng.model_path)),
-                "kv_slots": self.scheduler.kv_capacity, "max_context": eng.runner.max_context,
-                "vocab_size": eng.model_config.vocab_size, "page_size": eng.config.page_size,
-                "max_waiting_requests": self.max_waiting, "dtype": eng.config.dtype}
+        return {
+            "model": eng.model_path,
+            "model_name": os.path.basename(os.path.normpath(eng.model_path)),
+            "kv_slots": self.scheduler.kv_capacity,
+            "max_context": eng.runner.max_context,
+            "vocab_size": eng.model_config.vocab_size,
+            "page_size": eng.config.page_size,
+            "max_waiting_requests": self.max_waiting,
+            "dtype": eng.config.dtype,
+        }
 
     def loop(self) -> None:
         self.send.send(encode(SchedulerReady(info=self.info())))
@@ -76,12 +93,17 @@ class SchedulerProcess:
     def give_up(self) -> None:
         """Error out every request still held, say why on stderr, and raise (exit 1)."""
         sched = self.scheduler
-        why = (f"the forward pass failed {sched.forward_failures} times in a row "
-               f"(max_forward_failures {self.max_forward_failures}); last error: "
-               f"{sched.last_forward_error}")
+        why = (
+            f"the forward pass failed {sched.forward_failures} times in a row "
+            f"(max_forward_failures {self.max_forward_failures}); last error: "
+            f"{sched.last_forward_error}"
+        )
         for rid in self.outputs.rids():
-            self.send.send(encode(RidError(rid=rid, code=ErrorCode.INTERNAL,
-                                           message=f"scheduler stopping: {why}")))
+            self.send.send(
+                encode(
+                    RidError(rid=rid, code=ErrorCode.INTERNAL, message=f"scheduler stopping: {why}")
+                )
+            )
         print(f"radixrt: error: scheduler: {why}; exiting", file=sys.stderr, flush=True)
         raise RepeatedForwardFailure(why)  # run_child reports it and exits 1
 
@@ -106,13 +128,26 @@ class SchedulerProcess:
 
     def add(self, msg: TokenizedRequest) -> None:
         if self.max_waiting is not None and len(self.scheduler.waiting) >= self.max_waiting:
-            self.send.send(encode(RidError(rid=msg.rid, code=ErrorCode.OVERLOADED,
-                                           message=f"server overloaded: {self.max_waiting} requests waiting")))
+            self.send.send(
+                encode(
+                    RidError(
+                        rid=msg.rid,
+                        code=ErrorCode.OVERLOADED,
+                        message=f"server overloaded: {self.max_waiting} requests waiting",
+                    )
+                )
+            )
             return
         sp = msg.sampling_params
         gen = make_generator(sp.seed) if sp.seed is not None else None
-        req = Req(msg.rid, msg.input_ids, sp, self.engine.model_config.eos_token_ids, gen,
-                  msg.logprob_start_len)
+        req = Req(
+            msg.rid,
+            msg.input_ids,
+            sp,
+            self.engine.model_config.eos_token_ids,
+            gen,
+            msg.logprob_start_len,
+        )
         self.scheduler.add_request(req)
         self.outputs.add(req, stream=msg.stream)
 
@@ -121,16 +156,30 @@ class SchedulerProcess:
             data = {**self.info(), **self.scheduler.get_stats(), "scheduler_pid": os.getpid()}
         elif msg.kind == "flush_cache":
             if not self.scheduler.idle or self.scheduler.kv.running:
-                self.send.send(encode(ErrorReply(req_id=msg.req_id, code=ErrorCode.BUSY,
-                                                 message="flush_cache needs an idle server")))
+                self.send.send(
+                    encode(
+                        ErrorReply(
+                            req_id=msg.req_id,
+                            code=ErrorCode.BUSY,
+                            message="flush_cache needs an idle server",
+                        )
+                    )
+                )
                 return
             self.scheduler.kv.flush()
             data = {"ok": True}
         elif msg.kind == "health":
             data = {"ok": True}
         else:
-            self.send.send(encode(ErrorReply(req_id=msg.req_id, code=ErrorCode.UNKNOWN_MESSAGE,
-                                             message=f"unknown control request {msg.kind!r}")))
+            self.send.send(
+                encode(
+                    ErrorReply(
+                        req_id=msg.req_id,
+                        code=ErrorCode.UNKNOWN_MESSAGE,
+                        message=f"unknown control request {msg.kind!r}",
+                    )
+                )
+            )
             return
         self.send.send(encode(ControlReply(req_id=msg.req_id, data=data)))
 
@@ -140,8 +189,11 @@ class SchedulerProcess:
         items, errors = [], []
         for req, delta in self.outputs.collect():
             if req.finish_reason == "error":
-                errors.append(RidError(rid=req.rid, code=ErrorCode.INTERNAL,
-                                       message=req.error or "internal error"))
+                errors.append(
+                    RidError(
+                        rid=req.rid, code=ErrorCode.INTERNAL, message=req.error or "internal error"
+                    )
+                )
             else:
                 items.append(delta)
         if items:

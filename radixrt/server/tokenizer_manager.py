@@ -56,10 +56,32 @@ import msgspec
 import zmq
 
 from radixrt.config import ServerConfig
-from radixrt.protocol import (PROTOCOL_VERSION, AbortRequest, AbortRid, BatchTextOut, ControlReply,
-                              ControlRequest, Drained, ErrorCode, ErrorReply, GenerateOutput, GenerateReply,
-                              GenerateRequest, Hello, HelloReply, Ping, ReplyBatch, RidError, SchedulerReady,
-                              StreamChunk, TextDelta, TokenizedRequest, classify_bad_frame, decode, encode)
+from radixrt.protocol import (
+    PROTOCOL_VERSION,
+    AbortRequest,
+    AbortRid,
+    BatchTextOut,
+    ControlReply,
+    ControlRequest,
+    Drained,
+    ErrorCode,
+    ErrorReply,
+    GenerateOutput,
+    GenerateReply,
+    GenerateRequest,
+    Hello,
+    HelloReply,
+    Ping,
+    ReplyBatch,
+    RidError,
+    SchedulerReady,
+    StreamChunk,
+    TextDelta,
+    TokenizedRequest,
+    classify_bad_frame,
+    decode,
+    encode,
+)
 from radixrt.sampling import SamplingParams
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
 from radixrt.server.metrics import ServerMetrics
@@ -79,9 +101,12 @@ class _ReqIdOnly(msgspec.Struct):
 def curve_server_keys(folder: str) -> tuple[bytes, bytes]:
     """(public, secret) from ``folder/server.key_secret`` (made by ``radixrt curve-keygen``)."""
     import zmq.auth
+
     path = os.path.join(folder, "server.key_secret")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--curve-keys: no {path} (create it with `radixrt curve-keygen {folder}`)")
+        raise FileNotFoundError(
+            f"--curve-keys: no {path} (create it with `radixrt curve-keygen {folder}`)"
+        )
     public, secret = zmq.auth.load_certificate(path)
     if secret is None:
         raise ValueError(f"--curve-keys: {path} holds no secret key")
@@ -98,11 +123,28 @@ class RequestError(Exception):
 class ClientReq:
     """One request in flight: who asked, and what it has produced so far."""
 
-    __slots__ = ("identity", "req_id", "stream", "texts", "token_ids", "logprobs", "sink", "index",
-                 "arrived", "last_token_at", "generated")
+    __slots__ = (
+        "identity",
+        "req_id",
+        "stream",
+        "texts",
+        "token_ids",
+        "logprobs",
+        "sink",
+        "index",
+        "arrived",
+        "last_token_at",
+        "generated",
+    )
 
-    def __init__(self, identity: bytes, req_id: str, stream: bool,
-                 sink: asyncio.Queue | None = None, index: int = 0) -> None:
+    def __init__(
+        self,
+        identity: bytes,
+        req_id: str,
+        stream: bool,
+        sink: asyncio.Queue | None = None,
+        index: int = 0,
+    ) -> None:
         self.identity, self.req_id, self.stream = identity, req_id, stream
         self.texts: list[str] = []
         self.token_ids: list[int] = []
@@ -128,6 +170,7 @@ def http_socket(host: str, port: int) -> socket.socket:
 class TokenizerManager:
     def __init__(self, args: dict, ctx: zmq.Context) -> None:
         from transformers import AutoTokenizer
+
         self.args = args
         self.server: ServerConfig = args["server"]
         self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"])
@@ -147,8 +190,8 @@ class TokenizerManager:
         self.from_detok = pull(ctx, args["tokenizer_addr"])
         self.to_sched = push(ctx, args["scheduler_addr"])
         self.limits: dict = {}
-        self.reqs: dict[str, ClientReq] = {}                 # server rid -> state
-        self.rids: dict[tuple[bytes, str], str] = {}         # (identity, req_id) -> rid
+        self.reqs: dict[str, ClientReq] = {}  # server rid -> state
+        self.rids: dict[tuple[bytes, str], str] = {}  # (identity, req_id) -> rid
         self.controls: dict[str, tuple[bytes, str, str]] = {}  # qid -> (identity, req_id, kind)
         self.counter = itertools.count()
         self.in_flight: collections.Counter[bytes] = collections.Counter()  # identity -> requests
@@ -182,6 +225,7 @@ class TokenizerManager:
         """Serve until the process is stopped: the sockets, and HTTP when it is on."""
         try:
             import uvloop
+
             runner = uvloop.run
         except ImportError:
             runner = asyncio.run
@@ -191,6 +235,7 @@ class TokenizerManager:
         tasks = [self.socket_loop()]
         if self.http_sock is not None:
             from radixrt.server.http import serve_http
+
             tasks.append(serve_http(self, self.http_sock))
         await asyncio.gather(*tasks)
 
@@ -270,8 +315,9 @@ class TokenizerManager:
 
     def ping_clients(self) -> None:
         """Probe every client with work in flight; the ones that left get dropped."""
-        identities = {st.identity for st in self.reqs.values() if st.sink is None} | \
-            {c[0] for c in self.controls.values()}
+        identities = {st.identity for st in self.reqs.values() if st.sink is None} | {
+            c[0] for c in self.controls.values()
+        }
         for identity in identities:
             self.reply(identity, Ping())
 
@@ -299,21 +345,29 @@ class TokenizerManager:
                 req_id = msgspec.msgpack.decode(frames[1], type=_ReqIdOnly).req_id
             except (msgspec.DecodeError, msgspec.ValidationError):
                 req_id = ""
-            return self.error(identity, req_id, ErrorCode.TOO_LARGE, f"a {len(frames[1])}-byte message; "
-                              f"the server accepts at most {limit} bytes")
+            return self.error(
+                identity,
+                req_id,
+                ErrorCode.TOO_LARGE,
+                f"a {len(frames[1])}-byte message; the server accepts at most {limit} bytes",
+            )
         try:
             msg = decode(frames[1])
         except Exception:  # any undecodable frame is the sender's problem, never the loop's
             try:
                 return self.error(identity, *classify_bad_frame(frames[1]))
             except Exception as e:
-                return self.error(identity, "", ErrorCode.MALFORMED, f"undecodable message ({type(e).__name__})")
+                return self.error(
+                    identity, "", ErrorCode.MALFORMED, f"undecodable message ({type(e).__name__})"
+                )
         try:
             self.dispatch(identity, msg)
         except RequestError as e:
             self.error(identity, getattr(msg, "req_id", ""), e.code, str(e))
         except Exception as e:  # a bug must not take the front door down
-            self.error(identity, getattr(msg, "req_id", ""), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
+            self.error(
+                identity, getattr(msg, "req_id", ""), ErrorCode.INTERNAL, f"{type(e).__name__}: {e}"
+            )
 
     def dispatch(self, identity: bytes, msg) -> None:
         if self.api_keys and not self.authorized(getattr(msg, "api_key", None)):
@@ -326,11 +380,17 @@ class TokenizerManager:
             self.control(identity, msg)
         elif isinstance(msg, Hello):
             if msg.version != PROTOCOL_VERSION:
-                raise RequestError(ErrorCode.VERSION_MISMATCH, f"client protocol {msg.version}, "
-                                   f"server protocol {PROTOCOL_VERSION}")
-            self.reply(identity, HelloReply(req_id=msg.req_id, version=PROTOCOL_VERSION, info=self.info()))
+                raise RequestError(
+                    ErrorCode.VERSION_MISMATCH,
+                    f"client protocol {msg.version}, server protocol {PROTOCOL_VERSION}",
+                )
+            self.reply(
+                identity, HelloReply(req_id=msg.req_id, version=PROTOCOL_VERSION, info=self.info())
+            )
         else:
-            raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not a client request")
+            raise RequestError(
+                ErrorCode.UNKNOWN_MESSAGE, f"{type(msg).__name__} is not a client request"
+            )
 
     def authorized(self, key: str | None) -> bool:
         given = (key or "").encode()
@@ -343,19 +403,32 @@ class TokenizerManager:
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
         sp = self.limit_new_tokens(sp, "max_new_tokens" in (msg.sampling_params or {}))
-        self.admit(identity, msg.req_id, self.tokenize(msg), sp, api_key=msg.api_key,
-                   logprob_start_len=msg.logprob_start_len, stream=msg.stream)
+        self.admit(
+            identity,
+            msg.req_id,
+            self.tokenize(msg),
+            sp,
+            api_key=msg.api_key,
+            logprob_start_len=msg.logprob_start_len,
+            stream=msg.stream,
+        )
 
     def check_admission(self, identity: bytes, req_id: str, count: int = 1) -> None:
         """Raise unless ``count`` new requests from this client may start now."""
         if self.drain_requested:
-            raise RequestError(ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests")
+            raise RequestError(
+                ErrorCode.SHUTTING_DOWN, "the server is shutting down; no new requests"
+            )
         if (identity, req_id) in self.rids:
             raise RequestError(ErrorCode.DUPLICATE_RID, f"request {req_id!r} is already in flight")
         per_client = self.server.max_requests_per_client
         if self.in_flight[identity] + count > per_client:
-            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"this client has {self.in_flight[identity]} "
-                               f"requests in flight; the limit is {per_client}", status=429)
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"this client has {self.in_flight[identity]} "
+                f"requests in flight; the limit is {per_client}",
+                status=429,
+            )
 
     def limit_new_tokens(self, sp: SamplingParams, given: bool) -> SamplingParams:
         """Apply ``max_new_tokens_limit``: a default yields to it, an explicit value over it is refused."""
@@ -363,13 +436,25 @@ class TokenizerManager:
         if not given:
             sp.max_new_tokens = min(sp.max_new_tokens, limit)
         if sp.max_new_tokens > limit:
-            raise RequestError(ErrorCode.LIMIT_EXCEEDED, f"max_new_tokens {sp.max_new_tokens} is over "
-                               f"the server's limit of {limit}")
+            raise RequestError(
+                ErrorCode.LIMIT_EXCEEDED,
+                f"max_new_tokens {sp.max_new_tokens} is over the server's limit of {limit}",
+            )
         return sp
 
-    def admit(self, identity: bytes, req_id: str, ids: list[int], sp: SamplingParams, *,
-              api_key: str | None, logprob_start_len: int | None = None, stream: bool = False,
-              sink: asyncio.Queue | None = None, index: int = 0) -> str:
+    def admit(
+        self,
+        identity: bytes,
+        req_id: str,
+        ids: list[int],
+        sp: SamplingParams,
+        *,
+        api_key: str | None,
+        logprob_start_len: int | None = None,
+        stream: bool = False,
+        sink: asyncio.Queue | None = None,
+        index: int = 0,
+    ) -> str:
         """Validate and send one request to the scheduler (after ``check_admission``); its rid."""
         if self.server.isolate_by_api_key:
             tenant = hashlib.sha256(f"{api_key}\0{sp.cache_salt or ''}".encode()).hexdigest()
@@ -377,14 +462,26 @@ class TokenizerManager:
         ids = self.validate(ids)
         start = logprob_start_len
         if start is not None and not 1 <= start < len(ids):
-            raise RequestError(ErrorCode.INVALID_REQUEST, f"logprob_start_len {start} is outside "
-                               f"[1, {len(ids)}) for a {len(ids)}-token prompt")
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"logprob_start_len {start} is outside "
+                f"[1, {len(ids)}) for a {len(ids)}-token prompt",
+            )
         rid = str(next(self.counter))
         self.rids[(identity, req_id)] = rid
         self.reqs[rid] = ClientReq(identity, req_id, stream, sink, index)
         self.in_flight[identity] += 1
-        self.to_sched.send(encode(TokenizedRequest(rid=rid, input_ids=ids, sampling_params=sp,
-                                                      logprob_start_len=start, stream=stream)))
+        self.to_sched.send(
+            encode(
+                TokenizedRequest(
+                    rid=rid,
+                    input_ids=ids,
+                    sampling_params=sp,
+                    logprob_start_len=start,
+                    stream=stream,
+                )
+            )
+        )
         return rid
 
     def abort_rid(self, rid: str) -> None:
@@ -403,10 +500,14 @@ class TokenizerManager:
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
         if sum(given) != 1:
-            raise RequestError(ErrorCode.INVALID_REQUEST, "pass exactly one of prompt, input_ids, messages")
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST, "pass exactly one of prompt, input_ids, messages"
+            )
         if msg.input_ids is not None:
             return list(msg.input_ids)
-        return self.tokenizer.encode(msg.prompt if msg.messages is None else self.chat_prompt(msg.messages))
+        return self.tokenizer.encode(
+            msg.prompt if msg.messages is None else self.chat_prompt(msg.messages)
+        )
 
     def chat_prompt(self, messages: list[dict], **template_kwargs) -> str:
         """The chat template applied to messages, ending with the assistant's turn."""
@@ -422,18 +523,26 @@ class TokenizerManager:
             raise RequestError(ErrorCode.INVALID_REQUEST, "the prompt is empty")
         cap = self.server.max_prompt_tokens
         if cap is not None and len(ids) > cap:
-            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the server "
-                               f"accepts at most {cap}")
+            raise RequestError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {len(ids)} tokens; the server accepts at most {cap}",
+            )
         if len(ids) >= limits["max_context"]:
-            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the context "
-                               f"is {limits['max_context']} tokens")
+            raise RequestError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {len(ids)} tokens; the context is {limits['max_context']} tokens",
+            )
         if len(ids) >= limits["kv_slots"]:
-            raise RequestError(ErrorCode.PROMPT_TOO_LONG, f"prompt has {len(ids)} tokens; the KV pool "
-                               f"holds {limits['kv_slots']}")
+            raise RequestError(
+                ErrorCode.PROMPT_TOO_LONG,
+                f"prompt has {len(ids)} tokens; the KV pool holds {limits['kv_slots']}",
+            )
         vocab = limits["vocab_size"]
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise RequestError(ErrorCode.INVALID_REQUEST, f"token ids outside [0, {vocab}): {bad[:5]}")
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST, f"token ids outside [0, {vocab}): {bad[:5]}"
+            )
         return ids
 
     def abort(self, identity: bytes, msg: AbortRequest) -> None:
@@ -445,19 +554,34 @@ class TokenizerManager:
 
     def control(self, identity: bytes, msg: ControlRequest) -> None:
         if msg.kind not in CONTROL_KINDS:
-            raise RequestError(ErrorCode.UNKNOWN_MESSAGE, f"control kind must be one of {CONTROL_KINDS}")
+            raise RequestError(
+                ErrorCode.UNKNOWN_MESSAGE, f"control kind must be one of {CONTROL_KINDS}"
+            )
         qid = f"q{next(self.counter)}"
         self.controls[qid] = (identity, msg.req_id, msg.kind)
         self.to_sched.send(encode(ControlRequest(req_id=qid, kind=msg.kind)))
 
     def info(self) -> dict:
-        pids = {"launcher": os.getppid(), "tokenizer_manager": os.getpid(), **self.args.get("pids", {})}
-        names = ("max_prompt_tokens", "max_new_tokens_limit", "max_requests_per_client",
-                 "max_message_bytes")
+        pids = {
+            "launcher": os.getppid(),
+            "tokenizer_manager": os.getpid(),
+            **self.args.get("pids", {}),
+        }
+        names = (
+            "max_prompt_tokens",
+            "max_new_tokens_limit",
+            "max_requests_per_client",
+            "max_message_bytes",
+        )
         limits = {k: getattr(self.server, k) for k in names}
-        return {**self.limits, **limits,
-                "version": PROTOCOL_VERSION, "pids": pids, "in_flight": len(self.reqs),
-                "draining": self.drain_requested}
+        return {
+            **self.limits,
+            **limits,
+            "version": PROTOCOL_VERSION,
+            "pids": pids,
+            "in_flight": len(self.reqs),
+            "draining": self.drain_requested,
+        }
 
     # ------------------------------------------------- backend messages
 
@@ -521,37 +645,58 @@ class TokenizerManager:
             st.last_token_at = now
         st.generated += n
         if item.finish_reason is not None:
-            self.metrics.on_finish(item.finish_reason, item.prompt_tokens, item.cached_tokens, st.generated,
-                                   now - st.arrived)
+            self.metrics.on_finish(
+                item.finish_reason,
+                item.prompt_tokens,
+                item.cached_tokens,
+                st.generated,
+                now - st.arrived,
+            )
 
     def on_delta(self, st: ClientReq, item: TextDelta) -> StreamChunk | GenerateReply | None:
         done = item.finish_reason is not None
         if done:
             self.forget(item.rid)
         if st.stream:
-            return StreamChunk(req_id=st.req_id, text=item.text, token_ids=item.token_ids,
-                               logprobs=item.logprobs, finish_reason=item.finish_reason,
-                               prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
-                               top_logprobs=item.top_logprobs)
+            return StreamChunk(
+                req_id=st.req_id,
+                text=item.text,
+                token_ids=item.token_ids,
+                logprobs=item.logprobs,
+                finish_reason=item.finish_reason,
+                prompt_tokens=item.prompt_tokens,
+                cached_tokens=item.cached_tokens,
+                top_logprobs=item.top_logprobs,
+            )
         st.texts.append(item.text)
         st.token_ids.extend(item.token_ids)
         if item.logprobs is not None:
             st.logprobs = (st.logprobs or []) + item.logprobs
         if not done:
             return None
-        out = GenerateOutput(rid=st.req_id, text="".join(st.texts), token_ids=st.token_ids,
-                             prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
-                             finish_reason=item.finish_reason, logprobs=st.logprobs,
-                             prompt_logprobs=item.prompt_logprobs, top_logprobs=item.top_logprobs,
-                             prompt_top_logprobs=item.prompt_top_logprobs)
+        out = GenerateOutput(
+            rid=st.req_id,
+            text="".join(st.texts),
+            token_ids=st.token_ids,
+            prompt_tokens=item.prompt_tokens,
+            cached_tokens=item.cached_tokens,
+            finish_reason=item.finish_reason,
+            logprobs=st.logprobs,
+            prompt_logprobs=item.prompt_logprobs,
+            top_logprobs=item.top_logprobs,
+            prompt_top_logprobs=item.prompt_top_logprobs,
+        )
         return GenerateReply(req_id=st.req_id, output=out)
 
     def on_control_reply(self, msg: ControlReply | ErrorReply) -> None:
         fut = self.http_controls.pop(msg.req_id, None)
         if fut is not None:
             if not fut.done():
-                fut.set_result(RequestError(msg.code, msg.message) if isinstance(msg, ErrorReply)
-                               else {**self.info(), **msg.data})
+                fut.set_result(
+                    RequestError(msg.code, msg.message)
+                    if isinstance(msg, ErrorReply)
+                    else {**self.info(), **msg.data}
+                )
             return
         target = self.controls.pop(msg.req_id, None)
         if target is None:

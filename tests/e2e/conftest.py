@@ -7,8 +7,10 @@ import pytest
 def client(server):
     """A Client of the module's ``server`` fixture (a ``server_harness.Server``); after the test,
     the idle KV invariant through ``server_info`` (unless the test stopped the server)."""
-    from radixrt.client import Client
     from server_harness import assert_idle_kv
+
+    from radixrt.client import Client
+
     with Client(server.address, timeout=60) as c:
         yield c
         if server.proc.poll() is None:
@@ -19,6 +21,7 @@ def client(server):
 def engine_factory():
     """Build Engines; after the test, every one of them must pass check_memory() at idle."""
     from radixrt import Engine
+
     engines = []
 
     def make(model: str, **kwargs) -> Engine:

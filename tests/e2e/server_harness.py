@@ -56,11 +56,26 @@ class Server:
             self.http_port = free_port()
         self.address = f"tcp://127.0.0.1:{self.port}"
         self.http = f"http://127.0.0.1:{self.http_port}"
-        cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
-               "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(self.port),
-               "--http-port", str(self.http_port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env=env)
+        cmd = [
+            sys.executable,
+            "-m",
+            "radixrt.cli",
+            "launch",
+            "--model",
+            tiny_model_path("llama"),
+            "--dtype",
+            "float32",
+            "--max-total-tokens",
+            "8192",
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            *extra,
+        ]
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.ready_line = self._wait_ready()
@@ -103,8 +118,9 @@ def wait_idle(client: Client, timeout: float = 10.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         info = client.server_info()
-        if (info["running"] == 0 and info["waiting"] == 0 and info["protected_tokens"] == 0) \
-                or time.monotonic() > deadline:
+        if (
+            info["running"] == 0 and info["waiting"] == 0 and info["protected_tokens"] == 0
+        ) or time.monotonic() > deadline:
             return info
         time.sleep(0.05)
 

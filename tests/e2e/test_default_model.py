@@ -51,7 +51,13 @@ def tokenizer(model_path):
 def test_layout(model_path):
     p = Path(model_path)
     assert p == Path(loader.cache_dir()) / "SmolLM2-135M-Instruct"
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", loader._MARKER):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        loader._MARKER,
+    ):
         assert (p / name).is_file(), name
     assert resolve_model_path(None) == model_path
     assert resolve_model_path(model_path) == model_path
@@ -75,7 +81,9 @@ def test_config(model_path):
 def test_weights(model_path):
     cfg = ModelConfig.from_pretrained(model_path)
     shapes = {name: tuple(t.shape) for name, t in iter_weights(model_path)}
-    assert len(shapes) == 2 + 9 * cfg.num_layers  # embed + final norm + 9 per layer; lm_head is tied
+    assert (
+        len(shapes) == 2 + 9 * cfg.num_layers
+    )  # embed + final norm + 9 per layer; lm_head is tied
     assert shapes["model.embed_tokens.weight"] == (49152, 576)
     assert shapes["model.layers.29.self_attn.k_proj.weight"] == (192, 576)
     assert "lm_head.weight" not in shapes

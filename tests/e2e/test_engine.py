@@ -13,17 +13,25 @@ from radixrt import SamplingParams
 from radixrt.model.loader import cache_dir
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
-QUESTIONS = ["What does os.path.join do?", "How is a dict ordered?", "Explain functools.partial.",
-             "What is a generator?", "Why use pathlib?", "What does zip return?",
-             "How does sorted handle keys?", "What is an iterator protocol?"]
+QUESTIONS = [
+    "What does os.path.join do?",
+    "How is a dict ordered?",
+    "Explain functools.partial.",
+    "What is a generator?",
+    "Why use pathlib?",
+    "What does zip return?",
+    "How does sorted handle keys?",
+    "What is an iterator protocol?",
+]
 PROMPTS = [SYSTEM + q for q in QUESTIONS]
 NEW = 24
 GREEDY = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hf_greedy(path: str, prompts: tuple[str, ...], new: int) -> tuple[tuple[int, ...], ...]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop, never suppress
@@ -31,9 +39,14 @@ def hf_greedy(path: str, prompts: tuple[str, ...], new: int) -> tuple[tuple[int,
     for p in prompts:  # one at a time: no padding effects in the reference
         ids = torch.tensor([tok.encode(p)])
         with torch.no_grad():
-            gen = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
-        outs.append(tuple(gen[0, ids.shape[1]:].tolist()))
+            gen = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
+        outs.append(tuple(gen[0, ids.shape[1] :].tolist()))
     return tuple(outs)
 
 
@@ -73,6 +86,7 @@ def _with_head_dim_64(path: str, folder) -> str:
     """The tiny model (hidden 256, 8 heads of 32) read as 4 heads of 64 and 2 KV heads: the same
     weight shapes, a head size the AMX kernel rotates in the qkv linear's own pass."""
     import json
+
     shutil.copytree(path, folder)
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(num_attention_heads=4, num_key_value_heads=2)
@@ -92,6 +106,7 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     from radixrt.model import runner
     from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels
     from radixrt_kernels import cpu_linear
+
     if not cpu_linear.available(cpu_library.load(cache_dir())):
         pytest.skip("no AMX linear kernel on this CPU")
     path = request.getfixturevalue(f"tiny_{model.split()[0].rstrip(',')}")
@@ -106,13 +121,20 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     assert eng.runner.model.model.layers[0].mlp.gate_up_proj.method.name == "amx + silu_mul"
     got = [eng.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
     lib = cpu_library.load(cache_dir())  # PyTorch's linears, the C library's separate steps
-    monkeypatch.setattr(runner, "choose_kernels", lambda *args, **kw: Kernels(
-        norm=CRMSNorm(lib), rotary=CRotary(lib), act=CSiluMul(lib)))
+    monkeypatch.setattr(
+        runner,
+        "choose_kernels",
+        lambda *args, **kw: Kernels(norm=CRMSNorm(lib), rotary=CRotary(lib), act=CSiluMul(lib)),
+    )
     plain = engine_factory(path, dtype="bfloat16")
     assert plain.runner.model.lm_head.method.name == "torch"
-    want = [plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests]
+    want = [
+        plain.generate(input_ids=[ids], sampling_params=GREEDY)[0].token_ids for ids in requests
+    ]
     assert got == want
-    assert len({tuple(ids) for ids in got}) == len(requests) and all(len(set(ids)) > 3 for ids in got)
+    assert len({tuple(ids) for ids in got}) == len(requests) and all(
+        len(set(ids)) > 3 for ids in got
+    )
 
 
 def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):
@@ -126,8 +148,9 @@ def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):
 
 def test_retraction_under_tiny_pool(tiny_llama, engine_factory):
     want = list(hf_greedy(tiny_llama, tuple(PROMPTS), NEW))
-    demand = sum(len(w) for w in want) + sum(o.prompt_tokens for o in
-                                               engine_factory(tiny_llama).generate(PROMPTS, GREEDY))
+    demand = sum(len(w) for w in want) + sum(
+        o.prompt_tokens for o in engine_factory(tiny_llama).generate(PROMPTS, GREEDY)
+    )
     eng = engine_factory(tiny_llama, max_total_tokens=demand // 4)
     outs = eng.generate(PROMPTS, GREEDY)
     assert ids_of(outs) == want
@@ -177,6 +200,7 @@ def test_half_dtypes_run(dtype, tiny_llama, engine_factory):
 def test_mistral_folder_loads_as_llama(tiny_llama, tmp_path, engine_factory):
     import json
     import shutil
+
     folder = tmp_path / "mistral"
     shutil.copytree(tiny_llama, folder)
     cfg = json.loads((folder / "config.json").read_text())
@@ -195,6 +219,7 @@ def test_torch_compile_same_ids(arch, engine_factory, request):
     path = request.getfixturevalue(f"tiny_{arch}")
     want = list(hf_greedy(path, tuple(PROMPTS), NEW))
     from torch._dynamo.utils import counters
+
     eng = engine_factory(path, enable_torch_compile=True)
     assert eng.runner.model.compiled is not None
     graphs = counters["stats"]["unique_graphs"]  # compiled at start-up, none while serving

@@ -12,14 +12,13 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from server_harness import Server, assert_idle_kv, wait_gone
 
 import radixrt
 from radixrt.client import Client, ServerError
 from radixrt.protocol import ErrorCode
 from radixrt.server import faults
 from radixrt.testing import tiny_model_path
-
-from server_harness import Server, assert_idle_kv, wait_gone
 
 N = 8
 PROMPTS = ["def main():", "import os\nimport sys", "class Foo(object):"]
@@ -47,10 +46,9 @@ def server():
     srv.stop()
 
 
-
-
 def run_concurrently(client: Client, jobs: list[tuple[str, dict]]) -> list:
     """Each (prompt, params) as its own request, all in flight at once: output or exception."""
+
     def one(job):
         try:
             return client.generate(*job)
@@ -75,7 +73,9 @@ def test_a_request_fault_fails_only_that_request(client, engine, kind):
     assert [r.token_ids for r in results[1:]] == want(engine, PROMPTS, params())
     again = client.generate(PROMPTS[0], params())  # still serving
     assert again.token_ids == want(engine, PROMPTS[:1], params())[0]
-    if kind == "stop_check":  # failed in the scheduler (a detokenizer fault is aborted there, or runs out)
+    if (
+        kind == "stop_check"
+    ):  # failed in the scheduler (a detokenizer fault is aborted there, or runs out)
         assert client.server_info()["finished_error"] >= 1
 
 
@@ -92,7 +92,9 @@ def test_a_forward_fault_fails_its_batch_and_caches_nothing_of_it(client, engine
     assert out.cached_tokens == 0 and out.token_ids == want(engine, [prompt], params())[0]
     # requests batched with a faulty one fail with it; the others, and every later one, are right
     # (one faulty request at a time: a good forward follows each failure, so the server lives)
-    jobs = [("Forward fault again", params(faults.marker("forward")))] + [(p, params()) for p in PROMPTS]
+    jobs = [("Forward fault again", params(faults.marker("forward")))] + [
+        (p, params()) for p in PROMPTS
+    ]
     results = run_concurrently(client, jobs)
     assert_internal(results[0], "forward pass failed")
     expected = want(engine, PROMPTS, params())
@@ -125,8 +127,9 @@ def test_engine_raises_for_a_failed_request(engine):
         for kind in ("forward", "stop_check"):
             bad = radixrt.SamplingParams(**params(faults.marker(kind)))
             with pytest.raises(RuntimeError, match=rf"request \S+ failed .*injected {kind} fault"):
-                engine.generate([PROMPTS[0], "Engine fault " + kind],
-                                [radixrt.SamplingParams(**params()), bad])
+                engine.generate(
+                    [PROMPTS[0], "Engine fault " + kind], [radixrt.SamplingParams(**params()), bad]
+                )
             engine.check_memory()
             req = engine.add_request(engine.tokenizer.encode("step API " + kind), bad)
             while not req.finished:

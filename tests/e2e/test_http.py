@@ -11,25 +11,40 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from server_harness import Server, assert_idle_kv
 
 from radixrt.client import Client
 from radixrt.testing import tiny_model_path
-
-from server_harness import Server, assert_idle_kv
 
 KEY, OTHER_KEY = "k-one", "k-two"
 MAX_BYTES = 64 * 1024
 PER_CLIENT = 16
 NEW_TOKENS_LIMIT = 64
-CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
+CHAT = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Name a colour."},
+]
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = Server("--api-key", f"{KEY},{OTHER_KEY}", "--isolate-by-api-key",
-                 "--max-message-bytes", str(MAX_BYTES), "--max-requests-per-client", str(PER_CLIENT),
-                 "--max-new-tokens-limit", str(NEW_TOKENS_LIMIT), "--max-prompt-tokens", "512",
-                 "--served-model-name", "tiny", "--debug-faults", "stop_check")
+    srv = Server(
+        "--api-key",
+        f"{KEY},{OTHER_KEY}",
+        "--isolate-by-api-key",
+        "--max-message-bytes",
+        str(MAX_BYTES),
+        "--max-requests-per-client",
+        str(PER_CLIENT),
+        "--max-new-tokens-limit",
+        str(NEW_TOKENS_LIMIT),
+        "--max-prompt-tokens",
+        "512",
+        "--served-model-name",
+        "tiny",
+        "--debug-faults",
+        "stop_check",
+    )
     yield srv
     srv.stop()
 
@@ -55,13 +70,16 @@ def oai(server):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.http, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    with httpx.Client(
+        base_url=server.http, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def engine():
     from radixrt import Engine
+
     eng = Engine(model=tiny_model_path("llama"), dtype="float32", max_total_tokens=8192)
     yield eng
     eng.check_memory()
@@ -69,19 +87,25 @@ def engine():
 
 def greedy(engine, prompt: str | list[int], n: int) -> tuple[str, list[int]]:
     from radixrt import SamplingParams
+
     sp = SamplingParams(max_new_tokens=n, temperature=0.0)
-    out = (engine.generate(prompt, sp) if isinstance(prompt, str) else
-           engine.generate(input_ids=[prompt], sampling_params=sp))[0]
+    out = (
+        engine.generate(prompt, sp)
+        if isinstance(prompt, str)
+        else engine.generate(input_ids=[prompt], sampling_params=sp)
+    )[0]
     return out.text, out.token_ids
 
 
 def chat_text(engine, messages) -> str:
-    return engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
 
 def sse_events(resp: httpx.Response) -> list:
     """The data of every SSE event; the last one must be [DONE]."""
-    events = [line[len("data: "):] for line in resp.iter_lines() if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in resp.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]", events[-3:]
     return [json.loads(e) for e in events[:-1]]
 
@@ -97,6 +121,7 @@ def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> 
 
 
 # ----------------------------------------------------------- the openai SDK
+
 
 def test_chat_greedy_equals_engine(oai, engine):
     want, ids = greedy(engine, chat_text(engine, CHAT), 12)
@@ -119,34 +144,44 @@ def test_completion_greedy_equals_engine_for_text_and_ids(oai, engine):
     want_ids, _ = greedy(engine, prompt_ids, 10)
     r = oai.completions.create(model="tiny", prompt=prompt_ids, max_tokens=10, temperature=0)
     assert r.choices[0].text == want_ids and r.usage.prompt_tokens == len(prompt_ids)
-    r = oai.completions.create(model="tiny", prompt=["The radix tree", "Token ids 1 2 3"], max_tokens=10,
-                               temperature=0)
+    r = oai.completions.create(
+        model="tiny", prompt=["The radix tree", "Token ids 1 2 3"], max_tokens=10, temperature=0
+    )
     assert [c.index for c in r.choices] == [0, 1]
     assert r.choices[0].text == want and r.choices[1].text == want_ids
 
 
 def test_completion_default_max_tokens_is_16(oai):
-    r = oai.completions.create(model="tiny", prompt="count", temperature=0, extra_body={"ignore_eos": True})
+    r = oai.completions.create(
+        model="tiny", prompt="count", temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.usage.completion_tokens == 16
 
 
 def test_chat_stream_with_usage_equals_unstreamed(oai):
     kwargs = dict(model="tiny", messages=CHAT, max_tokens=10, temperature=0)
     whole = oai.chat.completions.create(**kwargs).choices[0].message.content
-    chunks = list(oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
+    chunks = list(
+        oai.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert all(c.usage is None for c in chunks[:-1])
     last = chunks[-1]
     assert last.choices == [] and last.usage.completion_tokens == 10
-    assert last.usage.prompt_tokens_details.cached_tokens > 0  # the unstreamed call cached the prompt
+    assert (
+        last.usage.prompt_tokens_details.cached_tokens > 0
+    )  # the unstreamed call cached the prompt
 
 
 def test_completion_stream(oai, engine):
     want, _ = greedy(engine, "Streams of", 8)
-    chunks = list(oai.completions.create(model="tiny", prompt="Streams of", max_tokens=8, temperature=0,
-                                         stream=True))
+    chunks = list(
+        oai.completions.create(
+            model="tiny", prompt="Streams of", max_tokens=8, temperature=0, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -155,7 +190,10 @@ def test_n_choices_and_seeds(oai):
     kwargs = dict(model="tiny", messages=CHAT, max_tokens=8, temperature=1.0, seed=7, n=3)
     r = oai.chat.completions.create(**kwargs)
     assert [c.index for c in r.choices] == [0, 1, 2]
-    assert r.usage.completion_tokens == sum(len(oai_tokens(c)) for c in r.choices) or r.usage.completion_tokens == 24
+    assert (
+        r.usage.completion_tokens == sum(len(oai_tokens(c)) for c in r.choices)
+        or r.usage.completion_tokens == 24
+    )
     again = oai.chat.completions.create(**kwargs)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
     assert len({c.message.content for c in r.choices}) > 1  # each choice draws its own tokens
@@ -173,58 +211,98 @@ def oai_tokens(choice) -> list:
 
 def test_stop_strings(oai, engine):
     text, _ = greedy(engine, "Stop here:", 16)
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     assert stop.strip(), text
-    r = oai.completions.create(model="tiny", prompt="Stop here:", max_tokens=16, temperature=0, stop=[stop])
-    assert r.choices[0].text == text[:text.find(stop)] and r.choices[0].finish_reason == "stop"
-    chunks = list(oai.completions.create(model="tiny", prompt="Stop here:", max_tokens=16, temperature=0,
-                                         stop=stop, stream=True))
-    assert "".join(c.choices[0].text for c in chunks) == text[:text.find(stop)]
+    r = oai.completions.create(
+        model="tiny", prompt="Stop here:", max_tokens=16, temperature=0, stop=[stop]
+    )
+    assert r.choices[0].text == text[: text.find(stop)] and r.choices[0].finish_reason == "stop"
+    chunks = list(
+        oai.completions.create(
+            model="tiny", prompt="Stop here:", max_tokens=16, temperature=0, stop=stop, stream=True
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks) == text[: text.find(stop)]
 
 
 def test_chat_logprobs(oai):
-    r = oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True,
-                                    top_logprobs=3)
+    r = oai.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = r.choices[0].logprobs.content
     assert len(content) == 6
     for tok in content:
         assert len(tok.top_logprobs) == 3 and tok.logprob <= 0
-        assert tok.top_logprobs[0].logprob == pytest.approx(tok.logprob, abs=1e-5)  # greedy: the top one
-        assert [t.logprob for t in tok.top_logprobs] == sorted((t.logprob for t in tok.top_logprobs),
-                                                               reverse=True)
+        assert tok.top_logprobs[0].logprob == pytest.approx(
+            tok.logprob, abs=1e-5
+        )  # greedy: the top one
+        assert [t.logprob for t in tok.top_logprobs] == sorted(
+            (t.logprob for t in tok.top_logprobs), reverse=True
+        )
         assert tok.bytes == list(tok.token.encode())
     assert "".join(t.token for t in content) == r.choices[0].message.content
-    streamed = list(oai.chat.completions.create(model="tiny", messages=CHAT, max_tokens=6, temperature=0,
-                                                logprobs=True, top_logprobs=3, stream=True))
-    got = [t.logprob for c in streamed if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
+    streamed = list(
+        oai.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+            top_logprobs=3,
+            stream=True,
+        )
+    )
+    got = [
+        t.logprob
+        for c in streamed
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
     assert got == pytest.approx([t.logprob for t in content], abs=1e-5)
 
 
 def test_completion_logprobs_with_echo(oai, engine):
     prompt = "Echo this"
     n_prompt = len(engine.tokenizer.encode(prompt))
-    r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    r = oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=4, temperature=0, logprobs=2, echo=True
+    )
     c = r.choices[0]
     assert c.text.startswith(prompt)
     lp = c.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert (
+        len(lp.tokens)
+        == len(lp.token_logprobs)
+        == len(lp.top_logprobs)
+        == len(lp.text_offset)
+        == n_prompt + 4
+    )
     assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])
     assert all(len(t) <= 2 for t in lp.top_logprobs[1:])
     assert lp.text_offset == sorted(lp.text_offset)
     # scoring only (what lm-eval-harness sends): max_tokens 0, echo, logprobs
     score = oai.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
-    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:n_prompt], abs=1e-4)
+    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
+        lp.token_logprobs[1:n_prompt], abs=1e-4
+    )
     assert score.usage.completion_tokens == 0
 
 
 def test_async_client_concurrent_streams(server):
     async def run() -> list[str]:
-        aoai = openai.AsyncOpenAI(base_url=server.http + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        aoai = openai.AsyncOpenAI(
+            base_url=server.http + "/v1", api_key=KEY, max_retries=0, timeout=60
+        )
 
         async def one(i: int) -> str:
             stream = await aoai.chat.completions.create(
-                model="tiny", messages=[{"role": "user", "content": f"question {i}"}], max_tokens=8,
-                temperature=0, stream=True, stream_options={"include_usage": True})
+                model="tiny",
+                messages=[{"role": "user", "content": f"question {i}"}],
+                max_tokens=8,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             parts, usage = [], None
             async for chunk in stream:
                 parts += [c.delta.content or "" for c in chunk.choices]
@@ -233,12 +311,23 @@ def test_async_client_concurrent_streams(server):
             return "".join(parts)
 
         streamed = await asyncio.gather(*(one(i) for i in range(6)))
-        whole = await aoai.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "question 3"}],
-                                                   max_tokens=8, temperature=0, user="u-3")
+        whole = await aoai.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "question 3"}],
+            max_tokens=8,
+            temperature=0,
+            user="u-3",
+        )
         assert streamed[3] == whole.choices[0].message.content
-        done = await aoai.completions.create(model="tiny", prompt="async", max_tokens=6, temperature=0)
-        parts = [c.choices[0].text async for c in await aoai.completions.create(
-            model="tiny", prompt="async", max_tokens=6, temperature=0, stream=True)]
+        done = await aoai.completions.create(
+            model="tiny", prompt="async", max_tokens=6, temperature=0
+        )
+        parts = [
+            c.choices[0].text
+            async for c in await aoai.completions.create(
+                model="tiny", prompt="async", max_tokens=6, temperature=0, stream=True
+            )
+        ]
         assert "".join(parts) == done.choices[0].text and done.usage.completion_tokens == 6
         await aoai.close()
         return streamed
@@ -248,25 +337,48 @@ def test_async_client_concurrent_streams(server):
 
 def test_shared_prefix_reports_cached_tokens(oai, zmq_client):
     zmq_client.flush_cache()
-    system = {"role": "system", "content": "A long shared system prompt about radix trees and caches. " * 4}
-    first = oai.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "one"}],
-                                        max_tokens=2, temperature=0)
+    system = {
+        "role": "system",
+        "content": "A long shared system prompt about radix trees and caches. " * 4,
+    }
+    first = oai.chat.completions.create(
+        model="tiny",
+        messages=[system, {"role": "user", "content": "one"}],
+        max_tokens=2,
+        temperature=0,
+    )
     assert first.usage.prompt_tokens_details.cached_tokens == 0
-    second = oai.chat.completions.create(model="tiny", messages=[system, {"role": "user", "content": "two"}],
-                                         max_tokens=2, temperature=0)
+    second = oai.chat.completions.create(
+        model="tiny",
+        messages=[system, {"role": "user", "content": "two"}],
+        max_tokens=2,
+        temperature=0,
+    )
     assert second.usage.prompt_tokens_details.cached_tokens > 20
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
 
 
 def test_api_keys_isolate_caches_and_cache_salt(server, oai):
-    other = openai.OpenAI(base_url=server.http + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
+    other = openai.OpenAI(
+        base_url=server.http + "/v1", api_key=OTHER_KEY, max_retries=0, timeout=60
+    )
     prompt = "Tenant isolation: this prompt is cached per key. " * 3
     oai.completions.create(model="tiny", prompt=prompt, max_tokens=1)
-    assert other.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage.prompt_tokens_details \
-        .cached_tokens == 0
-    assert oai.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage.prompt_tokens_details \
-        .cached_tokens > 0
-    salted = oai.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "s1"})
+    assert (
+        other.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1
+        ).usage.prompt_tokens_details.cached_tokens
+        == 0
+    )
+    assert (
+        oai.completions.create(
+            model="tiny", prompt=prompt, max_tokens=1
+        ).usage.prompt_tokens_details.cached_tokens
+        > 0
+    )
+    salted = oai.completions.create(
+        model="tiny", prompt=prompt, max_tokens=1, extra_body={"cache_salt": "s1"}
+    )
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
 
 
@@ -280,7 +392,9 @@ def test_models_and_sglang_info_endpoints(oai, http):
     assert info["model_path"] == tiny_model_path("llama") and info["is_generation"] is True
     server_info = http.get("/get_server_info").json()
     state = server_info["internal_states"][0]
-    assert {"kv_slots", "free_slots", "evictable_tokens", "protected_tokens", "hit_rate"} <= set(state)
+    assert {"kv_slots", "free_slots", "evictable_tokens", "protected_tokens", "hit_rate"} <= set(
+        state
+    )
     assert "last_gen_throughput" in state and "api_key" not in server_info
     assert http.post("/flush_cache").status_code == 200
     assert http.get("/get_server_info").json()["internal_states"][0]["evictable_tokens"] == 0
@@ -288,65 +402,133 @@ def test_models_and_sglang_info_endpoints(oai, http):
 
 def test_sglang_generate(http, engine):
     want, ids = greedy(engine, "Native API", 6)
-    r = http.post("/generate", json={"text": "Native API", "sampling_params": {"max_new_tokens": 6,
-                                                                             "temperature": 0}})
+    r = http.post(
+        "/generate",
+        json={"text": "Native API", "sampling_params": {"max_new_tokens": 6, "temperature": 0}},
+    )
     out = r.json()
     assert r.status_code == 200 and out["text"] == want and out["output_ids"] == ids
     meta = out["meta_info"]
     assert meta["prompt_tokens"] == len(engine.tokenizer.encode("Native API"))
     assert meta["completion_tokens"] == 6 and meta["cached_tokens"] >= 0
     assert meta["finish_reason"] == {"type": "length", "length": 6}
-    batch = http.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9, 10, 11]],
-                                         "sampling_params": {"max_new_tokens": 3, "temperature": 0},
-                                         "return_logprob": True, "top_logprobs_num": 2}).json()
+    batch = http.post(
+        "/generate",
+        json={
+            "input_ids": [[5, 6, 7], [8, 9, 10, 11]],
+            "sampling_params": {"max_new_tokens": 3, "temperature": 0},
+            "return_logprob": True,
+            "top_logprobs_num": 2,
+        },
+    ).json()
     assert [len(o["output_ids"]) for o in batch] == [3, 3]
     assert len(batch[0]["meta_info"]["output_token_logprobs"]) == 3
     assert all(len(t) == 2 for t in batch[0]["meta_info"]["output_top_logprobs"])
-    scored = http.post("/generate", json={"input_ids": [5, 6, 7, 8], "return_logprob": True, "logprob_start_len": 0,
-                                          "sampling_params": {"max_new_tokens": 1}}).json()["meta_info"]
+    scored = http.post(
+        "/generate",
+        json={
+            "input_ids": [5, 6, 7, 8],
+            "return_logprob": True,
+            "logprob_start_len": 0,
+            "sampling_params": {"max_new_tokens": 1},
+        },
+    ).json()["meta_info"]
     assert [t[1] for t in scored["input_token_logprobs"]] == [5, 6, 7, 8]
-    assert scored["input_token_logprobs"][0][0] is None and all(t[0] <= 0 for t in scored["input_token_logprobs"][1:])
-    with http.stream("POST", "/generate", json={"text": "Native API", "stream": True,
-                                                "sampling_params": {"max_new_tokens": 6, "temperature": 0}}) as s:
+    assert scored["input_token_logprobs"][0][0] is None and all(
+        t[0] <= 0 for t in scored["input_token_logprobs"][1:]
+    )
+    with http.stream(
+        "POST",
+        "/generate",
+        json={
+            "text": "Native API",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+        },
+    ) as s:
         events = sse_events(s)
     assert events[-1]["text"] == want  # cumulative, as SGLang streams it
-    assert [e["meta_info"]["completion_tokens"] for e in events] == sorted(e["meta_info"]["completion_tokens"]
-                                                                          for e in events)
+    assert [e["meta_info"]["completion_tokens"] for e in events] == sorted(
+        e["meta_info"]["completion_tokens"] for e in events
+    )
 
 
 # ---------------------------------------------------------------- errors
 
+
 def test_error_statuses(server, http):
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": 4}
     assert_error(httpx.post(server.http + "/v1/chat/completions", json=chat), 401, "unauthorized")
-    assert_error(httpx.post(server.http + "/v1/chat/completions", json=chat,
-                            headers={"Authorization": "Bearer wrong"}), 401)
+    assert_error(
+        httpx.post(
+            server.http + "/v1/chat/completions",
+            json=chat,
+            headers={"Authorization": "Bearer wrong"},
+        ),
+        401,
+    )
     assert httpx.get(server.http + "/health").status_code == 200  # no key needed
     assert httpx.get(server.http + "/metrics").status_code == 200
     assert_error(http.post("/v1/chat/completions", content=b"{not json"), 400, "malformed")
-    assert assert_error(http.post("/v1/chat/completions", json={**chat, "max_tokens": "x"}), 400)["param"] \
+    assert (
+        assert_error(http.post("/v1/chat/completions", json={**chat, "max_tokens": "x"}), 400)[
+            "param"
+        ]
         == "max_tokens"
-    assert assert_error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)["param"] \
+    )
+    assert (
+        assert_error(http.post("/v1/chat/completions", json={**chat, "temperature": -1}), 400)[
+            "param"
+        ]
         == "temperature"
-    assert "bogus" in assert_error(http.post("/v1/chat/completions", json={**chat, "bogus": 1}), 400)["message"]
+    )
+    assert (
+        "bogus"
+        in assert_error(http.post("/v1/chat/completions", json={**chat, "bogus": 1}), 400)[
+            "message"
+        ]
+    )
     assert_error(http.post("/v1/chat/completions", json={**chat, "frequency_penalty": 0.5}), 400)
     assert_error(http.post("/v1/chat/completions", json={**chat, "messages": []}), 400)
     assert_error(http.post("/v1/completions", json={"prompt": [], "max_tokens": 2}), 400)
-    assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": NEW_TOKENS_LIMIT + 1}), 400,
-                 "limit_exceeded")
-    assert_error(http.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 1}), 400,
-                 "prompt_too_long")
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": NEW_TOKENS_LIMIT + 1}),
+        400,
+        "limit_exceeded",
+    )
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 1}),
+        400,
+        "prompt_too_long",
+    )
     assert_error(http.post("/v1/completions", json={"prompt": [99999999], "max_tokens": 1}), 400)
-    assert assert_error(http.post("/v1/chat/completions", json={**chat, "model": "gpt-9"}), 404,
-                        "model_not_found")["param"] == "model"
+    assert (
+        assert_error(
+            http.post("/v1/chat/completions", json={**chat, "model": "gpt-9"}),
+            404,
+            "model_not_found",
+        )["param"]
+        == "model"
+    )
     assert_error(http.get("/v1/nowhere"), 404)
     assert_error(http.get("/v1/chat/completions"), 405)
     assert_error(http.post("/v1/completions", content=b"x" * (MAX_BYTES + 1)), 413, "too_large")
-    assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": PER_CLIENT + 1}), 429)
-    assert_error(http.post("/v1/completions", json={"prompt": "x", "max_tokens": 4, "stop": ["<fault:stop_check>"]}),
-                 500, "internal")
-    with http.stream("POST", "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stream": True,
-                                                      "stop": ["<fault:stop_check>"]}) as s:
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "n": PER_CLIENT + 1}),
+        429,
+    )
+    assert_error(
+        http.post(
+            "/v1/completions", json={"prompt": "x", "max_tokens": 4, "stop": ["<fault:stop_check>"]}
+        ),
+        500,
+        "internal",
+    )
+    with http.stream(
+        "POST",
+        "/v1/completions",
+        json={"prompt": "x", "max_tokens": 4, "stream": True, "stop": ["<fault:stop_check>"]},
+    ) as s:
         s.read()  # the failure comes before the first token, so the stream has a status to tell it
         assert_error(s, 500, "internal")
     r = http.post("/v1/completions", json={"prompt": "still serving", "max_tokens": 2})
@@ -357,29 +539,70 @@ def test_fuzzed_bodies_never_break_the_server(http):
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    scalars = st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=20)
-    values = st.recursive(scalars, lambda x: st.lists(x, max_size=4) | st.dictionaries(st.text(max_size=8), x,
-                                                                                        max_size=4), max_leaves=12)
+    scalars = (
+        st.none()
+        | st.booleans()
+        | st.integers(-(2**70), 2**70)
+        | st.floats()
+        | st.text(max_size=20)
+    )
+    values = st.recursive(
+        scalars,
+        lambda x: st.lists(x, max_size=4) | st.dictionaries(st.text(max_size=8), x, max_size=4),
+        max_leaves=12,
+    )
     chat = {"model": "tiny", "messages": CHAT, "max_tokens": 2}
     completion = {"prompt": "fuzz", "max_tokens": 2}
     generate = {"text": "fuzz", "sampling_params": {"max_new_tokens": 2}}
-    fields = ["messages", "max_tokens", "temperature", "top_p", "n", "stop", "seed", "logprobs", "top_logprobs",
-              "stream", "stream_options", "top_k", "min_p", "prompt", "echo", "model", "sampling_params", "text",
-              "input_ids", "cache_salt", "ignore_eos", "max_completion_tokens", "stop_token_ids"]
+    fields = [
+        "messages",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "n",
+        "stop",
+        "seed",
+        "logprobs",
+        "top_logprobs",
+        "stream",
+        "stream_options",
+        "top_k",
+        "min_p",
+        "prompt",
+        "echo",
+        "model",
+        "sampling_params",
+        "text",
+        "input_ids",
+        "cache_salt",
+        "ignore_eos",
+        "max_completion_tokens",
+        "stop_token_ids",
+    ]
     routes = {"/v1/chat/completions": chat, "/v1/completions": completion, "/generate": generate}
-    body = (st.tuples(st.sampled_from(sorted(routes)), st.sampled_from(fields), values)
-            .map(lambda t: (t[0], json.dumps({**routes[t[0]], t[1]: t[2]}, allow_nan=True).encode()))
-            | st.tuples(st.sampled_from(sorted(routes)), st.binary(max_size=64))
-            | st.tuples(st.sampled_from(sorted(routes)), values.map(lambda v: json.dumps(v).encode())))
+    body = (
+        st.tuples(st.sampled_from(sorted(routes)), st.sampled_from(fields), values).map(
+            lambda t: (t[0], json.dumps({**routes[t[0]], t[1]: t[2]}, allow_nan=True).encode())
+        )
+        | st.tuples(st.sampled_from(sorted(routes)), st.binary(max_size=64))
+        | st.tuples(st.sampled_from(sorted(routes)), values.map(lambda v: json.dumps(v).encode()))
+    )
     seen = []
 
-    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+    @settings(
+        max_examples=200, deadline=None, suppress_health_check=list(HealthCheck), database=None
+    )
     @given(body)
     def check(case):
         route, data = case
         resp = http.post(route, content=data)
         seen.append(resp.status_code)
-        assert resp.status_code in (200, 400, 404, 413, 429), (route, data, resp.status_code, resp.text)
+        assert resp.status_code in (200, 400, 404, 413, 429), (
+            route,
+            data,
+            resp.status_code,
+            resp.text,
+        )
         if resp.status_code != 200:
             assert_error(resp, resp.status_code)
 
@@ -390,9 +613,16 @@ def test_fuzzed_bodies_never_break_the_server(http):
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, zmq_client):
-    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": NEW_TOKENS_LIMIT, "stream": True,
-            "ignore_eos": True}
-    with httpx.Client(base_url=server.http, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as c:
+    body = {
+        "model": "tiny",
+        "prompt": "a long answer",
+        "max_tokens": NEW_TOKENS_LIMIT,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.Client(
+        base_url=server.http, headers={"Authorization": f"Bearer {KEY}"}, timeout=60
+    ) as c:
         with c.stream("POST", "/v1/completions", json=body) as s:
             lines = s.iter_lines()
             assert next(lines).startswith("data: ")
@@ -402,6 +632,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, zmq_client):
 
 
 # --------------------------------------------------------------- metrics
+
 
 def metrics(server) -> dict[str, float]:
     text = httpx.get(server.http + "/metrics").text
@@ -416,19 +647,43 @@ def metrics(server) -> dict[str, float]:
 def test_metrics_move_with_requests(server, oai):
     before = metrics(server)
     length = "radixrt:requests_total[('finish_reason', 'length')]"
-    chunks = list(oai.completions.create(model="tiny", prompt="metrics please", max_tokens=5, temperature=0,
-                                         stream=True, extra_body={"ignore_eos": True}))
+    chunks = list(
+        oai.completions.create(
+            model="tiny",
+            prompt="metrics please",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert chunks
-    oai.completions.create(model="tiny", prompt="metrics please", max_tokens=3, temperature=0,
-                           extra_body={"ignore_eos": True})
+    oai.completions.create(
+        model="tiny",
+        prompt="metrics please",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     after = metrics(server)
     assert after[length] == before.get(length, 0) + 2
     assert after["radixrt:generation_tokens_total"] == before["radixrt:generation_tokens_total"] + 8
     assert after["radixrt:prompt_tokens_total"] > before["radixrt:prompt_tokens_total"]
-    assert after["radixrt:cached_tokens_total"] > before["radixrt:cached_tokens_total"]  # the second hit
-    assert after["radixrt:time_to_first_token_seconds_count"] == before["radixrt:time_to_first_token_seconds_count"] + 2
-    assert after["radixrt:inter_token_latency_seconds_count"] == before["radixrt:inter_token_latency_seconds_count"] + 6
-    assert after["radixrt:e2e_request_latency_seconds_count"] == before["radixrt:e2e_request_latency_seconds_count"] + 2
+    assert (
+        after["radixrt:cached_tokens_total"] > before["radixrt:cached_tokens_total"]
+    )  # the second hit
+    assert (
+        after["radixrt:time_to_first_token_seconds_count"]
+        == before["radixrt:time_to_first_token_seconds_count"] + 2
+    )
+    assert (
+        after["radixrt:inter_token_latency_seconds_count"]
+        == before["radixrt:inter_token_latency_seconds_count"] + 6
+    )
+    assert (
+        after["radixrt:e2e_request_latency_seconds_count"]
+        == before["radixrt:e2e_request_latency_seconds_count"] + 2
+    )
     assert after["radixrt:kv_slots"] == 8192 and after["radixrt:num_running_reqs"] == 0
     assert after["radixrt:kv_slots_free"] + after["radixrt:kv_slots_evictable"] == 8192
     assert 0 < after["radixrt:cache_hit_rate"] <= 1
@@ -436,11 +691,15 @@ def test_metrics_move_with_requests(server, oai):
 
 # ------------------------------------------------------------------ drain
 
+
 def test_sigterm_drain_over_http():
     srv = Server("--grace-period", "60")
     try:
         body = {"prompt": "drain me", "max_tokens": 120, "stream": True, "ignore_eos": True}
-        with httpx.Client(base_url=srv.http, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as s:
+        with (
+            httpx.Client(base_url=srv.http, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as s,
+        ):
             lines = s.iter_lines()
             assert next(lines).startswith("data: ")
             srv.proc.send_signal(signal.SIGTERM)
@@ -448,8 +707,14 @@ def test_sigterm_drain_over_http():
                 if c.get("/health").status_code == 503:
                     break
             assert_error(c.get("/health"), 503, "shutting_down")
-            assert_error(c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1}), 503, "shutting_down")
-            rest = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+            assert_error(
+                c.post("/v1/completions", json={"prompt": "late", "max_tokens": 1}),
+                503,
+                "shutting_down",
+            )
+            rest = [
+                json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"
+            ]
             assert rest[-1]["choices"][0]["finish_reason"] == "length"
         assert srv.proc.wait(60) == 0
     finally:

@@ -53,6 +53,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def engine():
     from radixrt import Engine
+
     eng = Engine(model=tiny_model_path("llama"), dtype="float32", max_total_tokens=8192)
     yield eng
     eng.check_memory()
@@ -61,8 +62,22 @@ def engine():
 @pytest.fixture(scope="module")
 def server_address():
     port = _free_port()
-    cmd = [sys.executable, "-m", "radixrt.cli", "launch", "--model", tiny_model_path("llama"),
-           "--dtype", "float32", "--max-total-tokens", "8192", "--port", str(port), "--http-port", "0"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixrt.cli",
+        "launch",
+        "--model",
+        tiny_model_path("llama"),
+        "--dtype",
+        "float32",
+        "--max-total-tokens",
+        "8192",
+        "--port",
+        str(port),
+        "--http-port",
+        "0",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     lines: queue.Queue[str] = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
@@ -92,10 +107,14 @@ def _raw_generate(backend, text: str, sp: SamplingParams):
 def test_qa_matches_hand_built_prompt(backend):
     state = qa.run(question="Capital of France?", backend=backend)
     assert state.error is None
-    msgs = [{"role": "system", "content": "You answer in one word."},
-            {"role": "user", "content": "Capital of France?"}]
+    msgs = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Capital of France?"},
+    ]
     prompt = backend.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    want = _raw_generate(backend, prompt, SamplingParams(max_new_tokens=16, temperature=0.0, stop="\n"))
+    want = _raw_generate(
+        backend, prompt, SamplingParams(max_new_tokens=16, temperature=0.0, stop="\n")
+    )
     assert state["answer"] == want.text
     assert state.text() == prompt + want.text + "<|im_end|>\n"
     assert state.messages() == msgs + [{"role": "assistant", "content": want.text}]
@@ -103,6 +122,7 @@ def test_qa_matches_hand_built_prompt(backend):
 
 def test_select_matches_transformers(backend):
     from transformers import AutoModelForCausalLM
+
     choices = [" None", " request.json()", " 42", " parse(request.body, strict=True)"]
     state = pick.run(prefix=PREFIX, choices=choices, backend=backend)
     assert state.error is None
@@ -114,7 +134,9 @@ def test_select_matches_transformers(backend):
         for c in choices:
             cont = tok.encode(c, add_special_tokens=False)
             lp = model(torch.tensor([prefix + cont])).logits.log_softmax(-1)[0]
-            scores.append(sum(lp[len(prefix) - 1 + k, t].item() for k, t in enumerate(cont)) / len(cont))
+            scores.append(
+                sum(lp[len(prefix) - 1 + k, t].item() for k, t in enumerate(cont)) / len(cont)
+            )
     assert state["choice"] == choices[max(range(len(choices)), key=scores.__getitem__)]
     assert state.get_meta_info("choice")["normalized_logprobs"] == pytest.approx(scores, abs=1e-3)
 
@@ -132,7 +154,9 @@ def test_fork_children_hit_shared_prefix(backend):
 
 def test_run_batch_16_with_progress_bar(backend, capsys):
     qs = [f"Question number {i}?" for i in range(16)]
-    states = qa.run_batch([{"question": q} for q in qs], backend=backend, num_threads=8, progress_bar=True)
+    states = qa.run_batch(
+        [{"question": q} for q in qs], backend=backend, num_threads=8, progress_bar=True
+    )
     assert len(states) == 16 and all(st.error is None for st in states)
     singles = qa.run(question=qs[3], backend=backend)
     assert states[3]["answer"] == singles["answer"]
@@ -169,11 +193,15 @@ def test_backend_down_raises():
 def test_engine_score_and_prefill_only_cache(engine):
     tok = engine.tokenizer
     prefix = tok.encode(PREFIX)
-    out = engine.generate(input_ids=[prefix + tok.encode(" x")], sampling_params=SamplingParams(max_new_tokens=0))[0]
+    out = engine.generate(
+        input_ids=[prefix + tok.encode(" x")], sampling_params=SamplingParams(max_new_tokens=0)
+    )[0]
     assert out.token_ids == [] and out.finish_reason == "length"
-    again = engine.generate(input_ids=[prefix + tok.encode(" x")], sampling_params=SamplingParams(max_new_tokens=0))[0]
+    again = engine.generate(
+        input_ids=[prefix + tok.encode(" x")], sampling_params=SamplingParams(max_new_tokens=0)
+    )[0]
     assert again.cached_tokens >= len(prefix)
-    (lp, n), = engine.score(prefix, [tok.encode(" x", add_special_tokens=False)])
+    ((lp, n),) = engine.score(prefix, [tok.encode(" x", add_special_tokens=False)])
     assert n == 1 and lp < 0
     engine.check_memory()
 
@@ -217,8 +245,11 @@ def test_cache_salt_reaches_select_and_run_batch(engine):
     hit = cont.run(prefix=PREFIX + " pick(", backend=be, cache_salt="lang-c")
     assert hit.get_meta_info("x")["cached_tokens"] > 0  # select cached its prefix under lang-c
     qs = [{"question": f"Salted question {i}?"} for i in range(3)]
-    states = qa.run_batch(qs + [{"question": "Salted question 0?", "cache_salt": "lang-e"}],
-                          backend=be, cache_salt="lang-d")
+    states = qa.run_batch(
+        qs + [{"question": "Salted question 0?", "cache_salt": "lang-e"}],
+        backend=be,
+        cache_salt="lang-d",
+    )
     assert all(st.error is None for st in states)
     assert all(st.get_meta_info("answer")["cached_tokens"] > 0 for st in states[:3])
     assert states[3].get_meta_info("answer")["cached_tokens"] == 0  # its own salt: nothing cached

@@ -13,13 +13,12 @@ import time
 import msgspec
 import pytest
 import zmq
+from server_harness import Server, wait_gone, wait_idle
 
 import radixrt
 from radixrt.client import AsyncClient, Client, ServerError
 from radixrt.protocol import ErrorCode, ErrorReply, GenerateRequest, Hello, decode, encode
 from radixrt.testing import tiny_model_path
-
-from server_harness import Server, wait_gone, wait_idle
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 16}
 
@@ -34,9 +33,12 @@ def server():
 @pytest.mark.parametrize("stop", [None, ["a"], ["def", "\n\n"]])
 def test_detokenizer_deltas_concatenate_to_engine_text(stop):
     import random
+
     from transformers import AutoTokenizer
-    from radixrt.protocol import BatchTokenOut, TokenDelta
+
     from radixrt.output import Detokenizer, cut_at_stop
+    from radixrt.protocol import BatchTokenOut, TokenDelta
+
     tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
     detok = Detokenizer(tok)
     rng = random.Random(0)
@@ -46,8 +48,12 @@ def test_detokenizer_deltas_concatenate_to_engine_text(stop):
         while pos < len(ids):
             n = rng.randint(1, 3)
             last = pos + n >= len(ids)
-            item = TokenDelta(rid=str(trial), token_ids=ids[pos:pos + n], stop=stop if pos == 0 else None,
-                              finish_reason="length" if last else None)
+            item = TokenDelta(
+                rid=str(trial),
+                token_ids=ids[pos : pos + n],
+                stop=stop if pos == 0 else None,
+                finish_reason="length" if last else None,
+            )
             got.append(detok.process(BatchTokenOut(items=[item])).items[0].text)
             pos += n
         assert "".join(got) == cut_at_stop(tok.decode(ids, skip_special_tokens=True), stop)
@@ -55,8 +61,10 @@ def test_detokenizer_deltas_concatenate_to_engine_text(stop):
 
 
 def test_ready_line(server):
-    assert server.ready_line == (f"radixrt ready on {server.address} and {server.http} "
-                                 f"(model {os.path.basename(tiny_model_path('llama'))}, 8192 KV slots)\n")
+    assert server.ready_line == (
+        f"radixrt ready on {server.address} and {server.http} "
+        f"(model {os.path.basename(tiny_model_path('llama'))}, 8192 KV slots)\n"
+    )
 
 
 def test_greedy_matches_engine(client):
@@ -65,8 +73,12 @@ def test_greedy_matches_engine(client):
     want = eng.generate(prompts, radixrt.SamplingParams(**GREEDY))
     got = client.generate_batch(prompts, GREEDY)
     for w, g in zip(want, got):
-        assert (g.text, g.token_ids, g.finish_reason, g.prompt_tokens) == \
-               (w.text, w.token_ids, w.finish_reason, w.prompt_tokens)
+        assert (g.text, g.token_ids, g.finish_reason, g.prompt_tokens) == (
+            w.text,
+            w.token_ids,
+            w.finish_reason,
+            w.prompt_tokens,
+        )
     one = client.generate(prompts[0], radixrt.SamplingParams(**GREEDY))
     assert one.token_ids == want[0].token_ids
 
@@ -85,7 +97,9 @@ def test_stream_concatenates_to_full_text(client):
 
 
 def test_stop_string_stream(client):
-    base = client.generate("import os", {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True})
+    base = client.generate(
+        "import os", {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    )
     stop = base.text[5:8]
     sp = {"temperature": 0.0, "max_new_tokens": 24, "stop": [stop]}
     full = client.generate("import os", sp)
@@ -98,6 +112,7 @@ def test_chat_messages(client, server):
     msgs = [{"role": "user", "content": "hello"}]
     out = client.generate(messages=msgs, sampling_params=GREEDY)
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
     ids = tok.encode(tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     assert out.prompt_tokens == len(ids)
@@ -110,8 +125,9 @@ def test_32_concurrent_requests_from_4_clients(server):
     def worker(k: int) -> None:
         with Client(server.address, timeout=60) as c:
             prompts = [f"def f{k}_{i}(x):\n    return" for i in range(8)]
-            results[k] = c.generate_batch(prompts, {"temperature": 0.0, "max_new_tokens": 12,
-                                                    "ignore_eos": True})
+            results[k] = c.generate_batch(
+                prompts, {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+            )
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
     for t in threads:
@@ -131,7 +147,9 @@ def test_shared_prefix_second_round_hits_cache(client):
 
 
 def test_abort_mid_stream_frees_kv(client):
-    stream = client.generate("while True:", {"max_new_tokens": 1500, "ignore_eos": True}, stream=True)
+    stream = client.generate(
+        "while True:", {"max_new_tokens": 1500, "ignore_eos": True}, stream=True
+    )
     chunks = []
     for chunk in stream:
         chunks.append(chunk)
@@ -144,8 +162,11 @@ def test_abort_mid_stream_frees_kv(client):
 
 def test_client_disconnect_aborts_its_requests(server, client):
     gone = Client(server.address, timeout=60)
-    stream = iter(gone.generate("for i in range(10):", {"max_new_tokens": 1500, "ignore_eos": True},
-                                stream=True))
+    stream = iter(
+        gone.generate(
+            "for i in range(10):", {"max_new_tokens": 1500, "ignore_eos": True}, stream=True
+        )
+    )
     next(stream), next(stream)
     gone._pending.clear()  # drop the stream without sending an abort, then vanish
     gone.close()
@@ -155,8 +176,13 @@ def test_client_disconnect_aborts_its_requests(server, client):
 
 def test_client_disconnect_aborts_non_streaming_requests(server, client):
     gone = Client(server.address, timeout=60)
-    gone._send(GenerateRequest(req_id="long", prompt="x = [",  # sent, never waited for
-                               sampling_params={"max_new_tokens": 1900, "ignore_eos": True}))
+    gone._send(
+        GenerateRequest(
+            req_id="long",
+            prompt="x = [",  # sent, never waited for
+            sampling_params={"max_new_tokens": 1900, "ignore_eos": True},
+        )
+    )
     deadline = time.monotonic() + 10
     while client.server_info()["running"] == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -180,7 +206,7 @@ def test_errors_are_replies(client):
         client.generate(input_ids=[5] * 3000)
     assert e.value.code == ErrorCode.PROMPT_TOO_LONG
     with pytest.raises(ServerError) as e:
-        client.generate(input_ids=[10 ** 6])
+        client.generate(input_ids=[10**6])
     assert e.value.code == ErrorCode.INVALID_REQUEST
     with pytest.raises(ServerError) as e:
         client.abort("no-such-request")
@@ -201,9 +227,14 @@ def test_malformed_messages_get_error_replies(server, client):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.address)
-    bad = [b"\xc1garbage", b"", msgspec.msgpack.encode({"type": "nope", "req_id": "x"}),
-           msgspec.msgpack.encode([1, 2, 3]), msgspec.msgpack.encode({"type": "generate"}),
-           msgspec.msgpack.encode({"type": "batch_tokens", "items": []})]
+    bad = [
+        b"\xc1garbage",
+        b"",
+        msgspec.msgpack.encode({"type": "nope", "req_id": "x"}),
+        msgspec.msgpack.encode([1, 2, 3]),
+        msgspec.msgpack.encode({"type": "generate"}),
+        msgspec.msgpack.encode({"type": "batch_tokens", "items": []}),
+    ]
     try:
         for i in range(100):
             sock.send(bad[i % len(bad)])
@@ -229,20 +260,32 @@ def test_async_client_and_backpressure(server):
             chunks = [ch async for ch in await c.generate("async def f():", GREEDY, stream=True)]
             assert "".join(ch.text for ch in chunks) == out.text
             sp = {"max_new_tokens": 24, "ignore_eos": True}
-            results = await asyncio.gather(*(c.generate(f"item {i}", sp) for i in range(120)),
-                                           return_exceptions=True)
+            results = await asyncio.gather(
+                *(c.generate(f"item {i}", sp) for i in range(120)), return_exceptions=True
+            )
             assert await c.health()
             return results
 
     results = asyncio.run(main())
     errors = [r for r in results if isinstance(r, Exception)]
-    assert errors and all(isinstance(e, ServerError) and e.code == ErrorCode.OVERLOADED for e in errors)
+    assert errors and all(
+        isinstance(e, ServerError) and e.code == ErrorCode.OVERLOADED for e in errors
+    )
     assert len(errors) < len(results)
 
 
 def test_cli_generate_with_server(server, client):
-    cmd = [sys.executable, "-m", "radixrt.cli", "generate", "--server", server.address,
-           "--max-new-tokens", "8", "def main():"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "radixrt.cli",
+        "generate",
+        "--server",
+        server.address,
+        "--max-new-tokens",
+        "8",
+        "def main():",
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     want = client.generate("def main():", {"temperature": 0.0, "max_new_tokens": 8}).text
@@ -286,5 +329,6 @@ def test_children_die_with_a_killed_launcher():
         import glob
         import shutil
         import tempfile
+
         for path in glob.glob(os.path.join(tempfile.gettempdir(), f"radixrt-{srv.proc.pid}-*")):
             shutil.rmtree(path, ignore_errors=True)  # the killed launcher's ipc folder

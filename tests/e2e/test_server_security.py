@@ -15,11 +15,10 @@ import threading
 import msgspec
 import pytest
 import zmq
+from server_harness import Server, assert_idle_kv, wait_idle
 
 from radixrt.client import Client, ServerError
 from radixrt.protocol import ErrorCode, ErrorReply, GenerateRequest, decode, encode
-
-from server_harness import Server, assert_idle_kv, wait_idle
 
 KEYS = ("key-alpha", "key-beta")
 SHARED = "You are a careful assistant. Answer in one short sentence. " * 6  # > 32 tokens
@@ -28,9 +27,19 @@ SHARED = "You are a careful assistant. Answer in one short sentence. " * 6  # > 
 @pytest.fixture(scope="module")
 def guarded():
     """API keys (two tenants, isolated) and small limits."""
-    srv = Server("--api-key", ",".join(KEYS), "--isolate-by-api-key", "--max-message-bytes", "4096",
-                 "--max-prompt-tokens", "200", "--max-new-tokens-limit", "64",
-                 "--max-requests-per-client", "2")
+    srv = Server(
+        "--api-key",
+        ",".join(KEYS),
+        "--isolate-by-api-key",
+        "--max-message-bytes",
+        "4096",
+        "--max-prompt-tokens",
+        "200",
+        "--max-new-tokens-limit",
+        "64",
+        "--max-requests-per-client",
+        "2",
+    )
     yield srv
     srv.stop()
 
@@ -56,6 +65,7 @@ def recv(sock: zmq.Socket, timeout_ms: int = 30000):
 
 # ------------------------------------------------------------------ who may connect
 
+
 def test_requests_need_a_valid_api_key(guarded, alpha):
     assert "127.0.0.1" in guarded.ready_line
     for key in (None, "", "key-gamma", KEYS[0] + "x"):
@@ -65,7 +75,11 @@ def test_requests_need_a_valid_api_key(guarded, alpha):
     sock = raw_socket(guarded.address)  # every message is checked, not only the handshake
     sock.send(encode(GenerateRequest(req_id="r1", prompt="hi")))
     reply = recv(sock)
-    assert isinstance(reply, ErrorReply) and reply.req_id == "r1" and reply.code == ErrorCode.UNAUTHORIZED
+    assert (
+        isinstance(reply, ErrorReply)
+        and reply.req_id == "r1"
+        and reply.code == ErrorCode.UNAUTHORIZED
+    )
     sock.close()
     with Client(guarded.address, timeout=30, api_key=KEYS[1]) as beta:
         assert beta.generate("hi", {"max_new_tokens": 4}).finish_reason in ("stop", "length")
@@ -88,13 +102,18 @@ def test_api_key_from_the_environment():
 
 def test_curve_encryption(tmp_path):
     folder = str(tmp_path / "keys")
-    res = subprocess.run([sys.executable, "-m", "radixrt.cli", "curve-keygen", folder],
-                         capture_output=True, text=True)
+    res = subprocess.run(
+        [sys.executable, "-m", "radixrt.cli", "curve-keygen", folder],
+        capture_output=True,
+        text=True,
+    )
     assert res.returncode == 0, res.stderr
     assert oct(os.stat(os.path.join(folder, "server.key_secret")).st_mode & 0o777) == "0o600"
     srv = Server("--curve-keys", folder)
     try:
-        with Client(srv.address, timeout=30, curve_server_key=os.path.join(folder, "server.key")) as c:
+        with Client(
+            srv.address, timeout=30, curve_server_key=os.path.join(folder, "server.key")
+        ) as c:
             out = c.generate("def f(x):", {"max_new_tokens": 5, "temperature": 0})
             assert len(out.token_ids) == 5
             assert_idle_kv(c)
@@ -104,6 +123,7 @@ def test_curve_encryption(tmp_path):
         # sit blocked in send, but end with the client
         assert not [t for t in threading.enumerate() if t.name == "radixrt-client"]
         import zmq.auth
+
         public = zmq.auth.load_certificate(os.path.join(folder, "server.key"))[0]
         with Client(srv.address, timeout=30, curve_server_key=public.decode()) as c:
             assert c.health()
@@ -112,6 +132,7 @@ def test_curve_encryption(tmp_path):
 
 
 # ------------------------------------------------------------------ limits
+
 
 def test_message_size_limit(guarded, alpha):
     with pytest.raises(ServerError) as e:
@@ -127,7 +148,10 @@ def test_prompt_and_max_new_tokens_limits(alpha):
     with pytest.raises(ServerError) as e:
         alpha.generate(input_ids=[7] * 201)
     assert e.value.code == ErrorCode.PROMPT_TOO_LONG and "200" in str(e.value)
-    assert alpha.generate(input_ids=[7] * 200, sampling_params={"max_new_tokens": 1}).prompt_tokens == 200
+    assert (
+        alpha.generate(input_ids=[7] * 200, sampling_params={"max_new_tokens": 1}).prompt_tokens
+        == 200
+    )
     with pytest.raises(ServerError) as e:
         alpha.generate("hi", {"max_new_tokens": 65})
     assert e.value.code == ErrorCode.LIMIT_EXCEEDED and "64" in str(e.value)
@@ -148,6 +172,7 @@ def test_requests_in_flight_per_client(guarded, alpha):
 
 
 # ------------------------------------------------------------------ tenant isolation
+
 
 def test_tenants_never_share_cached_prefixes(guarded, alpha):
     prompt = SHARED + "Question one?"
@@ -175,6 +200,7 @@ def test_cache_salt_namespaces_the_cache(guarded, alpha):
 
 # ------------------------------------------------------------------ graceful drain
 
+
 def _stream_in_thread(client: Client, prompt: str, max_new_tokens: int):
     """Start a streamed request; return (first-chunk event, result dict filled when it ends)."""
     started, result = threading.Event(), {}
@@ -182,8 +208,12 @@ def _stream_in_thread(client: Client, prompt: str, max_new_tokens: int):
     def run():
         try:
             chunks = []
-            for chunk in client.generate(prompt, {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-                                         stream=True, timeout=120):
+            for chunk in client.generate(
+                prompt,
+                {"max_new_tokens": max_new_tokens, "ignore_eos": True},
+                stream=True,
+                timeout=120,
+            ):
                 chunks.append(chunk)
                 started.set()
             result["tokens"] = sum(len(c.token_ids) for c in chunks)

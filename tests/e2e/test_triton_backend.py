@@ -17,7 +17,9 @@ import sys
 from radixrt import SamplingParams
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
-PROMPTS = [SYSTEM + q for q in ("What does zip return?", "Why use pathlib?", "What is a generator?")]
+PROMPTS = [
+    SYSTEM + q for q in ("What does zip return?", "Why use pathlib?", "What is a generator?")
+]
 NEW = 6
 ENGINE_ARGS = dict(dtype="float32", max_total_tokens=2048, device="cpu")
 MARK = "TRITON_RESULT "
@@ -39,15 +41,20 @@ print({MARK!r} + json.dumps([[list(o.token_ids), o.cached_tokens] for o in outs]
 
 def test_triton_backend_matches_torch(tiny_llama, engine_factory):
     greedy = SamplingParams(max_new_tokens=NEW, temperature=0.0, ignore_eos=True)
-    want = engine_factory(tiny_llama, attention_backend="torch", **ENGINE_ARGS).generate(PROMPTS, greedy)
+    want = engine_factory(tiny_llama, attention_backend="torch", **ENGINE_ARGS).generate(
+        PROMPTS, greedy
+    )
     args = json.dumps([tiny_llama, PROMPTS, NEW, ENGINE_ARGS])
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONFAULTHANDLER": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, args], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, args], env=env, capture_output=True, text=True, timeout=600
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
-    assert proc.returncode == 0 and lines, f"triton engine subprocess failed (exit {proc.returncode}):\n" \
-                                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    got = json.loads(lines[-1][len(MARK):])
+    assert proc.returncode == 0 and lines, (
+        f"triton engine subprocess failed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    got = json.loads(lines[-1][len(MARK) :])
     assert [ids for ids, _ in got] == [list(o.token_ids) for o in want]
     assert [cached for _, cached in got] == [o.cached_tokens for o in want]
     assert sum(cached for _, cached in got) > 0, "no request extended a cached prefix"

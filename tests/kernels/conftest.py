@@ -45,6 +45,7 @@ _results: dict[str, Outcome] = {}  # node id → outcome, filled a child run at 
 
 # ---- parent: proxy each test ----------------------------------------------------------------
 
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if IN_CHILD:
@@ -52,11 +53,17 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     if pyfuncitem.nodeid not in _results:
         env = _child_env(pyfuncitem.module)
         here = Path(__file__).parent
-        batch = [i.nodeid for i in pyfuncitem.session.items
-                 if i.path.is_relative_to(here) and i.nodeid not in _results
-                 and _child_env(getattr(i, "module", None)) == env]
+        batch = [
+            i.nodeid
+            for i in pyfuncitem.session.items
+            if i.path.is_relative_to(here)
+            and i.nodeid not in _results
+            and _child_env(getattr(i, "module", None)) == env
+        ]
         _results.update(_run_children(pyfuncitem.config.rootpath, batch, env))
-    outcome = _results.get(pyfuncitem.nodeid, Outcome("failed", "the child pytest did not report this test"))
+    outcome = _results.get(
+        pyfuncitem.nodeid, Outcome("failed", "the child pytest did not report this test")
+    )
     if outcome.status == "skipped":
         pytest.skip(outcome.text)
     if outcome.status == "failed":
@@ -68,6 +75,7 @@ def _child_env(module: object) -> dict[str, str]:
     env = dict(os.environ)
     if "TRITON_INTERPRET" not in env:
         import torch
+
         env["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
     env.update(getattr(module, "KERNEL_ENV", {}))
     env[CHILD_FLAG] = "1"
@@ -88,26 +96,51 @@ def _run_children(rootdir: Path, nodeids: list[str], env: dict[str, str]) -> dic
         culprit = started[-1] if started and started[-1] not in results else None
         if culprit is None:  # nothing ran (collection error) or the child lost track: give up
             for nodeid in pending:
-                results[nodeid] = Outcome("failed", f"child pytest exited {rc} without running it:\n{tail}")
+                results[nodeid] = Outcome(
+                    "failed", f"child pytest exited {rc} without running it:\n{tail}"
+                )
             break
         results[culprit] = Outcome("failed", f"child pytest died (exit {rc}) in this test:\n{tail}")
         pending.remove(culprit)
     return results
 
 
-def _run_child(rootdir: Path, nodeids: list[str], env: dict[str, str]
-               ) -> tuple[dict[str, Outcome], list[str], int, str]:
+def _run_child(
+    rootdir: Path, nodeids: list[str], env: dict[str, str]
+) -> tuple[dict[str, Outcome], list[str], int, str]:
     with tempfile.TemporaryDirectory(prefix="radixrt-kernels-") as tmp:
         report = Path(tmp) / "report.jsonl"
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(rootdir),
-               *nodeids]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(rootdir),
+            *nodeids,
+        ]
         try:
-            proc = subprocess.run(cmd, cwd=rootdir, env={**env, REPORT_PATH: str(report)},
-                                  capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            proc = subprocess.run(
+                cmd,
+                cwd=rootdir,
+                env={**env, REPORT_PATH: str(report)},
+                capture_output=True,
+                text=True,
+                timeout=CHILD_TIMEOUT_S,
+            )
             rc, output = proc.returncode, proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            rc, output = -1, f"timed out after {CHILD_TIMEOUT_S:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
-        events = [json.loads(line) for line in report.read_text().splitlines()] if report.exists() else []
+            rc, output = (
+                -1,
+                f"timed out after {CHILD_TIMEOUT_S:.0f} s\n{e.stdout or ''}{e.stderr or ''}",
+            )
+        events = (
+            [json.loads(line) for line in report.read_text().splitlines()]
+            if report.exists()
+            else []
+        )
     outcomes: dict[str, Outcome] = {}
     started = []
     for ev in events:
@@ -119,6 +152,7 @@ def _run_child(rootdir: Path, nodeids: list[str], env: dict[str, str]
 
 
 # ---- child: record each test's events -------------------------------------------------------
+
 
 def _record(event: dict[str, str]) -> None:
     with open(os.environ[REPORT_PATH], "a") as f:
@@ -137,4 +171,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         text = report.longreprtext
         if report.skipped and isinstance(report.longrepr, tuple):
             text = report.longrepr[2].removeprefix("Skipped: ")  # (file, line, reason)
-        _record({"event": "report", "nodeid": report.nodeid, "status": report.outcome, "text": text})
+        _record(
+            {"event": "report", "nodeid": report.nodeid, "status": report.outcome, "text": text}
+        )

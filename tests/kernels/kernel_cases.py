@@ -21,11 +21,17 @@ from radixrt_kernels import INTERPRET
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (atol, rtol) of a kernel against the fp32 reference rounded to the dtype.
-TOLERANCE = {torch.float32: (2e-5, 2e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1.6e-2, 1.6e-2)}
+TOLERANCE = {
+    torch.float32: (2e-5, 2e-5),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
 
 
 def make_generator(request: pytest.FixtureRequest) -> tuple[torch.Generator, int]:
-    seed = (zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("RADIXRT_KERNEL_SEED", "0"))) % 2**31
+    seed = (
+        zlib.crc32(request.node.nodeid.encode()) + int(os.environ.get("RADIXRT_KERNEL_SEED", "0"))
+    ) % 2**31
     return torch.Generator().manual_seed(seed), seed
 
 
@@ -41,18 +47,27 @@ def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 class PagedKV(NamedTuple):
     k_buffer: torch.Tensor  # [num_slots, KH, D]
     v_buffer: torch.Tensor
-    indptr: torch.Tensor    # [B + 1]
-    indices: torch.Tensor   # [sum(lens)] scattered slots
+    indptr: torch.Tensor  # [B + 1]
+    indices: torch.Tensor  # [sum(lens)] scattered slots
 
 
-def paged_kv(gen: torch.Generator, lens: list[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
-             index_dtype: torch.dtype = torch.int64, spare: int = 7) -> PagedKV:
+def paged_kv(
+    gen: torch.Generator,
+    lens: list[int],
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    index_dtype: torch.dtype = torch.int64,
+    spare: int = 7,
+) -> PagedKV:
     """Buffers with ``spare`` more rows than needed, and the slots of sequences of ``lens``."""
     num_slots = sum(lens) + spare
     k_buffer = randn(gen, num_slots, kv_heads, head_dim, dtype=dtype)
     v_buffer = randn(gen, num_slots, kv_heads, head_dim, dtype=dtype)
-    indices = torch.randperm(num_slots, generator=gen)[:sum(lens)]
-    return PagedKV(k_buffer, v_buffer, indptr(lens, index_dtype), indices.to(index_dtype).to(DEVICE))
+    indices = torch.randperm(num_slots, generator=gen)[: sum(lens)]
+    return PagedKV(
+        k_buffer, v_buffer, indptr(lens, index_dtype), indices.to(index_dtype).to(DEVICE)
+    )
 
 
 def indptr(lens: list[int], dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -67,5 +82,10 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
     atol, rtol = TOLERANCE[out.dtype]
     err = (out.float() - ref.float()).abs().max().item()
     rel = err / max(ref.float().abs().max().item(), 1e-6)
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol,
-                               msg=lambda m: f"seed {seed}: max abs err {err:.3g}, rel {rel:.3g}\n{m}")
+    torch.testing.assert_close(
+        out.float(),
+        ref.float(),
+        atol=atol,
+        rtol=rtol,
+        msg=lambda m: f"seed {seed}: max abs err {err:.3g}, rel {rel:.3g}\n{m}",
+    )

@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kernel_cases import DEVICE, DTYPES, assert_matches, make_generator, paged_kv, poisoned, randn
-from radixrt_kernels.decode_attention import (MAX_KV_SPLITS, DecodeConfig, DecodeWorkspace,
-                                              choose_num_kv_splits, decode_attention)
+
+from radixrt_kernels.decode_attention import (
+    MAX_KV_SPLITS,
+    DecodeConfig,
+    DecodeWorkspace,
+    choose_num_kv_splits,
+    decode_attention,
+)
 from radixrt_kernels.reference import decode_attention_ref
 
 SEQ_LENS = [1, 17, 64, 100, 33]
 
 
-def _run(gen, seed, lens, heads, kv_heads, head_dim, dtype, num_kv_splits, config=None,
-         index_dtype=torch.int64, q_view=False, workspace=True):
+def _run(
+    gen,
+    seed,
+    lens,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    num_kv_splits,
+    config=None,
+    index_dtype=torch.int64,
+    q_view=False,
+    workspace=True,
+):
     kv = paged_kv(gen, lens, kv_heads, head_dim, dtype, index_dtype)
     batch = len(lens)
     if q_view:  # q as the model makes it: a strided view of the [B, H + 2·KH, D] projection
@@ -28,11 +45,15 @@ def _run(gen, seed, lens, heads, kv_heads, head_dim, dtype, num_kv_splits, confi
         q = randn(gen, batch, heads, head_dim, dtype=dtype)
     ws = None
     if workspace:
-        ws = DecodeWorkspace(poisoned((batch, heads, num_kv_splits, head_dim), torch.float32),
-                             poisoned((batch, heads, num_kv_splits), torch.float32))
+        ws = DecodeWorkspace(
+            poisoned((batch, heads, num_kv_splits, head_dim), torch.float32),
+            poisoned((batch, heads, num_kv_splits), torch.float32),
+        )
     o = poisoned(q.shape, dtype)
-    scale = head_dim ** -0.5
-    decode_attention(q, kv.k_buffer, kv.v_buffer, o, kv.indptr, kv.indices, scale, num_kv_splits, ws, config)
+    scale = head_dim**-0.5
+    decode_attention(
+        q, kv.k_buffer, kv.v_buffer, o, kv.indptr, kv.indices, scale, num_kv_splits, ws, config
+    )
     ref = decode_attention_ref(q, kv.k_buffer, kv.v_buffer, kv.indptr, kv.indices, scale)
     assert_matches(o, ref, seed)
 
@@ -62,18 +83,39 @@ def test_decode_other_head_dims(head_dim, request):
 def test_decode_wide_group_int32_model_layout(request):
     """G = 32 query heads per KV head (BLOCK_H 32), int32 indices, q a strided view, own workspace."""
     gen, seed = make_generator(request)
-    _run(gen, seed, [9, 30], 32, 1, 64, torch.float16, 2, index_dtype=torch.int32, q_view=True,
-         workspace=False)
+    _run(
+        gen,
+        seed,
+        [9, 30],
+        32,
+        1,
+        64,
+        torch.float16,
+        2,
+        index_dtype=torch.int32,
+        q_view=True,
+        workspace=False,
+    )
 
 
 def test_decode_block_config(request):
     gen, seed = make_generator(request)
-    _run(gen, seed, [50, 1, 97], 4, 2, 32, torch.bfloat16, 3, DecodeConfig(block_n=32, num_warps=4, num_stages=1))
+    _run(
+        gen,
+        seed,
+        [50, 1, 97],
+        4,
+        2,
+        32,
+        torch.bfloat16,
+        3,
+        DecodeConfig(block_n=32, num_warps=4, num_stages=1),
+    )
 
 
 def test_choose_num_kv_splits():
-    assert choose_num_kv_splits(1, 8, 32768, 132) == MAX_KV_SPLITS       # few programs, long sequences
-    assert choose_num_kv_splits(256, 8, 32768, 132) == 1                 # the batch fills the device
+    assert choose_num_kv_splits(1, 8, 32768, 132) == MAX_KV_SPLITS  # few programs, long sequences
+    assert choose_num_kv_splits(256, 8, 32768, 132) == 1  # the batch fills the device
     assert choose_num_kv_splits(4, 8, 700, 132, min_split_len=256) == 3  # bounded by split length
     assert choose_num_kv_splits(4, 8, 1, 132) == 1
 
@@ -81,9 +123,17 @@ def test_choose_num_kv_splits():
 def _valid_args(gen):
     kv = paged_kv(gen, [3, 5], 2, 32, torch.float32)
     q = randn(gen, 2, 4, 32, dtype=torch.float32)
-    return dict(q=q, k_buffer=kv.k_buffer, v_buffer=kv.v_buffer, o=torch.empty_like(q), kv_indptr=kv.indptr,
-                kv_indices=kv.indices, sm_scale=0.2, num_kv_splits=2,
-                workspace=DecodeWorkspace.allocate(2, 4, 32, 2, DEVICE))
+    return dict(
+        q=q,
+        k_buffer=kv.k_buffer,
+        v_buffer=kv.v_buffer,
+        o=torch.empty_like(q),
+        kv_indptr=kv.indptr,
+        kv_indices=kv.indices,
+        sm_scale=0.2,
+        num_kv_splits=2,
+        workspace=DecodeWorkspace.allocate(2, 4, 32, 2, DEVICE),
+    )
 
 
 BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the error must start with)
@@ -99,10 +149,18 @@ BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the
     ("num_kv_splits_zero", "num_kv_splits", lambda a: 0, "num_kv_splits"),
     ("num_kv_splits_too_many", "num_kv_splits", lambda a: MAX_KV_SPLITS + 1, "num_kv_splits"),
     ("sm_scale_nan", "sm_scale", lambda a: float("nan"), "sm_scale"),
-    ("workspace_splits", "workspace", lambda a: DecodeWorkspace.allocate(2, 4, 32, 3, DEVICE),
-     "workspace.partial_o"),
-    ("workspace_lse_dtype", "workspace",
-     lambda a: a["workspace"]._replace(partial_lse=a["workspace"].partial_lse.half()), "workspace.partial_lse"),
+    (
+        "workspace_splits",
+        "workspace",
+        lambda a: DecodeWorkspace.allocate(2, 4, 32, 3, DEVICE),
+        "workspace.partial_o",
+    ),
+    (
+        "workspace_lse_dtype",
+        "workspace",
+        lambda a: a["workspace"]._replace(partial_lse=a["workspace"].partial_lse.half()),
+        "workspace.partial_lse",
+    ),
 ]
 VALUE_ARGS = [  # index values: checked only on CPU, where it costs no device sync
     ("kv_indptr_not_from_zero", "kv_indptr", lambda a: a["kv_indptr"] + 1, "kv_indptr"),
@@ -111,8 +169,9 @@ VALUE_ARGS = [  # index values: checked only on CPU, where it costs no device sy
 ]
 
 
-@pytest.mark.parametrize("label,name,replace,arg", BAD_ARGS + VALUE_ARGS,
-                         ids=[b[0] for b in BAD_ARGS + VALUE_ARGS])
+@pytest.mark.parametrize(
+    "label,name,replace,arg", BAD_ARGS + VALUE_ARGS, ids=[b[0] for b in BAD_ARGS + VALUE_ARGS]
+)
 def test_decode_rejects_bad_arguments(label, name, replace, arg, request):
     if DEVICE.type != "cpu" and label in {b[0] for b in VALUE_ARGS}:
         pytest.skip("index values are checked only for CPU tensors")

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kernel_cases import (
+    DEVICE,
+    DTYPES,
+    assert_matches,
+    indptr,
+    make_generator,
+    paged_kv,
+    poisoned,
+    randn,
+)
 
-from kernel_cases import DEVICE, DTYPES, assert_matches, indptr, make_generator, paged_kv, poisoned, randn
 from radixrt_kernels.extend_attention import ExtendConfig, extend_attention
 from radixrt_kernels.reference import extend_attention_ref
 
@@ -19,8 +28,19 @@ RAGGED = [(0, 37), (29, 1), (50, 20), (17, 33)]
 SMALL_BLOCKS = ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
 
 
-def _run(gen, seed, requests, heads, kv_heads, head_dim, dtype, config=None, index_dtype=torch.int64,
-         q_view=False, max_extend_len="auto"):
+def _run(
+    gen,
+    seed,
+    requests,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    config=None,
+    index_dtype=torch.int64,
+    q_view=False,
+    max_extend_len="auto",
+):
     prefixes = [p for p, _ in requests]
     extends = [e for _, e in requests]
     total = sum(extends)
@@ -33,13 +53,26 @@ def _run(gen, seed, requests, heads, kv_heads, head_dim, dtype, config=None, ind
         k_new = randn(gen, total, kv_heads, head_dim, dtype=dtype)
         v_new = randn(gen, total, kv_heads, head_dim, dtype=dtype)
     qo_indptr = indptr(extends, index_dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     o = poisoned(q.shape, dtype)
     longest = max(extends) if max_extend_len == "auto" else max_extend_len
-    extend_attention(q, k_new, v_new, o, kv.k_buffer, kv.v_buffer, qo_indptr, kv.indptr, kv.indices, scale,
-                     longest, config)
-    ref = extend_attention_ref(q, k_new, v_new, kv.k_buffer, kv.v_buffer, qo_indptr, kv.indptr, kv.indices,
-                               scale)
+    extend_attention(
+        q,
+        k_new,
+        v_new,
+        o,
+        kv.k_buffer,
+        kv.v_buffer,
+        qo_indptr,
+        kv.indptr,
+        kv.indices,
+        scale,
+        longest,
+        config,
+    )
+    ref = extend_attention_ref(
+        q, k_new, v_new, kv.k_buffer, kv.v_buffer, qo_indptr, kv.indptr, kv.indices, scale
+    )
     assert_matches(o, ref, seed)
 
 
@@ -58,8 +91,11 @@ def test_extend_other_head_dims(head_dim, request):
     _run(gen, seed, [(0, 9), (21, 1), (5, 18)], 4, 2, head_dim, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL_BLOCKS, ExtendConfig(block_m=64, block_n=32)],
-                         ids=["default", "16x16", "64x32"])
+@pytest.mark.parametrize(
+    "config",
+    [None, SMALL_BLOCKS, ExtendConfig(block_m=64, block_n=32)],
+    ids=["default", "16x16", "64x32"],
+)
 def test_extend_block_configs(config, request):
     gen, seed = make_generator(request)
     _run(gen, seed, [(40, 70), (0, 5), (3, 64)], 2, 1, 32, torch.float32, config)
@@ -68,8 +104,18 @@ def test_extend_block_configs(config, request):
 def test_extend_model_layout_int32_indices_and_empty_request(request):
     """q/k/v strided views of one projection, int32 indptr/indices, a request with no new tokens."""
     gen, seed = make_generator(request)
-    _run(gen, seed, [(12, 0), (0, 17), (33, 2)], 8, 2, 64, torch.float16, SMALL_BLOCKS,
-         index_dtype=torch.int32, q_view=True)
+    _run(
+        gen,
+        seed,
+        [(12, 0), (0, 17), (33, 2)],
+        8,
+        2,
+        64,
+        torch.float16,
+        SMALL_BLOCKS,
+        index_dtype=torch.int32,
+        q_view=True,
+    )
 
 
 def test_extend_reads_max_extend_len_from_indptr(request):
@@ -88,11 +134,24 @@ def test_extend_empty_batch():
 def _valid_args(gen):
     t, kv_heads, d = 6, 2, 32
     q = randn(gen, t, 4, d, dtype=torch.float32)
-    k_new, v_new = randn(gen, t, kv_heads, d, dtype=torch.float32), randn(gen, t, kv_heads, d, dtype=torch.float32)
+    k_new, v_new = (
+        randn(gen, t, kv_heads, d, dtype=torch.float32),
+        randn(gen, t, kv_heads, d, dtype=torch.float32),
+    )
     kv = paged_kv(gen, [3, 0], kv_heads, d, torch.float32)
-    return dict(q=q, k_new=k_new, v_new=v_new, o=torch.empty_like(q), k_buffer=kv.k_buffer,
-                v_buffer=kv.v_buffer, qo_indptr=indptr([4, 2]), kv_indptr=kv.indptr, kv_indices=kv.indices,
-                sm_scale=0.2, max_extend_len=4)
+    return dict(
+        q=q,
+        k_new=k_new,
+        v_new=v_new,
+        o=torch.empty_like(q),
+        k_buffer=kv.k_buffer,
+        v_buffer=kv.v_buffer,
+        qo_indptr=indptr([4, 2]),
+        kv_indptr=kv.indptr,
+        kv_indices=kv.indices,
+        sm_scale=0.2,
+        max_extend_len=4,
+    )
 
 
 BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the error must start with)
@@ -108,20 +167,31 @@ BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the
     ("q_last_dim_strided", "q", lambda a: a["q"].transpose(1, 2).contiguous().transpose(1, 2), "q"),
     ("qo_indptr_float", "qo_indptr", lambda a: a["qo_indptr"].float(), "qo_indptr"),
     ("kv_indptr_length", "kv_indptr", lambda a: a["kv_indptr"][:-1], "kv_indptr"),
-    ("kv_indices_strided", "kv_indices", lambda a: torch.stack([a["kv_indices"]] * 2, 1)[:, 0], "kv_indices"),
+    (
+        "kv_indices_strided",
+        "kv_indices",
+        lambda a: torch.stack([a["kv_indices"]] * 2, 1)[:, 0],
+        "kv_indices",
+    ),
     ("sm_scale_negative", "sm_scale", lambda a: -1.0, "sm_scale"),
     ("max_extend_len_float", "max_extend_len", lambda a: 4.0, "max_extend_len"),
 ]
 VALUE_ARGS = [  # index values: checked only on CPU, where it costs no device sync
     ("qo_indptr_total", "qo_indptr", lambda a: indptr([4, 1]), "qo_indptr"),
-    ("kv_indptr_decreasing", "kv_indptr", lambda a: torch.tensor([0, 3, 2], device=DEVICE), "kv_indptr"),
+    (
+        "kv_indptr_decreasing",
+        "kv_indptr",
+        lambda a: torch.tensor([0, 3, 2], device=DEVICE),
+        "kv_indptr",
+    ),
     ("kv_indices_out_of_range", "kv_indices", lambda a: a["kv_indices"] + 100, "kv_indices"),
     ("max_extend_len_short", "max_extend_len", lambda a: 3, "max_extend_len"),
 ]
 
 
-@pytest.mark.parametrize("label,name,replace,arg", BAD_ARGS + VALUE_ARGS,
-                         ids=[b[0] for b in BAD_ARGS + VALUE_ARGS])
+@pytest.mark.parametrize(
+    "label,name,replace,arg", BAD_ARGS + VALUE_ARGS, ids=[b[0] for b in BAD_ARGS + VALUE_ARGS]
+)
 def test_extend_rejects_bad_arguments(label, name, replace, arg, request):
     if DEVICE.type != "cpu" and label in {b[0] for b in VALUE_ARGS}:
         pytest.skip("index values are checked only for CPU tensors")

@@ -26,7 +26,9 @@ try:
     from triton.backends.nvidia.compiler import get_ptxas
     from triton.compiler import ASTSource
 except ImportError as e:  # another Triton layout: nothing to check against
-    pytest.skip(f"Triton's ahead-of-time compiler API is not available: {e}", allow_module_level=True)
+    pytest.skip(
+        f"Triton's ahead-of-time compiler API is not available: {e}", allow_module_level=True
+    )
 
 import radixrt_kernels.decode_attention as decode
 import radixrt_kernels.extend_attention as extend
@@ -67,35 +69,69 @@ def _spill_bytes(ptx: str) -> int:
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
         f.write(ptx)
         f.flush()
-        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{SM90}a", f.name, "-o", "/dev/null"],
-                             capture_output=True, text=True, check=True).stderr
+        log = subprocess.run(
+            [ptxas, "-v", f"--gpu-name=sm_{SM90}a", f.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stderr
     return sum(int(n) for n in re.findall(r"(\d+) bytes spill stores", log))
 
 
-@pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 64), (torch.bfloat16, 128), (torch.bfloat16, 256),
-                                            (torch.float16, 128), (torch.float32, 128)], ids=str)
+@pytest.mark.parametrize(
+    "dtype,head_dim",
+    [
+        (torch.bfloat16, 64),
+        (torch.bfloat16, 128),
+        (torch.bfloat16, 256),
+        (torch.float16, 128),
+        (torch.float32, 128),
+    ],
+    ids=str,
+)
 def test_extend_compiles_for_sm90(dtype, head_dim):
     t = TYPE[dtype]
     pointers = {n: t for n in ("Q", "K_new", "V_new", "O", "K_buf", "V_buf")}
     pointers |= {n: "i64" for n in ("Qo_indptr", "Kv_indptr", "Kv_indices")}
-    shared, spills = _compile(extend._extend_kernel, pointers, extend.launch_meta(dtype, 32, 8, head_dim))
+    shared, spills = _compile(
+        extend._extend_kernel, pointers, extend.launch_meta(dtype, 32, 8, head_dim)
+    )
     assert shared <= MAX_SHARED_BYTES
     if dtype != torch.float32:  # fp32 (three-pass TF32 dots) is a correctness path: spills allowed
         assert spills == 0
 
 
-@pytest.mark.parametrize("dtype,head_dim,group", [(torch.bfloat16, 64, 4), (torch.bfloat16, 128, 1),
-                                                  (torch.bfloat16, 128, 8), (torch.bfloat16, 256, 4),
-                                                  (torch.float32, 128, 4)], ids=str)
+@pytest.mark.parametrize(
+    "dtype,head_dim,group",
+    [
+        (torch.bfloat16, 64, 4),
+        (torch.bfloat16, 128, 1),
+        (torch.bfloat16, 128, 8),
+        (torch.bfloat16, 256, 4),
+        (torch.float32, 128, 4),
+    ],
+    ids=str,
+)
 def test_decode_compiles_for_sm90(dtype, head_dim, group):
     t = TYPE[dtype]
-    pointers = {"Q": t, "K_buf": t, "V_buf": t, "Kv_indptr": "i64", "Kv_indices": "i64",
-                "Partial_o": "fp32", "Partial_lse": "fp32"}
-    shared, spills = _compile(decode._decode_stage1, pointers, decode.launch_meta(dtype, 8 * group, 8, head_dim))
+    pointers = {
+        "Q": t,
+        "K_buf": t,
+        "V_buf": t,
+        "Kv_indptr": "i64",
+        "Kv_indices": "i64",
+        "Partial_o": "fp32",
+        "Partial_lse": "fp32",
+    }
+    shared, spills = _compile(
+        decode._decode_stage1, pointers, decode.launch_meta(dtype, 8 * group, 8, head_dim)
+    )
     assert shared <= MAX_SHARED_BYTES
     assert spills == 0
     merge_meta = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, BLOCK_S=8, BLOCK_D=head_dim, num_warps=4)
-    _, spills = _compile(decode._decode_stage2, {"Partial_o": "fp32", "Partial_lse": "fp32", "O": t}, merge_meta)
+    _, spills = _compile(
+        decode._decode_stage2, {"Partial_o": "fp32", "Partial_lse": "fp32", "O": t}, merge_meta
+    )
     assert spills == 0
 
 

@@ -149,8 +149,8 @@ def test_free_then_realloc_reuses_slots():
 def test_a_run_freed_in_order_comes_back_as_the_same_run(n):
     alloc = KVSlotAllocator(128, 1)
     a = alloc.alloc(100)
-    alloc.free(a[10:10 + n])
-    assert alloc.alloc(n).tolist() == a[10:10 + n].tolist()
+    alloc.free(a[10 : 10 + n])
+    assert alloc.alloc(n).tolist() == a[10 : 10 + n].tolist()
 
 
 @pytest.mark.parametrize("page_size", [2, 4, 16])
@@ -190,12 +190,12 @@ def test_paged_double_free_via_other_slot_of_page_raises():
 def test_alloc_extend_fills_tail_page_first():
     p = 4
     alloc = KVSlotAllocator(16 * p, p)
-    s = alloc.alloc(5)                       # page A full, page B holds 1
+    s = alloc.alloc(5)  # page A full, page B holds 1
     avail = alloc.available
-    e = alloc.alloc_extend(2, int(s[-1]))    # fits in page B's tail
+    e = alloc.alloc_extend(2, int(s[-1]))  # fits in page B's tail
     assert e.tolist() == [int(s[-1]) + 1, int(s[-1]) + 2]
-    assert alloc.available == avail          # nothing new taken
-    e2 = alloc.alloc_extend(3, int(e[-1]))   # 1 left in page B, then a fresh page
+    assert alloc.available == avail  # nothing new taken
+    e2 = alloc.alloc_extend(3, int(e[-1]))  # 1 left in page B, then a fresh page
     assert int(e2[0]) == int(e[-1]) + 1
     assert int(e2[0]) % p == p - 1
     assert int(e2[1]) % p == 0 and e2[1:].tolist() == [int(e2[1]), int(e2[1]) + 1]
@@ -211,7 +211,7 @@ def test_alloc_extend_fills_tail_page_first():
 def test_alloc_extend_at_page_boundary_takes_fresh_pages():
     p = 4
     alloc = KVSlotAllocator(8 * p, p)
-    s = alloc.alloc(p)                        # exactly one page, no tail room
+    s = alloc.alloc(p)  # exactly one page, no tail room
     avail = alloc.available
     e = alloc.alloc_extend(1, int(s[-1]))
     assert int(e[0]) % p == 0 and int(e[0]) // p != int(s[0]) // p
@@ -235,10 +235,10 @@ def test_alloc_extend_page_size_one():
 
 def test_alloc_extend_failure_takes_nothing():
     p = 4
-    alloc = KVSlotAllocator(4 * p, p)        # 3 usable pages
-    s = alloc.alloc(2 * p + 1)               # all 3 pages; 3 tail slots left
+    alloc = KVSlotAllocator(4 * p, p)  # 3 usable pages
+    s = alloc.alloc(2 * p + 1)  # all 3 pages; 3 tail slots left
     assert alloc.available == 0
-    e = alloc.alloc_extend(3, int(s[-1]))    # fits in the tail: ok
+    e = alloc.alloc_extend(3, int(s[-1]))  # fits in the tail: ok
     assert e is not None and e.numel() == 3
     assert alloc.alloc_extend(1, int(e[-1])) is None
     assert alloc.available == 0
@@ -263,13 +263,13 @@ SIZES = [1, 5, 40]
 def test_bad_free_rejected_whole_on_both_paths(n, page_size):
     alloc = KVSlotAllocator(64 * page_size, page_size)
     s = alloc.alloc(n * page_size)
-    alloc.free(s[:page_size])            # first page now free
+    alloc.free(s[:page_size])  # first page now free
     avail = alloc.available
     for bad in (s, torch.cat([s[page_size:], s[:1]])):
         with pytest.raises(ValueError, match="already free"):
             alloc.free(bad)
         assert alloc.available == avail  # nothing of the batch was freed
-    for bad_id in (0, -1, -page_size - 3, alloc.num_slots, 10 ** 9):
+    for bad_id in (0, -1, -page_size - 3, alloc.num_slots, 10**9):
         bad = torch.cat([s[page_size:], torch.tensor([bad_id])])
         with pytest.raises(ValueError, match="must be in"):
             alloc.free(bad)
@@ -332,7 +332,7 @@ def test_paged_free_dedupes_pages_in_any_order(n_pages):
     p = 4
     alloc = KVSlotAllocator(64 * p, p)
     s = alloc.alloc(n_pages * p)
-    mixed = torch.cat([s[p:], s[:p], s[p + 1:p + 2], s[:1]])  # pages repeat, not adjacent
+    mixed = torch.cat([s[p:], s[:p], s[p + 1 : p + 2], s[:1]])  # pages repeat, not adjacent
     alloc.free(mixed)
     assert alloc.available == alloc.capacity
     alloc.check_integrity()

@@ -21,10 +21,12 @@ EXISTING_FLAGS = (
     "--max-running-requests --max-waiting-requests --attention-backend --enable-torch-compile "
     "--log-level --grace-period --max-message-bytes --max-prompt-tokens --max-new-tokens-limit "
     "--max-requests-per-client --api-key --isolate-by-api-key --curve-keys "
-    "--max-forward-failures --debug-faults").split()
+    "--max-forward-failures --debug-faults"
+).split()
 # One non-default, valid value per field, as argv and as the field then holds it.
 FLAG_VALUES = {
-    "model": (["--model", "/m"], "/m"), "dtype": (["--dtype", "float32"], "float32"),
+    "model": (["--model", "/m"], "/m"),
+    "dtype": (["--dtype", "float32"], "float32"),
     "max_total_tokens": (["--max-total-tokens", "4096"], 4096),
     "page_size": (["--page-size", "16"], 16),
     "schedule_policy": (["--schedule-policy", "fcfs"], "fcfs"),
@@ -38,7 +40,8 @@ FLAG_VALUES = {
     "eviction_policy": (["--eviction-policy", "lfu"], "lfu"),
     "device": (["--device", "cpu"], "cpu"),
     "enable_torch_compile": (["--enable-torch-compile"], True),
-    "host": (["--host", "0.0.0.0"], "0.0.0.0"), "port": (["--port", "1234"], 1234),
+    "host": (["--host", "0.0.0.0"], "0.0.0.0"),
+    "port": (["--port", "1234"], 1234),
     "http_port": (["--http-port", "0"], 0),
     "served_model_name": (["--served-model-name", "m"], "m"),
     "max_waiting_requests": (["--max-waiting-requests", "40"], 40),
@@ -77,6 +80,7 @@ def write_toml(tmp_path, text: str) -> str:
 
 
 # ------------------------------------------------------------------ flags <-> fields
+
 
 def test_every_flag_is_a_field_and_every_field_a_flag():
     actions = {a.dest: a for a in launch_parser()._actions if a.dest not in ("help", "config")}
@@ -146,6 +150,7 @@ def test_launch_help_lists_every_help_text_and_default(monkeypatch, capsys):
 
 # ------------------------------------------------------------------ the one loader
 
+
 def test_toml_then_environment_then_flags(tmp_path, monkeypatch):
     path = write_toml(tmp_path, 'port = 1111\npage-size = 8\napi_key = "toml-key"\n')
     engine, server = load_config(path, environ={})
@@ -153,8 +158,11 @@ def test_toml_then_environment_then_flags(tmp_path, monkeypatch):
     engine, server = load_config(path, environ={"RADIXRT_API_KEY": "env-key"})
     assert (engine.page_size, server.port, server.api_key) == (8, 1111, "env-key")
     assert load_config(path, environ={"RADIXRT_API_KEY": ""})[1].api_key == "toml-key"
-    engine, server = load_config(path, {"port": 2222, "page_size": None, "api_key": "flag-key"},
-                                 environ={"RADIXRT_API_KEY": "env-key"})
+    engine, server = load_config(
+        path,
+        {"port": 2222, "page_size": None, "api_key": "flag-key"},
+        environ={"RADIXRT_API_KEY": "env-key"},
+    )
     assert (engine.page_size, server.port, server.api_key) == (8, 2222, "flag-key")
     monkeypatch.setenv("RADIXRT_API_KEY", "env-key")  # through the command line
     assert parse("--config", path)[1].api_key == "env-key"
@@ -190,18 +198,44 @@ def test_a_bad_toml_value_names_its_field(tmp_path):
         load_config(write_toml(tmp_path, "disable_radix_cache = 1\n"), environ={})
 
 
-@pytest.mark.parametrize("name, value", [
-    ("host", ""), ("port", 0), ("port", 70000), ("port", True), ("http_port", -1),
-    ("served_model_name", " "), ("max_waiting_requests", 0), ("log_level", "loud"),
-    ("log_level", 3), ("grace_period", -1.0), ("grace_period", "30"), ("max_message_bytes", 0),
-    ("max_prompt_tokens", -5), ("max_new_tokens_limit", 0), ("max_requests_per_client", 0),
-    ("api_key", " , "), ("isolate_by_api_key", "yes"), ("curve_keys", ""),
-    ("max_forward_failures", 0), ("debug_faults", ""),
-    ("model", ""), ("dtype", "float8"), ("page_size", 0), ("max_total_tokens", 3),
-    ("schedule_policy", "random"), ("attention_backend", "cuda"), ("new_token_ratio", 1.5),
-    ("max_prefill_tokens", 0), ("eviction_policy", "fifo"), ("device", "tpu"),
-    ("device", "cpu:0"), ("enable_torch_compile", "yes"), ("chunked_prefill_size", 2.0),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("host", ""),
+        ("port", 0),
+        ("port", 70000),
+        ("port", True),
+        ("http_port", -1),
+        ("served_model_name", " "),
+        ("max_waiting_requests", 0),
+        ("log_level", "loud"),
+        ("log_level", 3),
+        ("grace_period", -1.0),
+        ("grace_period", "30"),
+        ("max_message_bytes", 0),
+        ("max_prompt_tokens", -5),
+        ("max_new_tokens_limit", 0),
+        ("max_requests_per_client", 0),
+        ("api_key", " , "),
+        ("isolate_by_api_key", "yes"),
+        ("curve_keys", ""),
+        ("max_forward_failures", 0),
+        ("debug_faults", ""),
+        ("model", ""),
+        ("dtype", "float8"),
+        ("page_size", 0),
+        ("max_total_tokens", 3),
+        ("schedule_policy", "random"),
+        ("attention_backend", "cuda"),
+        ("new_token_ratio", 1.5),
+        ("max_prefill_tokens", 0),
+        ("eviction_policy", "fifo"),
+        ("device", "tpu"),
+        ("device", "cpu:0"),
+        ("enable_torch_compile", "yes"),
+        ("chunked_prefill_size", 2.0),
+    ],
+)
 def test_an_invalid_value_names_its_field(name, value):
     with pytest.raises(ValueError, match=name):
         load_config(flags={name: value}, environ={})
@@ -222,6 +256,7 @@ def test_the_command_line_reports_a_bad_setting(capsys):
 
 
 # ------------------------------------------------------------------ ServerConfig
+
 
 def test_server_config_derived_values():
     server = ServerConfig(api_key=" k1 , k2,,", log_level="INFO", host="0.0.0.0")

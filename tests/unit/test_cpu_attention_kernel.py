@@ -21,8 +21,10 @@ from radixrt.model.runner import make_attention_backend
 
 PREFIX = 40
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="no C compiler: the CPU attention kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None,
+    reason="no C compiler: the CPU attention kernel cannot be built here",
+)
 
 
 def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtype) -> KVPool:
@@ -34,7 +36,9 @@ def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtyp
     free = iter(torch.randperm(4095).add(1).tolist())
     prefixes: dict[int, list[int]] = {}
     for row, (seq_len, pid) in enumerate(spec):
-        shared = [] if pid is None else prefixes.setdefault(pid, [next(free) for _ in range(PREFIX)])
+        shared = (
+            [] if pid is None else prefixes.setdefault(pid, [next(free) for _ in range(PREFIX)])
+        )
         slots = shared[:seq_len] + [next(free) for _ in range(seq_len - len(shared[:seq_len]))]
         pool.req_to_token[row, :seq_len] = torch.tensor(slots)
     return pool
@@ -47,49 +51,70 @@ def _backend(pool: KVPool, use_kernel: bool | None):
     return CpuAttentionBackend(pool) if use_kernel else TorchAttentionBackend(pool)
 
 
-def _decode(pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool) -> tuple[torch.Tensor, ...]:
+def _decode(
+    pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool
+) -> tuple[torch.Tensor, ...]:
     b, d = len(seq_lens), pool.head_dim
     rows = torch.arange(b)
     out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
     q = torch.randn(b, h, d, dtype=pool.dtype)
     k, v = (torch.randn(b, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
-    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
-                         torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
+    batch = ForwardBatch(
+        ForwardMode.DECODE,
+        torch.zeros(b, dtype=torch.int64),
+        torch.tensor(seq_lens) - 1,
+        out_loc,
+        rows,
+        seq_lens,
+        [1] * b,
+    )
     backend = _backend(pool, use_kernel)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, d ** -0.5)
+    out = backend.forward(q, k, v, 0, batch, d**-0.5)
     ref = []
     g = h // pool.kv_heads
     for i, n in enumerate(seq_lens):  # after forward: the new K/V is in the pool
         slots = pool.req_to_token[i, :n]
         kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
         vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
-        s = (q[i].double()[:, None, :] @ kk.transpose(1, 2)) * d ** -0.5                # [H, 1, L]
+        s = (q[i].double()[:, None, :] @ kk.transpose(1, 2)) * d**-0.5  # [H, 1, L]
         ref.append((s.softmax(-1) @ vv)[:, 0])
     return out, torch.stack(ref), batch.attn_metadata
 
 
-def _extend(pool: KVPool, seq_lens: list[int], ext_lens: list[int], h: int,
-            use_kernel: bool) -> tuple[torch.Tensor, ...]:
+def _extend(
+    pool: KVPool, seq_lens: list[int], ext_lens: list[int], h: int, use_kernel: bool
+) -> tuple[torch.Tensor, ...]:
     """Each request's last ext_lens tokens are new; the rest is its cached prefix."""
     d, t = pool.head_dim, sum(ext_lens)
     rows = torch.arange(len(seq_lens))
-    out_loc = torch.cat([pool.req_to_token[i, n - e:n] for i, (n, e) in enumerate(zip(seq_lens, ext_lens))])
+    out_loc = torch.cat(
+        [pool.req_to_token[i, n - e : n] for i, (n, e) in enumerate(zip(seq_lens, ext_lens))]
+    )
     q = torch.randn(t, h, d, dtype=pool.dtype)
     k, v = (torch.randn(t, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
-    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
-                         torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, ext_lens)
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        torch.zeros(t, dtype=torch.int64),
+        torch.zeros(t, dtype=torch.int64),
+        out_loc,
+        rows,
+        seq_lens,
+        ext_lens,
+    )
     backend = _backend(pool, use_kernel)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, d ** -0.5)
+    out = backend.forward(q, k, v, 0, batch, d**-0.5)
     ref, pos, g = [], 0, h // pool.kv_heads
-    for i, (n, e) in enumerate(zip(seq_lens, ext_lens)):  # after forward: the new K/V is in the pool
+    for i, (n, e) in enumerate(
+        zip(seq_lens, ext_lens)
+    ):  # after forward: the new K/V is in the pool
         slots = pool.req_to_token[i, :n]
         kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
         vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
-        s = (q[pos:pos + e].double().transpose(0, 1) @ kk.transpose(1, 2)) * d ** -0.5  # [H, e, L]
+        s = (q[pos : pos + e].double().transpose(0, 1) @ kk.transpose(1, 2)) * d**-0.5  # [H, e, L]
         s.masked_fill_(torch.arange(n)[None, :] > torch.arange(n - e, n)[:, None], float("-inf"))
-        ref.append((s.softmax(-1) @ vv).transpose(0, 1))                               # [e, H, D]
+        ref.append((s.softmax(-1) @ vv).transpose(0, 1))  # [e, H, D]
         pos += e
     return out, torch.cat(ref), batch.attn_metadata
 
@@ -131,7 +156,9 @@ def test_kernel_large_group_and_single_request(dtype: torch.dtype, tol: float) -
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("kh,h,d", [(3, 9, 64), (1, 8, 128), (4, 4, 32)])
-def test_extend_kernel_matches_reference(dtype: torch.dtype, tol: float, kh: int, h: int, d: int) -> None:
+def test_extend_kernel_matches_reference(
+    dtype: torch.dtype, tol: float, kh: int, h: int, d: int
+) -> None:
     pool = _pool(kh, d, EXTEND, dtype)
     out, ref, meta = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, h, use_kernel=True)
     assert isinstance(meta, cpu_kernel.Segments) and meta.causal.tolist() == [1] * len(EXTEND)
@@ -183,7 +210,9 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
 
 
 @pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
-def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tmp_path) -> None:
+def test_kernel_builds_for_cpus_without_amx_or_avx512(
+    flags: list[str], monkeypatch, tmp_path
+) -> None:
     """The other paths, as built on CPUs without AMX (AVX512-BF16 for every item), without
     AVX512-BF16 (bf16 converted to float32) or without AVX-512 at all: same results."""
     monkeypatch.setattr(cpu_library, "CFLAGS", [*cpu_library.CFLAGS, *flags])
@@ -193,16 +222,18 @@ def test_kernel_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypa
     *_, seg = _decode(pool, seq_lens, 6, use_kernel=True)  # the batch's segments
     torch.manual_seed(2)
     q = torch.randn(len(SPEC), 6, 64).bfloat16()
-    want = cpu_kernel.attention(cpu_library.load(cache_dir()), q, pool.k_buffers[0],
-                                       pool.v_buffers[0], seg, 0.125)
+    want = cpu_kernel.attention(
+        cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125
+    )
     got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     # extend: causal segments (masked per row in every path)
     pool = _pool(3, 64, EXTEND, torch.bfloat16)
     *_, seg = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=True)
     q = torch.randn(sum(EXTEND_LENS), 9, 64).bfloat16()
-    want = cpu_kernel.attention(cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0],
-                                seg, 0.125)
+    want = cpu_kernel.attention(
+        cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125
+    )
     got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
@@ -221,17 +252,34 @@ def test_kernel_reads_q_k_v_as_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
         q, k, v = (x.view(t, -1, 64) for x in qkv.split([9 * 64, 3 * 64, 3 * 64], dim=1))
         if not views:
             q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out_loc = torch.cat([pool.req_to_token[i, n - e:n] for i, (n, e) in enumerate(zip(seq_lens, EXTEND_LENS))])
-        batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64), torch.zeros(t, dtype=torch.int64),
-                             out_loc, torch.arange(len(seq_lens)), seq_lens, EXTEND_LENS)
+        out_loc = torch.cat(
+            [pool.req_to_token[i, n - e : n] for i, (n, e) in enumerate(zip(seq_lens, EXTEND_LENS))]
+        )
+        batch = ForwardBatch(
+            ForwardMode.EXTEND,
+            torch.zeros(t, dtype=torch.int64),
+            torch.zeros(t, dtype=torch.int64),
+            out_loc,
+            torch.arange(len(seq_lens)),
+            seq_lens,
+            EXTEND_LENS,
+        )
         backend = CpuAttentionBackend(pool)
         backend.init_forward_metadata(batch)
-        runs.append((backend.forward(q, k, v, 0, batch, 0.125), pool.k_buffers[0].clone(), pool.v_buffers[0].clone()))
+        runs.append(
+            (
+                backend.forward(q, k, v, 0, batch, 0.125),
+                pool.k_buffers[0].clone(),
+                pool.v_buffers[0].clone(),
+            )
+        )
     for got, want in zip(*runs):
         assert torch.equal(got, want)
 
 
-def _shared_groups(rows: torch.Tensor, lens: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _shared_groups(
+    rows: torch.Tensor, lens: torch.Tensor
+) -> tuple[list[torch.Tensor], torch.Tensor]:
     """The grouping's specification. rows int64 [B, Lmax] (pad -1), lens [B] → the qualifying
     groups: their requests (NG × int64 [n_g], ascending) and prefix lengths c [NG]. Requests are
     grouped by their first slot; a group's prefix is the longest run slots[:c] equal in all its
@@ -254,14 +302,14 @@ def _reference_segments(table: torch.Tensor, req_rows: torch.Tensor, seq_lens: l
     segment, and num_parts."""
     lens = torch.tensor(seq_lens)
     valid = torch.arange(max(seq_lens))[None, :] < lens[:, None]
-    rows = torch.where(valid, table[:, :max(seq_lens)].index_select(0, req_rows), -1)
+    rows = torch.where(valid, table[:, : max(seq_lens)].index_select(0, req_rows), -1)
     groups, prefix_lens = _shared_groups(rows, lens)
     start = torch.zeros_like(lens)
     for members, c in zip(groups, prefix_lens.tolist()):
         start.index_fill_(0, members, c)
     segs = [(rows[m[0], :c].tolist(), m.tolist(), 0) for m, c in zip(groups, prefix_lens.tolist())]
     for i, n in enumerate(seq_lens):
-        segs.append((rows[i, int(start[i]):n].tolist(), [i], int(start[i] > 0)))
+        segs.append((rows[i, int(start[i]) : n].tolist(), [i], int(start[i] > 0)))
     return segs, (start > 0).long().add(1).tolist()
 
 
@@ -282,15 +330,22 @@ def test_decode_segments_group_as_specified(seed: int) -> None:
         next_slot += 50
     table[1:3, :60] = table[0, :60]  # rows 0-2 share 60 slots at least
     b = int(torch.randint(5, 20, (1,), generator=gen))
-    req_rows = torch.cat([torch.tensor([2, 0, 1]), 3 + torch.randperm(21, generator=gen)[:b - 3]])
+    req_rows = torch.cat([torch.tensor([2, 0, 1]), 3 + torch.randperm(21, generator=gen)[: b - 3]])
     seq_lens = torch.randint(1, 240, (b,), generator=gen).tolist()
     seq_lens[:3] = [min(int(n) + 80, 250) for n in seq_lens[:3]]
     seq_lens[3] = 1  # a one-token request: it shares nothing (capped at len - 1 = 0)
-    seg = cpu_kernel.decode_segments(lib, table, req_rows, seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE)
+    seg = cpu_kernel.decode_segments(
+        lib, table, req_rows, seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE
+    )
     want, num_parts = _reference_segments(table, req_rows, seq_lens)
-    got = [(seg.slots[seg.slot_start[s]:seg.slot_start[s + 1]].tolist(),
-            seg.members[seg.member_start[s]:seg.member_start[s + 1]].tolist(), int(seg.part[s]))
-           for s in range(seg.part.numel())]
+    got = [
+        (
+            seg.slots[seg.slot_start[s] : seg.slot_start[s + 1]].tolist(),
+            seg.members[seg.member_start[s] : seg.member_start[s + 1]].tolist(),
+            int(seg.part[s]),
+        )
+        for s in range(seg.part.numel())
+    ]
     assert got == want
     assert seg.num_parts.tolist() == num_parts and seg.two_parts == (2 in num_parts)
     assert any(part == 0 and {0, 1, 2} <= set(members) for _, members, part in got)

@@ -14,8 +14,10 @@ from radixrt.model.layers import RMSNorm, RotaryEmbedding
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_ops
 
-pytestmark = pytest.mark.skipif(shutil.which("gcc") is None and shutil.which("cc") is None,
-                                reason="no C compiler: the CPU kernels cannot be built here")
+pytestmark = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None,
+    reason="no C compiler: the CPU kernels cannot be built here",
+)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +69,11 @@ def test_rope_in_place_on_a_qkv_view(lib, dtype: torch.dtype) -> None:
     fast, plain = _pair(RotaryEmbedding, 64, 4096, 10000.0)
     qkv = torch.randn(21, 15 * 64).to(dtype)  # q 9 heads, k 3, v 3
     positions = torch.randint(0, 4096, (21,))
-    want = plain(positions, qkv[:, :12 * 64].view(21, 12, 64))
-    v_before = qkv[:, 12 * 64:].clone()
-    got = fast(positions, qkv[:, :12 * 64].view(21, 12, 64))
+    want = plain(positions, qkv[:, : 12 * 64].view(21, 12, 64))
+    v_before = qkv[:, 12 * 64 :].clone()
+    got = fast(positions, qkv[:, : 12 * 64].view(21, 12, 64))
     assert got.data_ptr() == qkv.data_ptr()  # rotated in place
-    assert torch.equal(qkv[:, 12 * 64:], v_before)  # v untouched
+    assert torch.equal(qkv[:, 12 * 64 :], v_before)  # v untouched
     _close(got, want)
 
 
@@ -98,19 +100,20 @@ def test_argmax_matches_pytorch(lib, dtype: torch.dtype) -> None:
     torch.manual_seed(3)
     x = torch.randn(9, 1000 + 7).to(dtype)[:, 3:1003]  # strided rows, a tail past 16 lanes
     x[1, 10] = x[1, 990] = 40.0  # a tie: the first index
-    x[2, 999] = 40.0             # the maximum in the tail
-    x[3, 500] = float("nan")     # NaN wins, as in PyTorch
-    x[4, :] = float("-inf")      # all -inf: index 0
+    x[2, 999] = 40.0  # the maximum in the tail
+    x[3, 500] = float("nan")  # NaN wins, as in PyTorch
+    x[4, :] = float("-inf")  # all -inf: index 0
     x[5, 20] = float("nan")
-    x[5, 700] = float("nan")     # the first NaN
+    x[5, 700] = float("nan")  # the first NaN
     got = cpu_ops.argmax(lib, x)
     assert torch.equal(got, x.argmax(-1))
     assert got[:6].tolist() == [int(x[0].argmax()), 10, 999, 500, 0, 20]
 
 
 def test_greedy_sampling_takes_the_kernel_argmax(lib, monkeypatch) -> None:
-    from radixrt.sampling import Sampler
     from radixrt import SamplingParams
+    from radixrt.sampling import Sampler
+
     calls = []
     real = cpu_ops.argmax
     monkeypatch.setattr(cpu_ops, "argmax", lambda lib_, x: calls.append(x.shape) or real(lib_, x))
@@ -129,14 +132,21 @@ def test_ops_built_without_avx512_agree(lib, monkeypatch, tmp_path) -> None:
     w = torch.randn(200).bfloat16()
     res = torch.randn(5, 200).bfloat16()
     r1, r2 = res.clone(), res.clone()
-    torch.testing.assert_close(cpu_ops.rms_norm(other, x[:, :200], w, 1e-6, r1),
-                               cpu_ops.rms_norm(lib, x[:, :200], w, 1e-6, r2), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        cpu_ops.rms_norm(other, x[:, :200], w, 1e-6, r1),
+        cpu_ops.rms_norm(lib, x[:, :200], w, 1e-6, r2),
+        atol=1e-2,
+        rtol=1e-2,
+    )
     assert torch.equal(r1, r2)
-    torch.testing.assert_close(cpu_ops.silu_mul(other, x).float(), cpu_ops.silu_mul(lib, x).float(),
-                               atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(
+        cpu_ops.silu_mul(other, x).float(), cpu_ops.silu_mul(lib, x).float(), atol=1e-2, rtol=1e-2
+    )
     cos, sin = torch.randn(50, 64), torch.randn(50, 64)
     qk1, qk2 = (torch.randn(5, 4, 64).bfloat16() for _ in range(2))
     qk2.copy_(qk1)
     pos = torch.tensor([0, 3, 49, 7, 7])
-    assert torch.equal(cpu_ops.rope_(other, qk1, pos, cos, sin), cpu_ops.rope_(lib, qk2, pos, cos, sin))
+    assert torch.equal(
+        cpu_ops.rope_(other, qk1, pos, cos, sin), cpu_ops.rope_(lib, qk2, pos, cos, sin)
+    )
     assert torch.equal(cpu_ops.argmax(other, x), cpu_ops.argmax(lib, x))

@@ -15,14 +15,18 @@ from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_linear
 
 HAS_ONEDNN = linear_methods.onednn_works()
-needs_onednn = pytest.mark.skipif(not HAS_ONEDNN, reason="this PyTorch build has no oneDNN linear ops")
+needs_onednn = pytest.mark.skipif(
+    not HAS_ONEDNN, reason="this PyTorch build has no oneDNN linear ops"
+)
 CPU = torch.device("cpu")
 
 
 def amx_library():
     lib = cpu_library.load(cache_dir())
     if not cpu_linear.available(lib):
-        pytest.skip(f"no AMX linear kernel here (library: {cpu_library.why_unavailable() or 'built'})")
+        pytest.skip(
+            f"no AMX linear kernel here (library: {cpu_library.why_unavailable() or 'built'})"
+        )
     return lib
 
 
@@ -36,7 +40,9 @@ def kernels_for(packing: str) -> Kernels:
 class Tiny(nn.Module):
     """An MLP ([gate; up] with SiLU-and-mul, down with a bias) and an LM head."""
 
-    def __init__(self, dtype: torch.dtype, kernels: Kernels | None = None, hidden: int = 32) -> None:
+    def __init__(
+        self, dtype: torch.dtype, kernels: Kernels | None = None, hidden: int = 32
+    ) -> None:
         super().__init__()
         kernels = kernels or Kernels()
         torch.manual_seed(0)
@@ -62,7 +68,9 @@ def test_packed_bf16_model_matches_plain(packing: str, rows: int) -> None:
     packed = Tiny(torch.bfloat16, kernels_for(packing))
     assert packed.down.method.name == packed.head.method.name == packing
     # SiLU-and-mul in the AMX kernel's pass; with oneDNN's layout, PyTorch's after it
-    assert packed.up.method.name == {"amx": "amx + silu_mul", "onednn": "onednn, then torch"}[packing]
+    assert (
+        packed.up.method.name == {"amx": "amx + silu_mul", "onednn": "onednn, then torch"}[packing]
+    )
     assert plain.up.method.name == "torch, then torch"
     assert packed.up.weight.is_mkldnn == (packing == "onednn")
     assert packed.head.matmul_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
@@ -86,7 +94,7 @@ def test_amx_linear_equals_pytorch(rows: int) -> None:
     n, k = 200, 96  # a short last block of features (200 = 6·32 + 8)
     w = torch.randn(n, k, dtype=torch.bfloat16)
     bias = torch.randn(n, dtype=torch.bfloat16)
-    x = torch.randn(rows, 3 * k, dtype=torch.bfloat16)[:, k:2 * k]  # strided rows
+    x = torch.randn(rows, 3 * k, dtype=torch.bfloat16)[:, k : 2 * k]  # strided rows
     packed = cpu_linear.pack(lib, w)
     exact = (x.double() @ w.double().T + bias.double()).float()
     for b in (None, bias):
@@ -95,7 +103,7 @@ def test_amx_linear_equals_pytorch(rows: int) -> None:
         assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
         if rows <= 32:
             assert torch.equal(got, want)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=0.05)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0.05)
     got = cpu_linear.linear(lib, x, packed, n, bias, float_out=True)
     assert got.dtype == torch.float32
     assert torch.equal(got, cpu_linear.linear(lib, x, packed, n, bias).float())
@@ -109,15 +117,20 @@ def test_gated_amx_linear_is_silu_and_mul_of_the_two_products(rows: int) -> None
     # [gate; up] packed gated: silu(gate)·up in the same pass, bit-equal to the two steps apart
     # (the linear, then cpu_ops.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
     from radixrt_kernels import cpu_ops
+
     lib = amx_library()
     torch.manual_seed(rows)
     w = (torch.randn(192, 96) * 0.2).bfloat16()  # gate and up: 96 rows each (3 blocks of 32)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
     got = cpu_linear.linear(lib, x, cpu_linear.pack(lib, w, gated=True), 192, gated=True)
     assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
-    assert torch.equal(got, cpu_ops.silu_mul(lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192)))
+    assert torch.equal(
+        got, cpu_ops.silu_mul(lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192))
+    )
     gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
-    torch.testing.assert_close(got.float(), (torch.nn.functional.silu(gate) * up).float(), rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(
+        got.float(), (torch.nn.functional.silu(gate) * up).float(), rtol=2**-7, atol=1e-2
+    )
     with pytest.raises(ValueError, match="gate; up"):
         cpu_linear.pack(lib, w[:160], gated=True)  # halves of 80 rows: not whole blocks
 
@@ -127,19 +140,22 @@ def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
 
     def mlp(kernels: Kernels) -> nn.ModuleDict:
         torch.manual_seed(0)
-        m = nn.ModuleDict({"gate_up": GateUpLinear(64, 96, kernels), "down": Linear(96, 64, kernels=kernels)})
+        m = nn.ModuleDict(
+            {"gate_up": GateUpLinear(64, 96, kernels), "down": Linear(96, 64, kernels=kernels)}
+        )
         for p in m.parameters():
             p.data.normal_(std=0.2)
         m.to(torch.bfloat16)
         prepare_weights(m)
         return m
+
     fused, plain = mlp(kernels), mlp(Kernels())
     assert fused.gate_up.method.name == "amx + silu_mul"
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert fused.gate_up(x).shape == (5, 96)
         want = plain.down(plain.gate_up(x))
-        torch.testing.assert_close(fused.down(fused.gate_up(x)), want, rtol=2 ** -6, atol=2e-2)
+        torch.testing.assert_close(fused.down(fused.gate_up(x)), want, rtol=2**-6, atol=2e-2)
 
 
 @pytest.mark.parametrize("head_dim,bias", [(64, False), (64, True), (128, True)])
@@ -149,6 +165,7 @@ def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -
     # torch.compile.
     from radixrt.model.layers import QKVLinear, RotaryEmbedding, RotaryQKVLinear
     from radixrt_kernels import cpu_ops
+
     kernels = kernels_for("amx")
     lib = kernels.amx_lib
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
@@ -160,19 +177,26 @@ def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -
             p.data = p.data.normal_(std=0.3).bfloat16()
         prepare_weights(m)
         return m
+
     fused, unrotated = build(RotaryQKVLinear, rotary), build(QKVLinear)
     assert fused.method.name == "amx + rotary" and unrotated.method.name == "amx"
 
     def flat(x, positions, layer=fused):
         return torch.cat([t.reshape(x.shape[0], -1) for t in layer(x, positions)], dim=1)
+
     compiled = torch.compile(flat, dynamic=True)
     with torch.inference_mode():
         for rows in (1, 33, 300):
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
             positions = torch.randint(0, 4096, (rows,))
             want = flat(x, positions, unrotated)
-            cpu_ops.rope_(lib, want[:, :6 * head_dim].view(rows, 6, head_dim), positions, rotary.cos,
-                          rotary.sin_signed)
+            cpu_ops.rope_(
+                lib,
+                want[:, : 6 * head_dim].view(rows, 6, head_dim),
+                positions,
+                rotary.cos,
+                rotary.sin_signed,
+            )
             assert torch.equal(flat(x, positions), want)
             assert torch.equal(compiled(x, positions), want)
 
@@ -200,7 +224,9 @@ def test_amx_packing_needs_packable_weights() -> None:
     assert model.down.method.name == "amx"  # in_features 64
     with torch.inference_mode():
         x = torch.randn(3, 40, dtype=torch.bfloat16)
-        torch.testing.assert_close(model(x), Tiny(torch.bfloat16, hidden=40)(x), rtol=1e-2, atol=1e-1)
+        torch.testing.assert_close(
+            model(x), Tiny(torch.bfloat16, hidden=40)(x), rtol=1e-2, atol=1e-1
+        )
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -216,14 +242,18 @@ def test_packed_layers_compile(packing: str) -> None:
     with torch.inference_mode():
         for rows in (3, 17):
             x = torch.randn(rows, 32, dtype=torch.bfloat16)
-            torch.testing.assert_close(compiled(x), packed(x), rtol=0 if exact else 0.05, atol=0 if exact else 0.5)
+            torch.testing.assert_close(
+                compiled(x), packed(x), rtol=0 if exact else 0.05, atol=0 if exact else 0.5
+            )
 
 
 def test_kernels_chosen_for_dtype_device_and_compile() -> None:
     lib = cpu_library.load(cache_dir())
     fp32 = choose_kernels(CPU, torch.float32, lib)
     assert fp32.linear.name == "torch" and fp32.amx_lib is None
-    assert choose_kernels(torch.device("meta"), torch.bfloat16, lib).describe() == Kernels().describe()
+    assert (
+        choose_kernels(torch.device("meta"), torch.bfloat16, lib).describe() == Kernels().describe()
+    )
     bf16 = choose_kernels(CPU, torch.bfloat16, lib)
     want = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
     assert bf16.linear.name == want
@@ -236,6 +266,7 @@ def test_kernels_chosen_for_dtype_device_and_compile() -> None:
 
 def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
     from radixrt import Engine
+
     lib = cpu_library.load(cache_dir())
     expected = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
     with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=256) as eng:
@@ -249,6 +280,7 @@ def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
 def test_rotary_matches_rotate_half_bit_for_bit(dtype) -> None:
     # Hugging Face's form: x·cos + rotate_half(x)·sin, rotate_half(x) = [-x2, x1].
     from radixrt.model.layers import RotaryEmbedding
+
     rope = RotaryEmbedding(64, 256, 10000.0)
     torch.manual_seed(0)
     positions = torch.randint(0, 256, (7,))
@@ -265,6 +297,7 @@ def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
     """A library built without AMX (as on CPUs that lack it) has no linear kernel: the model
     keeps oneDNN's layout and its results."""
     from radixrt_kernels import cpu_library as library
+
     monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, "-mno-amx-tile"])
     lib = library._build_and_load(tmp_path)
     assert not cpu_linear.available(lib)
@@ -272,6 +305,28 @@ def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
     y = torch.empty(2, 64, dtype=torch.bfloat16)
     x = torch.randn(2, 32, dtype=torch.bfloat16)
     packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
-    assert lib.radixrt_linear(x.data_ptr(), 32, packed.data_ptr(), None, y.data_ptr(), 64, 0, 0, None, None, None,
-                              0, 0, 2, 64, 32, 1) == -1
-    assert choose_kernels(CPU, torch.bfloat16, lib).linear.name == ("onednn" if HAS_ONEDNN else "torch")
+    assert (
+        lib.radixrt_linear(
+            x.data_ptr(),
+            32,
+            packed.data_ptr(),
+            None,
+            y.data_ptr(),
+            64,
+            0,
+            0,
+            None,
+            None,
+            None,
+            0,
+            0,
+            2,
+            64,
+            32,
+            1,
+        )
+        == -1
+    )
+    assert choose_kernels(CPU, torch.bfloat16, lib).linear.name == (
+        "onednn" if HAS_ONEDNN else "torch"
+    )

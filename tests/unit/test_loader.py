@@ -65,7 +65,11 @@ _EXPECTED = {
 def test_model_config_from_tiny_folder(tiny_models, arch):
     cfg = ModelConfig.from_pretrained(tiny_models[arch])
     assert dataclasses.asdict(cfg) == _EXPECTED[arch]
-    assert cfg.q_size == 8 * cfg.head_dim and cfg.kv_size == 4 * cfg.head_dim and cfg.num_kv_groups == 2
+    assert (
+        cfg.q_size == 8 * cfg.head_dim
+        and cfg.kv_size == 4 * cfg.head_dim
+        and cfg.num_kv_groups == 2
+    )
     # config.json itself also works as the argument
     assert ModelConfig.from_pretrained(Path(tiny_models[arch]) / "config.json") == cfg
 
@@ -85,7 +89,10 @@ def test_iter_weights_matches_config_and_transformers(tiny_models, arch):
     assert (pre + "self_attn.q_norm.weight" in weights) == cfg.qk_norm
     assert weights["model.embed_tokens.weight"].shape == (cfg.vocab_size, h)
     assert ("lm_head.weight" in weights) == (not cfg.tie_word_embeddings)
-    assert sum(k.startswith("model.layers.") and k.endswith("input_layernorm.weight") for k in weights) == 4
+    assert (
+        sum(k.startswith("model.layers.") and k.endswith("input_layernorm.weight") for k in weights)
+        == 4
+    )
     assert all(t.dtype == torch.float32 for t in weights.values())
     # norms and biases are randomised too, not left at 1 / 0
     assert not torch.all(weights[pre + "input_layernorm.weight"] == 1)
@@ -132,7 +139,9 @@ def _llama_dict(**over):
 
 
 def test_model_config_v4_llama3_layout():
-    cfg = ModelConfig.from_dict(_llama_dict(), generation_config={"eos_token_id": [128001, 128009, 128010]})
+    cfg = ModelConfig.from_dict(
+        _llama_dict(), generation_config={"eos_token_id": [128001, 128009, 128010]}
+    )
     assert cfg.architecture == "llama"
     assert cfg.head_dim == 64
     assert cfg.rope_theta == 500000.0
@@ -162,16 +171,23 @@ def test_model_config_v5_layout_matches_v4():
     assert ModelConfig.from_dict(v4_legacy).rope_scaling == {"rope_type": "linear", "factor": 2.0}
     # default rope -> None
     assert ModelConfig.from_dict(_llama_dict(rope_scaling=None)).rope_scaling is None
-    assert ModelConfig.from_dict(_llama_dict(rope_scaling={"rope_type": "default"})).rope_scaling is None
+    assert (
+        ModelConfig.from_dict(_llama_dict(rope_scaling={"rope_type": "default"})).rope_scaling
+        is None
+    )
 
 
 def test_model_config_sliding_window_and_arch_detection():
-    qwen2 = _llama_dict(model_type="qwen2", sliding_window=4096, use_sliding_window=False, rope_scaling=None)
+    qwen2 = _llama_dict(
+        model_type="qwen2", sliding_window=4096, use_sliding_window=False, rope_scaling=None
+    )
     cfg = ModelConfig.from_dict(qwen2)
     assert cfg.architecture == "qwen2" and cfg.sliding_window is None and cfg.attention_bias is True
     mistral = _llama_dict(model_type="mistral", sliding_window=4096, rope_scaling=None)
     assert ModelConfig.from_dict(mistral).sliding_window == 4096
-    by_class = _llama_dict(model_type="something", architectures=["Qwen3ForCausalLM"], head_dim=128, rope_scaling=None)
+    by_class = _llama_dict(
+        model_type="something", architectures=["Qwen3ForCausalLM"], head_dim=128, rope_scaling=None
+    )
     cfg = ModelConfig.from_dict(by_class)
     assert cfg.architecture == "qwen3" and cfg.qk_norm is True and cfg.head_dim == 128
     with pytest.raises(ValueError, match="unsupported model"):
@@ -201,8 +217,12 @@ def test_model_config_validation():
 def test_model_config_rope_scaling_types():
     dynamic = ModelConfig.from_dict(_llama_dict(rope_scaling={"type": "dynamic", "factor": 2.0}))
     assert dynamic.rope_scaling == {"rope_type": "dynamic", "factor": 2.0}
-    longrope = {"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [4.0] * 32,
-                "original_max_position_embeddings": 4096}
+    longrope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 32,
+        "long_factor": [4.0] * 32,
+        "original_max_position_embeddings": 4096,
+    }
     with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported: .*length"):
         ModelConfig.from_dict(_llama_dict(rope_scaling=longrope))
     for unknown in ("proportional", "mrope"):
@@ -217,19 +237,33 @@ def test_model_config_yarn_defaults_as_transformers():
     # original context: config.json's top-level field, else the rope dict's, else
     # max_position_embeddings
     assert ModelConfig.from_dict(_llama_dict(rope_scaling=yarn)).rope_scaling == {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 131072}
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 131072,
+    }
     own = dict(yarn, original_max_position_embeddings=4096)
-    assert ModelConfig.from_dict(_llama_dict(rope_scaling=own)).rope_scaling[
-        "original_max_position_embeddings"] == 4096
+    assert (
+        ModelConfig.from_dict(_llama_dict(rope_scaling=own)).rope_scaling[
+            "original_max_position_embeddings"
+        ]
+        == 4096
+    )
     top = _llama_dict(rope_scaling=own, original_max_position_embeddings=8192)
     assert ModelConfig.from_dict(top).rope_scaling["original_max_position_embeddings"] == 8192
     # v4 rope_scaling wins over a v5 rope_parameters, as in transformers
-    both = _llama_dict(rope_scaling={"type": "linear", "factor": 4.0},
-                       rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0})
+    both = _llama_dict(
+        rope_scaling={"type": "linear", "factor": 4.0},
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1.0},
+    )
     cfg = ModelConfig.from_dict(both)
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.rope_theta == 500000.0
-    for key, value in (("attention_factor", -1.0), ("beta_fast", "32"), ("mscale", True),
-                       ("truncate", "no"), ("original_max_position_embeddings", 0)):
+    for key, value in (
+        ("attention_factor", -1.0),
+        ("beta_fast", "32"),
+        ("mscale", True),
+        ("truncate", "no"),
+        ("original_max_position_embeddings", 0),
+    ):
         with pytest.raises(ValueError, match=key):
             ModelConfig.from_dict(_llama_dict(rope_scaling=dict(own, **{key: value})))
 
@@ -237,22 +271,41 @@ def test_model_config_yarn_defaults_as_transformers():
 _PARTIAL_IN_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}
 
 
-@pytest.mark.parametrize("arch, over, field", [
-    ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
-    ("qwen2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
-    ("llama", {"mlp_bias": True}, "mlp_bias"),
-    ("llama", {"attention_bias": True}, "attention_bias .*o_proj"),
-    ("qwen3", {"attention_bias": True}, "attention_bias .*o_proj"),
-    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ("mistral", {"rope_parameters": _PARTIAL_IN_ROPE},
-     r"rope_parameters\['partial_rotary_factor'\]"),
-    ("llama", {"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
-     "partial_rotary_factor"),
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 8},
-     "use_sliding_window .*some layers"),
-    ("qwen3", {"use_sliding_window": True, "sliding_window": 4096,
-               "layer_types": ["full_attention", "sliding_attention"] * 8}, "some layers"),
-])
+@pytest.mark.parametrize(
+    "arch, over, field",
+    [
+        ("llama", {"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+        ("qwen2", {"hidden_act": "gelu_pytorch_tanh"}, "hidden_act"),
+        ("llama", {"mlp_bias": True}, "mlp_bias"),
+        ("llama", {"attention_bias": True}, "attention_bias .*o_proj"),
+        ("qwen3", {"attention_bias": True}, "attention_bias .*o_proj"),
+        ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+        (
+            "mistral",
+            {"rope_parameters": _PARTIAL_IN_ROPE},
+            r"rope_parameters\['partial_rotary_factor'\]",
+        ),
+        (
+            "llama",
+            {"rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.25}},
+            "partial_rotary_factor",
+        ),
+        (
+            "qwen2",
+            {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 8},
+            "use_sliding_window .*some layers",
+        ),
+        (
+            "qwen3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+                "layer_types": ["full_attention", "sliding_attention"] * 8,
+            },
+            "some layers",
+        ),
+    ],
+)
 def test_model_config_refuses_what_radixrt_computes_differently(arch, over, field):
     config = _llama_dict(model_type=arch, rope_scaling=None)
     config.update(over)
@@ -272,23 +325,58 @@ def _hf_windows(arch: str, hf) -> set[int | None]:
     return {hf.sliding_window if t == "sliding_attention" else None for t in hf.layer_types}
 
 
-@pytest.mark.parametrize("arch, over", [
-    ("qwen3", {}),  # Qwen3Config's head_dim default, 128, not hidden_size / heads
-    ("llama", {"sliding_window": 4096, "hidden_act": "swish"}),  # Llama has no window
-    ("mistral", {"sliding_window": 4096, "use_sliding_window": False}),  # Mistral ignores the flag
-    ("mistral", {"attention_bias": True, "mlp_bias": True}),  # biases; window: MistralConfig's 4096
-    ("qwen2", {"sliding_window": 4096, "attention_bias": False}),  # no flag, no window; biased
-    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}),  # no layer from the 28th on
-    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}),
-    ("qwen3", {"sliding_window": 512, "use_sliding_window": True,
-               "layer_types": ["sliding_attention"] * 16}),
-    ("llama", {"partial_rotary_factor": 1.0, "pretraining_tp": 2}),
-    ("qwen2", dict.fromkeys(("rms_norm_eps", "tie_word_embeddings", "num_key_value_heads",
-                             "rope_theta", "hidden_act"), _ABSENT) | {"num_attention_heads": 32}),
-    ("mistral", {"num_key_value_heads": _ABSENT, "num_attention_heads": 16}),  # 8 KV heads
-    ("llama", dict.fromkeys(("rms_norm_eps", "tie_word_embeddings", "rope_theta",
-                             "num_key_value_heads"), _ABSENT)),
-])
+@pytest.mark.parametrize(
+    "arch, over",
+    [
+        ("qwen3", {}),  # Qwen3Config's head_dim default, 128, not hidden_size / heads
+        ("llama", {"sliding_window": 4096, "hidden_act": "swish"}),  # Llama has no window
+        (
+            "mistral",
+            {"sliding_window": 4096, "use_sliding_window": False},
+        ),  # Mistral ignores the flag
+        (
+            "mistral",
+            {"attention_bias": True, "mlp_bias": True},
+        ),  # biases; window: MistralConfig's 4096
+        ("qwen2", {"sliding_window": 4096, "attention_bias": False}),  # no flag, no window; biased
+        (
+            "qwen2",
+            {"sliding_window": 4096, "use_sliding_window": True},
+        ),  # no layer from the 28th on
+        ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}),
+        (
+            "qwen3",
+            {
+                "sliding_window": 512,
+                "use_sliding_window": True,
+                "layer_types": ["sliding_attention"] * 16,
+            },
+        ),
+        ("llama", {"partial_rotary_factor": 1.0, "pretraining_tp": 2}),
+        (
+            "qwen2",
+            dict.fromkeys(
+                (
+                    "rms_norm_eps",
+                    "tie_word_embeddings",
+                    "num_key_value_heads",
+                    "rope_theta",
+                    "hidden_act",
+                ),
+                _ABSENT,
+            )
+            | {"num_attention_heads": 32},
+        ),
+        ("mistral", {"num_key_value_heads": _ABSENT, "num_attention_heads": 16}),  # 8 KV heads
+        (
+            "llama",
+            dict.fromkeys(
+                ("rms_norm_eps", "tie_word_embeddings", "rope_theta", "num_key_value_heads"),
+                _ABSENT,
+            ),
+        ),
+    ],
+)
 def test_model_config_reads_fields_as_transformers(arch, over):
     """head_dim, the attention window and the q/k/v biases are those of transformers' attention
     for the same config.json, whose o_proj never has a bias here."""
@@ -296,8 +384,14 @@ def test_model_config_reads_fields_as_transformers(arch, over):
     import importlib
 
     from transformers import CONFIG_MAPPING
-    config = _llama_dict(model_type=arch, rope_scaling=None, hidden_size=256, num_attention_heads=4,
-                         num_key_value_heads=2)
+
+    config = _llama_dict(
+        model_type=arch,
+        rope_scaling=None,
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     config.update(over)
     config = {k: v for k, v in config.items() if v is not _ABSENT}
     cfg = ModelConfig.from_dict(config)
@@ -306,7 +400,10 @@ def test_model_config_reads_fields_as_transformers(arch, over):
     prefix = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
     attn = getattr(module, f"{prefix}Attention")(hf, layer_idx=0)
     assert (cfg.head_dim, cfg.num_heads, cfg.num_kv_heads) == (
-        attn.head_dim, hf.num_attention_heads, hf.num_key_value_heads)
+        attn.head_dim,
+        hf.num_attention_heads,
+        hf.num_key_value_heads,
+    )
     assert (cfg.rms_norm_eps, cfg.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and hf.hidden_act in ("silu", "swish")
     assert {cfg.sliding_window} == _hf_windows(arch, hf)
@@ -367,14 +464,18 @@ def test_default_model_not_installed_message(tmp_path, monkeypatch):
 def test_default_model_uses_marked_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(
-        loader, "_find_default_gguf", lambda: (_ for _ in ()).throw(ModelNotInstalledError("not here"))
+        loader,
+        "_find_default_gguf",
+        lambda: (_ for _ in ()).throw(ModelNotInstalledError("not here")),
     )
     folder = tmp_path / loader.DEFAULT_MODEL_NAME
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     with pytest.raises(ModelNotInstalledError):  # no marker: half-written folders are not used
         loader.default_model_path()
-    (folder / loader._MARKER).write_text(json.dumps({"conversion_version": loader.CONVERSION_VERSION}))
+    (folder / loader._MARKER).write_text(
+        json.dumps({"conversion_version": loader.CONVERSION_VERSION})
+    )
     assert loader.default_model_path() == str(folder)
 
 
@@ -393,11 +494,15 @@ def test_make_tiny_model_is_deterministic(tiny_models, tmp_path):
     assert _sha(other / "model.safetensors") != _sha(first / "model.safetensors")
     a, b = dict(iter_weights(first)), dict(iter_weights(other))
     assert a.keys() == b.keys()
-    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        a["model.layers.0.self_attn.q_proj.weight"], b["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_make_tiny_model_options(tmp_path):
-    p = make_tiny_model(tmp_path / "m", arch="llama", num_layers=2, tie_word_embeddings=True, vocab_size=1024)
+    p = make_tiny_model(
+        tmp_path / "m", arch="llama", num_layers=2, tie_word_embeddings=True, vocab_size=1024
+    )
     cfg = ModelConfig.from_pretrained(p)
     assert cfg.num_layers == 2 and cfg.tie_word_embeddings and cfg.vocab_size == 1024
     assert "lm_head.weight" not in dict(iter_weights(p))
@@ -417,7 +522,10 @@ def test_transformers_loads_tiny_model(tiny_models, arch):
     assert tok.bos_token_id == 0 and tok.pad_token_id == 0
     assert tok.convert_tokens_to_ids("<|im_start|>") == 1
 
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "def hello(): pass"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "def hello(): pass"},
+    ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef hello(): pass<|im_end|>\n<|im_start|>assistant\n"

@@ -8,7 +8,9 @@ import textwrap
 
 import pytest
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="glibc malloc tuning is Linux-only"
+)
 
 # Frees and re-allocates three 8 MiB blocks; prints the page faults of 4 such rounds.
 PROBE = textwrap.dedent("""
@@ -29,8 +31,9 @@ PROBE = textwrap.dedent("""
 
 
 def _faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, mode], capture_output=True, text=True, timeout=120, check=True
+    )
     return int(out.stdout.split()[-1])
 
 
@@ -38,12 +41,15 @@ def _faults(mode: str) -> int:
 def test_freed_blocks_are_reused_without_page_faults() -> None:
     default = _faults("default")  # glibc's adaptive thresholds: each round maps fresh pages
     if default < 1000:
-        pytest.skip(f"this libc reuses freed 8 MiB blocks by default ({default} faults): nothing to show")
+        pytest.skip(
+            f"this libc reuses freed 8 MiB blocks by default ({default} faults): nothing to show"
+        )
     assert _faults("tuned") < 100
 
 
 @linux_only
 def test_cpu_engine_tunes_malloc(tiny_llama: str) -> None:
     from radixrt import Engine
+
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
         assert eng.runner.malloc_tuned

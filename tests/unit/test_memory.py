@@ -16,12 +16,21 @@ import torch
 
 from radixrt import memory
 from radixrt.cache.kv_pool import KVPool
-from radixrt.memory import (HUGE_PAGE, HeapCollapser, anonymous_regions, collapse, collapse_anonymous_memory,
-                            huge_page_zeros, subtract)
+from radixrt.memory import (
+    HUGE_PAGE,
+    HeapCollapser,
+    anonymous_regions,
+    collapse,
+    collapse_anonymous_memory,
+    huge_page_zeros,
+    subtract,
+)
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-thp_only = pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists()
-                              or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+thp_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+    reason="no transparent huge pages here",
+)
 _KERNEL = tuple(int(x) for x in re.findall(r"\d+", platform.release())[:2])
 collapse_only = pytest.mark.skipif(_KERNEL < (6, 1), reason="MADV_COLLAPSE needs Linux >= 6.1")
 
@@ -56,8 +65,10 @@ def test_cpu_kv_pool_buffers_are_views_of_one_zeroed_allocation() -> None:
     assert len(pool.k_buffers) == len(pool.v_buffers) == 3
     base = pool.k_buffers[0].untyped_storage().data_ptr()
     assert all(b.untyped_storage().data_ptr() == base for b in pool.k_buffers + pool.v_buffers)
-    assert all(b.shape == (64, 2, 8) and b.is_contiguous() and not b.any()
-               for b in pool.k_buffers + pool.v_buffers)
+    assert all(
+        b.shape == (64, 2, 8) and b.is_contiguous() and not b.any()
+        for b in pool.k_buffers + pool.v_buffers
+    )
     pool.k_buffers[1].fill_(1.0)  # layers and K/V do not overlap
     assert not pool.k_buffers[0].any() and not pool.v_buffers[1].any()
     assert int(pool.k_buffers[1].sum()) == 64 * 2 * 8
@@ -83,7 +94,11 @@ def test_collapse_turns_touched_memory_into_huge_pages() -> None:
 
 def test_subtract_regions() -> None:
     assert subtract([(0, 100), (200, 300)], [(10, 20), (90, 210), (250, 260)]) == [
-        (0, 10), (20, 90), (210, 250), (260, 300)]
+        (0, 10),
+        (20, 90),
+        (210, 250),
+        (260, 300),
+    ]
     assert subtract([(0, 100)], []) == [(0, 100)]
     assert subtract([(0, 100)], [(0, 100)]) == []
 
@@ -95,7 +110,9 @@ def test_collapse_anonymous_memory_takes_the_heap_and_new_mappings_only(monkeypa
     since = anonymous_regions(heap=False)
     new, new_start = _touched_anonymous_mapping(nbytes)
     asked: list[tuple[int, int]] = []
-    monkeypatch.setattr(memory, "collapse", lambda start, end: asked.append((start, end)) or end - start)
+    monkeypatch.setattr(
+        memory, "collapse", lambda start, end: asked.append((start, end)) or end - start
+    )
     collapse_anonymous_memory(since=since)
     assert any(start <= new_start and new_start + nbytes <= end for start, end in asked)
     assert not any(start < old_start + nbytes and old_start < end for start, end in asked)
@@ -108,6 +125,7 @@ def test_collapse_anonymous_memory_takes_the_heap_and_new_mappings_only(monkeypa
 @collapse_only
 def test_heap_collapser_collapses_growth_past_its_step() -> None:
     from radixrt.model.runner import keep_freed_memory
+
     if not keep_freed_memory():
         pytest.skip("not glibc: large blocks do not come from the heap")
     heap = HeapCollapser(step=8 * HUGE_PAGE)
@@ -124,5 +142,6 @@ def test_heap_collapser_collapses_growth_past_its_step() -> None:
 
 def test_a_test_sized_engine_skips_huge_pages(tiny_llama: str) -> None:
     from radixrt import Engine
+
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
         assert not eng.runner.huge_pages and eng.runner.heap is None

@@ -23,8 +23,13 @@ def decode(ids: list[int]) -> str:
     return ByteTokenizer().decode(ids)
 
 
-def scripted(rid: str = "r", stop: list[str] | None = None, logprobs: bool = True,
-             top_logprobs: int = 2, logprob_start_len: int | None = None) -> Req:
+def scripted(
+    rid: str = "r",
+    stop: list[str] | None = None,
+    logprobs: bool = True,
+    top_logprobs: int = 2,
+    logprob_start_len: int | None = None,
+) -> Req:
     sp = SamplingParams(max_new_tokens=32, stop=stop, logprobs=logprobs, top_logprobs=top_logprobs)
     req = Req(rid, [1, 2, 3, 4], sp, logprob_start_len=logprob_start_len)
     req.cached_tokens = 2
@@ -68,14 +73,20 @@ def test_streamed_deltas_carry_each_token_once():
     deltas.append(last)
     assert [d.token_ids for d in deltas] == [[0], [1, 5], [6], []]
     assert [d.logprobs for d in deltas] == [[-1.0], [-2.0, -3.0], [-4.0], []]
-    assert [[ids for ids, _ in d.top_logprobs] for d in deltas] == [[[0, 0]], [[1, 1], [5, 2]],
-                                                                     [[6, 3]], []]
+    assert [[ids for ids, _ in d.top_logprobs] for d in deltas] == [
+        [[0, 0]],
+        [[1, 1], [5, 2]],
+        [[6, 3]],
+        [],
+    ]
     assert [d.finish_reason for d in deltas] == [None, None, None, "length"]
     first, rest = deltas[0], deltas[1:]
     assert first.first_token_at == 123.0 and first.prompt_logprobs == [-0.5, -0.25]
     assert first.prompt_top_logprobs == req.prompt_top_logprobs
-    assert all(d.first_token_at == 0.0 and d.prompt_logprobs is None
-               and d.prompt_top_logprobs is None for d in rest)
+    assert all(
+        d.first_token_at == 0.0 and d.prompt_logprobs is None and d.prompt_top_logprobs is None
+        for d in rest
+    )
     assert all(d.prompt_tokens == 4 and d.cached_tokens == 2 for d in deltas)
 
 

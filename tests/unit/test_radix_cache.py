@@ -9,8 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import (RuleBasedStateMachine, initialize, invariant, precondition,
-                                 rule)
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixrt.cache import KVSlotAllocator, RadixCache, TokenBuffer, check_slot_partition
 
@@ -103,10 +102,10 @@ def test_insert_keeps_its_own_copies():
     tokens = [1, 2, 3, 4]
     slots = alloc.alloc(4)
     cache.insert(tokens, slots)
-    tokens.append(5)      # the caller reuses its list ...
+    tokens.append(5)  # the caller reuses its list ...
     tokens[0] = 9
     kept = slots.tolist()
-    slots[:] = 0          # ... and its slot tensor
+    slots[:] = 0  # ... and its slot tensor
     r = cache.match_prefix([1, 2, 3, 4, 5])
     assert r.hit_len == 4 and r.kv_indices.tolist() == kept
     assert cache.match_prefix([9]).hit_len == 0
@@ -126,7 +125,10 @@ def test_insert_accepts_other_token_and_slot_types(page_size):
     s2 = alloc.alloc(2 * p)
     cache.insert(toks[:p] + [7] * p, torch.cat([s[:p], s2[:p]]).numpy())
     alloc.free(s2[p:])
-    assert cache.match_prefix(toks[:p] + [7] * p).kv_indices.tolist() == s[:p].tolist() + s2[:p].tolist()
+    assert (
+        cache.match_prefix(toks[:p] + [7] * p).kv_indices.tolist()
+        == s[:p].tolist() + s2[:p].tolist()
+    )
     for node in cache._nodes():
         if node is not cache.root:
             assert isinstance(node.value, torch.Tensor) and node.value.dtype == torch.int64
@@ -140,10 +142,10 @@ def test_keys_are_packed_int64_and_unpack_to_lists(page_size):
     alloc, cache = make(64, p)
     big = [2**62, -(2**40), 0, 7, 2**31, 5] * p
     put(alloc, cache, big)
-    put(alloc, cache, big[:3 * p] + [8] * p)  # splits after three pages
+    put(alloc, cache, big[: 3 * p] + [8] * p)  # splits after three pages
     r = cache.match_prefix(list(big))
-    assert r.hit_len == len(big) and r.last_node.key == big[3 * p:]
-    assert r.last_node.parent.key == big[:3 * p]
+    assert r.hit_len == len(big) and r.last_node.key == big[3 * p :]
+    assert r.last_node.parent.key == big[: 3 * p]
     for node in cache._nodes():
         assert isinstance(node._key, bytes) and len(node._key) == 8 * len(node.key)
     check(alloc, cache)
@@ -173,8 +175,14 @@ def test_token_ids_as_numpy_arrays(page_size):
     s = alloc.alloc(3 * p)
     cache.insert(toks, s)
     assert cache.match_prefix(toks.tolist()).kv_indices.tolist() == s.tolist()
-    for same in (toks.astype(np.int32), toks.astype(np.uint16), toks.astype(np.uint64),
-                 toks.astype(">i8"), toks.reshape(1, -1), torch.from_numpy(toks.astype(np.int32))):
+    for same in (
+        toks.astype(np.int32),
+        toks.astype(np.uint16),
+        toks.astype(np.uint64),
+        toks.astype(">i8"),
+        toks.reshape(1, -1),
+        torch.from_numpy(toks.astype(np.int32)),
+    ):
         assert cache.match_prefix(same).hit_len == 3 * p
     toks[:] = 7  # the caller reuses its array
     assert cache.match_prefix(np.arange(100, 100 + 3 * p)).hit_len == 3 * p
@@ -185,7 +193,7 @@ def test_token_ids_as_numpy_arrays(page_size):
     alloc.free(s2[p:])
     heads = [n.head if p > 1 else (n.head,) for n in cache._nodes() if n is not cache.root]
     assert all(type(t) is int for head in heads for t in head)
-    assert cache.match_prefix(fork[:2 * p]).kv_indices.tolist() == s[:p].tolist() + s2[:p].tolist()
+    assert cache.match_prefix(fork[: 2 * p]).kv_indices.tolist() == s[:p].tolist() + s2[:p].tolist()
     first = list(range(100, 100 + p))  # a cached page, so the walk packs what follows
     for bad in (np.array(first + [101.0] * p), np.array(first + [2**63] * p, dtype=np.uint64)):
         with pytest.raises(ValueError, match="int64"):
@@ -277,7 +285,7 @@ def test_lock_of_a_child_protects_ancestors():
     r = cache.match_prefix([1, 2, 4])
     cache.lock(r.last_node)
     assert cache.protected_size == 3  # [1 2] and [4]
-    assert cache.evict(100) == 1      # only [3]
+    assert cache.evict(100) == 1  # only [3]
     assert cache.match_prefix([1, 2, 4]).hit_len == 3
     cache.unlock(r.last_node)
     check(alloc, cache)
@@ -388,7 +396,7 @@ def test_paged_hits_are_page_aligned(page_size):
         assert r.hit_len == want, (n, r.hit_len)
         assert r.kv_indices.tolist() == slots[:want].tolist()
     # A fork in the middle of a page only shares the whole pages before it.
-    fork = base[:p + p // 2] + [999] * (2 * p)
+    fork = base[: p + p // 2] + [999] * (2 * p)
     cached, fslots = put(alloc, cache, fork)
     want = (p + p // 2) // p * p
     assert cached == want
@@ -398,9 +406,9 @@ def test_paged_hits_are_page_aligned(page_size):
             assert (int(node.value[0]) % p) == 0  # nodes hold whole pages
     r = cache.match_prefix(fork)
     assert r.hit_len == len(fork) // p * p
-    assert r.kv_indices.tolist() == slots[:want].tolist() + fslots[want:r.hit_len].tolist()
+    assert r.kv_indices.tolist() == slots[:want].tolist() + fslots[want : r.hit_len].tolist()
     check(alloc, cache)
-    cache.evict(10 ** 6)
+    cache.evict(10**6)
     assert alloc.available == alloc.capacity
     check(alloc, cache)
 
@@ -583,7 +591,9 @@ def test_salts_store_the_same_tokens_separately(page_size):
     hits = {salt: cache.match_prefix(tokens, cache_salt=salt) for salt in (None, "a", "b")}
     assert all(h.hit_len == len(tokens) for h in hits.values())
     slot_sets = [set(h.kv_indices.tolist()) for h in hits.values()]
-    assert not (slot_sets[0] & slot_sets[1] or slot_sets[0] & slot_sets[2] or slot_sets[1] & slot_sets[2])
+    assert not (
+        slot_sets[0] & slot_sets[1] or slot_sets[0] & slot_sets[2] or slot_sets[1] & slot_sets[2]
+    )
     assert cache.match_prefix(tokens, cache_salt="c").hit_len == 0
     check(alloc, cache)
 
@@ -714,9 +724,24 @@ def test_integrity_catches_broken_namespaces():
 def tree_state(cache: RadixCache) -> tuple:
     """Everything a lookup could change: the nodes (edges, parents, access times, hit counts,
     locks), the eviction order and the clock."""
-    nodes = sorted((n.id, n._key, n.parent.id if n.parent is not None else -1, n.last_access, n.hit_count,
-                    n.lock_ref) for n in cache._nodes())
-    return nodes, [e[:-1] for e in cache._evictable], cache._clock, cache.evictable_size, cache.protected_size
+    nodes = sorted(
+        (
+            n.id,
+            n._key,
+            n.parent.id if n.parent is not None else -1,
+            n.last_access,
+            n.hit_count,
+            n.lock_ref,
+        )
+        for n in cache._nodes()
+    )
+    return (
+        nodes,
+        [e[:-1] for e in cache._evictable],
+        cache._clock,
+        cache.evictable_size,
+        cache.protected_size,
+    )
 
 
 def test_peek_prefix_changes_nothing_and_finds_what_match_finds():
@@ -732,7 +757,9 @@ def test_peek_prefix_changes_nothing_and_finds_what_match_finds():
     assert tree_state(cache) == before
     node = cache.peek_prefix([1, 2, 3, 4, 7]).last_node
     assert node.key == [4, 5, 6]  # the edge that holds the hit's end
-    assert cache.match_prefix([1, 2, 3, 4, 7]).hit_len == 4 and tree_state(cache) != before  # a hit: split
+    assert (
+        cache.match_prefix([1, 2, 3, 4, 7]).hit_len == 4 and tree_state(cache) != before
+    )  # a hit: split
     cache.check_integrity()
 
 
@@ -743,16 +770,26 @@ def test_insert_prefix_returns_the_path_and_takes_no_hit(page_size: int):
     alloc, cache = make(64, page_size, policy="lfu")
     first = alloc.alloc(6)
     r = cache.insert_prefix([1, 2, 3, 4, 5, 6], first, cache_salt="s")
-    assert r.cached_len == 0 and r.kv_indices.tolist() == first.tolist() and r.last_node.key == [1, 2, 3, 4, 5, 6]
+    assert (
+        r.cached_len == 0
+        and r.kv_indices.tolist() == first.tolist()
+        and r.last_node.key == [1, 2, 3, 4, 5, 6]
+    )
     second = alloc.alloc(8)
-    r = cache.insert_prefix([1, 2, 3, 4, 9, 9, 7, 7], second, cache_salt="s")  # forks inside an edge
+    r = cache.insert_prefix(
+        [1, 2, 3, 4, 9, 9, 7, 7], second, cache_salt="s"
+    )  # forks inside an edge
     assert r.cached_len == 4
     assert r.kv_indices.tolist() == first[:4].tolist() + second[4:].tolist()
     assert r.last_node.key == [9, 9, 7, 7] and r.last_node.parent.key == [1, 2, 3, 4]
     alloc.free(second[:4])
     dup = alloc.alloc(2)
     r = cache.insert_prefix([1, 2], dup, cache_salt="s")  # ends inside an edge: split there
-    assert r.cached_len == 2 and r.kv_indices.tolist() == first[:2].tolist() and r.last_node.key == [1, 2]
+    assert (
+        r.cached_len == 2
+        and r.kv_indices.tolist() == first[:2].tolist()
+        and r.last_node.key == [1, 2]
+    )
     alloc.free(dup)
     check(alloc, cache)
     assert all(n.hit_count == 0 for n in cache._nodes())
@@ -771,12 +808,12 @@ class Request:
     __slots__ = ("tokens", "ids", "prefix", "own", "node", "salt")
 
     def __init__(self, tokens, ids, prefix, own, node, salt):
-        self.tokens = tokens    # list[int], prompt plus generated tokens
-        self.ids = ids          # the same as a TokenBuffer, or None: what the tree is handed
-        self.prefix = prefix    # slots of tokens[:len(prefix)], owned by the tree
-        self.own = own          # slots of the rest, owned by the request
-        self.node = node        # locked node whose path covers ``prefix``
-        self.salt = salt        # cache_salt of every match and insert
+        self.tokens = tokens  # list[int], prompt plus generated tokens
+        self.ids = ids  # the same as a TokenBuffer, or None: what the tree is handed
+        self.prefix = prefix  # slots of tokens[:len(prefix)], owned by the tree
+        self.own = own  # slots of the rest, owned by the request
+        self.node = node  # locked node whose path covers ``prefix``
+        self.salt = salt  # cache_salt of every match and insert
 
     @property
     def key(self):
@@ -791,8 +828,11 @@ class ServingTrace(RuleBasedStateMachine):
     matched prefix under the same salt.
     """
 
-    @initialize(page_size=st.sampled_from([1, 2, 4]), num_slots=st.sampled_from([64, 96, 128]),
-                policy=st.sampled_from(["lru", "lfu"]))
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4]),
+        num_slots=st.sampled_from([64, 96, 128]),
+        policy=st.sampled_from(["lru", "lfu"]),
+    )
     def setup(self, page_size, num_slots, policy):
         self.p = page_size
         self.alloc = KVSlotAllocator(num_slots, page_size)
@@ -816,11 +856,13 @@ class ServingTrace(RuleBasedStateMachine):
         assert hit_len % self.p == 0 and hit_len <= len(tokens)
         assert kv.numel() == hit_len
         for i, s in enumerate(kv.tolist()):
-            assert self.meaning[s] == (salt, tuple(tokens[:i + 1])), "hit returned KV of another prefix"
+            assert self.meaning[s] == (salt, tuple(tokens[: i + 1])), (
+                "hit returned KV of another prefix"
+            )
 
     def _record(self, tokens, salt, start, slots):
         for i, s in enumerate(slots.tolist()):
-            self.meaning[s] = (salt, tuple(tokens[:start + i + 1]))
+            self.meaning[s] = (salt, tuple(tokens[: start + i + 1]))
 
     def _last_slot(self, req: Request) -> int:
         if req.own.numel():
@@ -846,7 +888,7 @@ class ServingTrace(RuleBasedStateMachine):
     def start_request(self, data):
         if self.seen and data.draw(st.booleans(), label="share"):
             stem = data.draw(st.sampled_from(self.seen), label="stem")
-            stem = stem[:data.draw(st.integers(0, len(stem)), label="cut")]
+            stem = stem[: data.draw(st.integers(0, len(stem)), label="cut")]
         else:
             stem = []
         suffix = data.draw(st.lists(ALPHABET, min_size=0 if stem else 1, max_size=20), label="sfx")
@@ -931,7 +973,7 @@ class ServingTrace(RuleBasedStateMachine):
         if not self.seen:
             return
         tokens = data.draw(st.sampled_from(self.seen), label="peek")
-        tokens = tokens[:data.draw(st.integers(1, len(tokens)), label="cut")]
+        tokens = tokens[: data.draw(st.integers(1, len(tokens)), label="cut")]
         salt = data.draw(SALTS, label="salt")
         before = tree_state(self.cache)
         peeked = self.cache.peek_prefix(tokens, cache_salt=salt)
@@ -948,8 +990,12 @@ class ServingTrace(RuleBasedStateMachine):
     def consistent(self):
         self.alloc.check_integrity()
         check_slot_partition(self.alloc, self.cache, [r.own for r in self.live])
-        assert self.alloc.available + self.cache.total_size() + sum(
-            -(-r.own.numel() // self.p) * self.p for r in self.live) == self.alloc.capacity
+        assert (
+            self.alloc.available
+            + self.cache.total_size()
+            + sum(-(-r.own.numel() // self.p) * self.p for r in self.live)
+            == self.alloc.capacity
+        )
 
     def teardown(self):
         if not hasattr(self, "cache"):
@@ -961,13 +1007,16 @@ class ServingTrace(RuleBasedStateMachine):
         assert self.alloc.available + self.cache.evictable_size == self.alloc.capacity
         if self.p == 1:
             assert self.alloc.capacity == self.alloc.num_slots - 1
-        self.cache.evict(10 ** 9)
+        self.cache.evict(10**9)
         assert self.alloc.available == self.alloc.capacity
 
 
 ServingTrace.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 TestServingTrace = ServingTrace.TestCase
 
 
@@ -976,7 +1025,7 @@ TestServingTrace = ServingTrace.TestCase
 
 def _page_key(seq, i, p):
     """The KV at position i is identified by its whole page's prefix and its offset."""
-    return tuple(seq[:(i // p + 1) * p]), i % p
+    return tuple(seq[: (i // p + 1) * p]), i % p
 
 
 def _lcp(a, b) -> int:
@@ -994,14 +1043,14 @@ def test_match_agrees_with_naive_reference(page_size, seed):
     rng = random.Random(seed * 10 + page_size)
     p = page_size
     alloc, cache = make(8192 * p, p, policy=rng.choice(["lru", "lfu"]))
-    stored: list[list[int]] = []            # aligned keys inserted so far
-    first_slot: dict[tuple, int] = {}       # _page_key -> slot first cached for it
+    stored: list[list[int]] = []  # aligned keys inserted so far
+    first_slot: dict[tuple, int] = {}  # _page_key -> slot first cached for it
     vocab = rng.choice([2, 3, 5])
 
     def random_seq():
         if stored and rng.random() < 0.7:
             base = rng.choice(stored)
-            base = base[:rng.randint(0, len(base))]
+            base = base[: rng.randint(0, len(base))]
         else:
             base = []
         return base + [rng.randrange(vocab) for _ in range(rng.randint(0, 12))]

@@ -27,38 +27,76 @@ ORIGINAL = 16  # the original context (original_max_position_embeddings) of most
 SCALINGS: dict[str, tuple[dict, dict]] = {
     "linear": ({"rope_type": "linear", "factor": 4.0}, {}),
     "dynamic": ({"rope_type": "dynamic", "factor": 3.0}, {}),
-    "yarn": ({"rope_type": "yarn", "factor": 6.0,
-              "original_max_position_embeddings": ORIGINAL}, {}),
-    "yarn, mscale": ({"rope_type": "yarn", "factor": 6.0,
-                      "original_max_position_embeddings": ORIGINAL, "mscale": 0.9,
-                      "mscale_all_dim": 0.5, "beta_fast": 8, "beta_slow": 0.5,
-                      "truncate": False}, {}),
-    "yarn, attention_factor": ({"type": "yarn", "factor": 4.0, "attention_factor": 0.8,
-                                "original_max_position_embeddings": ORIGINAL}, {}),
+    "yarn": (
+        {"rope_type": "yarn", "factor": 6.0, "original_max_position_embeddings": ORIGINAL},
+        {},
+    ),
+    "yarn, mscale": (
+        {
+            "rope_type": "yarn",
+            "factor": 6.0,
+            "original_max_position_embeddings": ORIGINAL,
+            "mscale": 0.9,
+            "mscale_all_dim": 0.5,
+            "beta_fast": 8,
+            "beta_slow": 0.5,
+            "truncate": False,
+        },
+        {},
+    ),
+    "yarn, attention_factor": (
+        {
+            "type": "yarn",
+            "factor": 4.0,
+            "attention_factor": 0.8,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+        {},
+    ),
     # transformers takes a top-level original_max_position_embeddings over the rope dict's
-    "yarn, top-level original context": ({"type": "yarn", "factor": 5.0,
-                                          "original_max_position_embeddings": 48},
-                                         {"original_max_position_embeddings": ORIGINAL}),
+    "yarn, top-level original context": (
+        {"type": "yarn", "factor": 5.0, "original_max_position_embeddings": 48},
+        {"original_max_position_embeddings": ORIGINAL},
+    ),
     # and max_position_embeddings where neither names one
     "yarn, no original context": ({"rope_type": "yarn", "factor": 2.0, "beta_slow": 0.25}, {}),
-    "llama3": ({"rope_type": "llama3", "factor": 6.0, "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0, "original_max_position_embeddings": ORIGINAL}, {}),
+    "llama3": (
+        {
+            "rope_type": "llama3",
+            "factor": 6.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": ORIGINAL,
+        },
+        {},
+    ),
 }
 _HF_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}
 
 
 def _config(arch: str, rope_scaling: dict | None, **extra) -> dict:
-    return copy.deepcopy({
-        "model_type": arch, "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32,
-        "max_position_embeddings": MAX_POS, "rope_theta": 10000.0, "rope_scaling": rope_scaling,
-        **extra,
-    })
+    return copy.deepcopy(
+        {
+            "model_type": arch,
+            "vocab_size": 64,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,
+            "max_position_embeddings": MAX_POS,
+            "rope_theta": 10000.0,
+            "rope_scaling": rope_scaling,
+            **extra,
+        }
+    )
 
 
 def _hf_cos_sin(config: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
     """transformers' (cos [MAX_POS, D], sin [MAX_POS, D], attention_scaling) for ``config``."""
     from transformers import CONFIG_MAPPING
+
     arch = config["model_type"]
     hf_config = CONFIG_MAPPING[arch].from_dict(copy.deepcopy(config))  # it updates the rope dict
     module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
@@ -70,8 +108,9 @@ def _hf_cos_sin(config: dict) -> tuple[torch.Tensor, torch.Tensor, float]:
 def _radixrt_cos_sin(config: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """radixrt's tables for ``config``, sin± turned back into sin."""
     cfg = ModelConfig.from_dict(config)
-    cos, sin_signed = cos_sin_tables(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta,
-                                     cfg.rope_scaling)
+    cos, sin_signed = cos_sin_tables(
+        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    )
     half = cfg.head_dim // 2
     return cos, torch.cat([-sin_signed[:, :half], sin_signed[:, half:]], dim=-1)
 
@@ -111,6 +150,7 @@ def test_dynamic_is_exact_only_below_max_position_embeddings():
     max_position_embeddings; the tables (and the Engine's context) end before that."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
     config = _config("llama", SCALINGS["dynamic"][0])
     rotary = LlamaRotaryEmbedding(LlamaConfig.from_dict(copy.deepcopy(config)))
     cos, _ = _radixrt_cos_sin(config)
@@ -136,19 +176,21 @@ def _prompts() -> list[list[int]]:
     return [prefix + torch.randint(3, 2048, (n,), generator=gen).tolist() for n in (8, 21, 35, 48)]
 
 
-def _hf_greedy_and_logprobs(model, prompt: list[int],
-                            output: list[int]) -> tuple[list[int], torch.Tensor]:
+def _hf_greedy_and_logprobs(
+    model, prompt: list[int], output: list[int]
+) -> tuple[list[int], torch.Tensor]:
     """transformers' argmax after ``prompt + output[:i]`` for each i, and log p(output[i]) there:
     ``output`` is transformers' greedy continuation iff it equals the argmaxes."""
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
-        logprobs = model(ids).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+        logprobs = model(ids).logits[0, len(prompt) - 1 : -1].float().log_softmax(-1)
     return logprobs.argmax(-1).tolist(), logprobs[torch.arange(len(output)), torch.tensor(output)]
 
 
 def _hf_model(path: str, rope_parameters: dict | None = None):
     """transformers' float32 model of ``path`` (with ``rope_parameters`` instead of its own)."""
     from transformers import AutoConfig, AutoModelForCausalLM
+
     config = AutoConfig.from_pretrained(path)
     if rope_parameters is not None:
         config.rope_parameters = rope_parameters
@@ -189,5 +231,7 @@ def test_engine_greedy_matches_transformers(name, engines, tmp_path):
     assert all(o.cached_tokens >= o.prompt_tokens - 1 for o in again)
     if name != "dynamic":  # the scaling changes the continuation: a runtime ignoring it fails
         plain = _hf_model(path, {"rope_type": "default", "rope_theta": 10000.0})
-        assert any(_hf_greedy_and_logprobs(plain, p, o.token_ids)[0] != o.token_ids
-                   for p, o in zip(prompts, outs))
+        assert any(
+            _hf_greedy_and_logprobs(plain, p, o.token_ids)[0] != o.token_ids
+            for p, o in zip(prompts, outs)
+        )

@@ -17,17 +17,42 @@ def _logits(rows: int, vocab: int = V, seed: int = 0) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=make_generator(seed)) * 3
 
 
-@pytest.mark.parametrize("field, value", [
-    ("max_new_tokens", -1), ("max_new_tokens", 1.5), ("max_new_tokens", True),
-    ("temperature", -1.0), ("temperature", math.inf), ("temperature", math.nan),
-    ("temperature", "hot"), ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan),
-    ("top_k", -2), ("top_k", 2.0), ("min_p", 2.0), ("min_p", -0.1),
-    ("stop", ""), ("stop", ["ok", ""]), ("stop", ["ok", 3]), ("stop", 5),
-    ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
-    ("ignore_eos", 1), ("logprobs", "yes"), ("seed", 1.5), ("seed", 2**64),
-    ("top_logprobs", -1), ("top_logprobs", MAX_TOP_LOGPROBS + 1), ("top_logprobs", 2.0),
-    ("top_logprobs", True), ("top_logprobs", "3"), ("top_logprobs", None),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 1.5),
+        ("max_new_tokens", True),
+        ("temperature", -1.0),
+        ("temperature", math.inf),
+        ("temperature", math.nan),
+        ("temperature", "hot"),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_p", math.nan),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", 2.0),
+        ("min_p", -0.1),
+        ("stop", ""),
+        ("stop", ["ok", ""]),
+        ("stop", ["ok", 3]),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", 7),
+        ("ignore_eos", 1),
+        ("logprobs", "yes"),
+        ("seed", 1.5),
+        ("seed", 2**64),
+        ("top_logprobs", -1),
+        ("top_logprobs", MAX_TOP_LOGPROBS + 1),
+        ("top_logprobs", 2.0),
+        ("top_logprobs", True),
+        ("top_logprobs", "3"),
+        ("top_logprobs", None),
+    ],
+)
 def test_validation_names_field(field, value):
     with pytest.raises(ValueError, match=rf"SamplingParams\.{field} ") as info:
         SamplingParams(**{field: value})
@@ -35,9 +60,14 @@ def test_validation_names_field(field, value):
 
 
 def test_top_logprobs_needs_logprobs():
-    with pytest.raises(ValueError, match=r"SamplingParams\.top_logprobs .*SamplingParams\.logprobs"):
+    with pytest.raises(
+        ValueError, match=r"SamplingParams\.top_logprobs .*SamplingParams\.logprobs"
+    ):
         SamplingParams(top_logprobs=3)
-    assert SamplingParams(logprobs=True, top_logprobs=MAX_TOP_LOGPROBS).top_logprobs == MAX_TOP_LOGPROBS
+    assert (
+        SamplingParams(logprobs=True, top_logprobs=MAX_TOP_LOGPROBS).top_logprobs
+        == MAX_TOP_LOGPROBS
+    )
     assert SamplingParams(top_logprobs=0).top_logprobs == 0
     p = SamplingParams(logprobs=True, top_logprobs=4)
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(p), type=SamplingParams) == p
@@ -53,9 +83,18 @@ def test_normalization_and_greedy():
 
 
 def test_dict_and_msgspec_round_trip():
-    p = SamplingParams(max_new_tokens=7, temperature=0.5, top_p=0.9, top_k=5, min_p=0.1,
-                       stop=["a", "bc"], stop_token_ids=[1], ignore_eos=True, seed=3,
-                       logprobs=True)
+    p = SamplingParams(
+        max_new_tokens=7,
+        temperature=0.5,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        stop=["a", "bc"],
+        stop_token_ids=[1],
+        ignore_eos=True,
+        seed=3,
+        logprobs=True,
+    )
     assert SamplingParams.from_dict(p.to_dict()) == p
     wire = msgspec.msgpack.encode(p)
     assert msgspec.msgpack.decode(wire, type=SamplingParams) == p
@@ -75,8 +114,12 @@ def test_greedy_is_argmax(dtype):
 
 def test_top_k_1_and_mixed_batch_greedy_rows():
     logits = _logits(4)
-    params = [SamplingParams(top_k=1), SamplingParams(temperature=5.0),
-              SamplingParams(temperature=0), SamplingParams(temperature=5.0)]
+    params = [
+        SamplingParams(top_k=1),
+        SamplingParams(temperature=5.0),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=5.0),
+    ]
     out = Sampler().sample(logits, params, [None] * 4).token_ids
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
@@ -141,10 +184,13 @@ def test_filtered_distribution_is_renormalized():
     assert _chi_square(draws, kept) < 13.8  # 2 dof, p ~ 0.001
 
 
-@pytest.mark.parametrize("seeded", [
-    SamplingParams(temperature=1.3, top_p=0.9, seed=42),  # always on the sort path
-    SamplingParams(temperature=1.3, seed=42),  # alone: no sort; in the batch: sorted
-])
+@pytest.mark.parametrize(
+    "seeded",
+    [
+        SamplingParams(temperature=1.3, top_p=0.9, seed=42),  # always on the sort path
+        SamplingParams(temperature=1.3, seed=42),  # alone: no sort; in the batch: sorted
+    ],
+)
 def test_seeded_rows_are_batch_invariant(seeded):
     logits = _logits(5, vocab=64, seed=2)
     sampler = Sampler()
@@ -159,8 +205,12 @@ def test_seeded_rows_are_batch_invariant(seeded):
     alone = run(logits[:1], [seeded], 0)
     assert alone == run(logits[:1], [seeded], 0)
     assert len(set(alone)) > 1  # really sampling
-    others = [SamplingParams(top_k=3), SamplingParams(temperature=0),
-              SamplingParams(min_p=0.2, temperature=2.0), SamplingParams()]
+    others = [
+        SamplingParams(top_k=3),
+        SamplingParams(temperature=0),
+        SamplingParams(min_p=0.2, temperature=2.0),
+        SamplingParams(),
+    ]
     batch = torch.cat([logits[1:3], logits[:1], logits[3:]])
     assert run(batch, others[:2] + [seeded] + others[2:], 2) == alone
     assert run(batch, [SamplingParams()] * 2 + [seeded] + [SamplingParams()] * 2, 2) == alone
@@ -177,8 +227,12 @@ def test_two_seeded_requests_do_not_interact():
 
 def test_logprobs_are_model_log_softmax():
     logits = _logits(4).to(torch.bfloat16)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.7, logprobs=True),
-              SamplingParams(top_k=2), SamplingParams(temperature=3.0)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=0.7, logprobs=True),
+        SamplingParams(top_k=2),
+        SamplingParams(temperature=3.0),
+    ]
     out = Sampler().sample(logits, params, [None] * 4)
     assert out.logprobs is not None and out.logprobs.dtype == torch.float32
     expect = logits.float().log_softmax(-1).gather(1, out.token_ids[:, None]).squeeze(1)
@@ -193,17 +247,21 @@ def test_no_top_logprobs_unless_asked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_top_logprobs_are_topk_of_model_log_softmax(dtype):
     logits = _logits(6, vocab=64, seed=3).to(dtype)
-    params = [SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
-              SamplingParams(temperature=0.8, logprobs=True, top_logprobs=5, seed=1),
-              SamplingParams(temperature=0, logprobs=True),
-              SamplingParams(temperature=1.5, top_p=0.9, logprobs=True, top_logprobs=3),
-              SamplingParams(temperature=0.5),
-              SamplingParams(top_k=1, logprobs=True, top_logprobs=5)]
+    params = [
+        SamplingParams(temperature=0, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.8, logprobs=True, top_logprobs=5, seed=1),
+        SamplingParams(temperature=0, logprobs=True),
+        SamplingParams(temperature=1.5, top_p=0.9, logprobs=True, top_logprobs=3),
+        SamplingParams(temperature=0.5),
+        SamplingParams(top_k=1, logprobs=True, top_logprobs=5),
+    ]
     gens = [make_generator(1) if p.seed is not None else None for p in params]
     out = Sampler().sample(logits, params, gens)
     logp = logits.float().log_softmax(-1)
     ids, lps = out.top_logprobs
-    assert ids.dtype == torch.int64 and lps.dtype == torch.float32 and ids.shape == lps.shape == (6, 5)
+    assert (
+        ids.dtype == torch.int64 and lps.dtype == torch.float32 and ids.shape == lps.shape == (6, 5)
+    )
     want_lps, want_ids = logp.topk(5, dim=-1)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(lps, want_lps)
@@ -238,6 +296,7 @@ def test_unseeded_rows_follow_the_samplers_seed():
 
     def draws(sampler: Sampler, steps: int = 4) -> list[list[int]]:
         return [sampler.sample(logits, params).token_ids.tolist() for _ in range(steps)]
+
     first = draws(Sampler(seed=3))
     assert draws(Sampler(seed=3)) == first  # the same seed, the same sequence of draws
     assert draws(Sampler(seed=4)) != first

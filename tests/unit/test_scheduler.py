@@ -51,16 +51,22 @@ def reference(prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
         ids.append(next_token(ids))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def make(num_slots: int = 4096, **cfg) -> Scheduler:
     config = EngineConfig(**cfg)
-    return Scheduler(config, FakeRunner(num_slots), decode_fn=lambda ids: " ".join(map(str, ids)),
-                     max_context=512)
+    return Scheduler(
+        config,
+        FakeRunner(num_slots),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=512,
+    )
 
 
-def run(sched: Scheduler, prompts: list[list[int]], n: int, check_every_step: bool = False) -> list[Req]:
+def run(
+    sched: Scheduler, prompts: list[list[int]], n: int, check_every_step: bool = False
+) -> list[Req]:
     sp = SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True)
     reqs = [Req(str(i), list(p), sp) for i, p in enumerate(prompts)]
     for r in reqs:
@@ -83,9 +89,17 @@ def shared_prompts(groups: int = 3, per: int = 4, system: int = 40, q: int = 6, 
     return out
 
 
-@pytest.mark.parametrize("cfg", [{}, {"schedule_policy": "fcfs"}, {"schedule_policy": "dfs-weight"},
-                                 {"page_size": 4}, {"chunked_prefill_size": 16},
-                                 {"disable_radix_cache": True}])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {},
+        {"schedule_policy": "fcfs"},
+        {"schedule_policy": "dfs-weight"},
+        {"page_size": 4},
+        {"chunked_prefill_size": 16},
+        {"disable_radix_cache": True},
+    ],
+)
 def test_outputs_follow_the_kv(cfg):
     prompts = shared_prompts()
     sched = make(**cfg)
@@ -105,10 +119,17 @@ def test_in_batch_dedup_computes_each_shared_prefix_once():
     assert sched.get_stats()["prefill_tokens"] == 3 * 64 + len(prompts) * 6
 
 
-def run_salted(sched: Scheduler, prompts: list[list[int]], salts: list[str | None], n: int) -> list[Req]:
-    reqs = [Req(str(i), list(p), SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True,
-                                                 cache_salt=salt))
-            for i, (p, salt) in enumerate(zip(prompts, salts))]
+def run_salted(
+    sched: Scheduler, prompts: list[list[int]], salts: list[str | None], n: int
+) -> list[Req]:
+    reqs = [
+        Req(
+            str(i),
+            list(p),
+            SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, cache_salt=salt),
+        )
+        for i, (p, salt) in enumerate(zip(prompts, salts))
+    ]
     for r in reqs:
         sched.add_request(r)
     while not all(r.finished for r in reqs):
@@ -133,7 +154,9 @@ def test_salts_split_the_cache_and_the_in_batch_dedup(policy):
 def test_same_prompt_under_two_salts_shares_nothing():
     prompt = [random.Random(5).randrange(VOCAB) for _ in range(80)]
     sched = make()
-    sp = [SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, cache_salt=s) for s in "ab"]
+    sp = [
+        SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True, cache_salt=s) for s in "ab"
+    ]
     a, b = Req("a", list(prompt), sp[0]), Req("b", list(prompt), sp[1])
     sched.add_request(a), sched.add_request(b)
     sched.step()
@@ -146,7 +169,9 @@ def test_same_prompt_under_two_salts_shares_nothing():
     c, d = run_salted(sched, [prompt, prompt], ["b", None], 3)  # later, one after the other
     assert c.cached_tokens == len(prompt) - 1 and d.cached_tokens == 0
     assert a.output_ids == b.output_ids == c.output_ids == d.output_ids == reference(prompt, 3)
-    e, f = run_salted(sched, [prompt + [1] * 40, prompt + [2] * 40], ["c", "c"], 1)  # same salt: dedup
+    e, f = run_salted(
+        sched, [prompt + [1] * 40, prompt + [2] * 40], ["c", "c"], 1
+    )  # same salt: dedup
     assert e.cached_tokens == 0 and f.cached_tokens == len(prompt)
 
 
@@ -192,6 +217,7 @@ def test_check_memory_catches_a_leak():
 
 # ------------------------------------------------------------ fault isolation
 
+
 class FlakyRunner(FakeRunner):
     """A FakeRunner whose forwards number ``fail_on`` (1-based) raise before writing any KV."""
 
@@ -207,8 +233,12 @@ class FlakyRunner(FakeRunner):
 
 
 def make_flaky(fail_on: set[int], num_slots: int = 4096, **cfg) -> Scheduler:
-    return Scheduler(EngineConfig(**cfg), FlakyRunner(num_slots, fail_on),
-                     decode_fn=lambda ids: " ".join(map(str, ids)), max_context=512)
+    return Scheduler(
+        EngineConfig(**cfg),
+        FlakyRunner(num_slots, fail_on),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=512,
+    )
 
 
 def drive(sched: Scheduler, reqs: list[Req]) -> None:
@@ -273,12 +303,23 @@ def test_consecutive_forward_failures_are_counted():
 
 def test_a_failing_stop_check_fails_only_that_request():
     from radixrt.server import faults
+
     sched = make()
     faults.install_in_scheduler(sched, faults.parse("stop_check"))
     prompts = shared_prompts(groups=1, per=4, system=20, q=4)
-    reqs = [Req(str(i), list(p), SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True,
-                                                 stop=["<fault:stop_check>"] if i == 1 else ["zzz"]))
-            for i, p in enumerate(prompts)]
+    reqs = [
+        Req(
+            str(i),
+            list(p),
+            SamplingParams(
+                max_new_tokens=6,
+                temperature=0,
+                ignore_eos=True,
+                stop=["<fault:stop_check>"] if i == 1 else ["zzz"],
+            ),
+        )
+        for i, p in enumerate(prompts)
+    ]
     for r in reqs:
         sched.add_request(r)
     drive(sched, reqs)
@@ -290,14 +331,18 @@ def test_a_failing_stop_check_fails_only_that_request():
 
 def test_forward_fault_hits_batches_with_a_marked_request():
     from radixrt.server import faults
+
     sched = make()
     faults.install_in_scheduler(sched, faults.parse("forward"))
     sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     good = Req("good", list(range(12)), sp)
     sched.add_request(good)
     sched.step()
-    bad = Req("bad", list(range(30, 50)), SamplingParams(max_new_tokens=4, temperature=0,
-                                                        ignore_eos=True, stop=["<fault:forward>"]))
+    bad = Req(
+        "bad",
+        list(range(30, 50)),
+        SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True, stop=["<fault:forward>"]),
+    )
     sched.add_request(bad)
     assert sched.step() == [bad] and bad.finish_reason == "error"  # bad's prefill batch
     drive(sched, [good])
@@ -306,11 +351,14 @@ def test_forward_fault_hits_batches_with_a_marked_request():
 
 def test_fault_spec_parsing():
     from radixrt.server import faults
+
     assert faults.parse(None) is None and faults.parse("") is None
     armed = faults.parse("stop_check, forward:always")
     assert armed.armed == {"stop_check": "marker", "forward": "always"}
     assert armed.fires("forward", None) and armed.fires("stop_check", ["<fault:stop_check>"])
-    assert not armed.fires("stop_check", ["x"]) and not armed.fires("detokenize", ["<fault:detokenize>"])
+    assert not armed.fires("stop_check", ["x"]) and not armed.fires(
+        "detokenize", ["<fault:detokenize>"]
+    )
     for bad in ("nope", "forward:sometimes", "forward,"):
         with pytest.raises(ValueError, match="debug-faults"):
             faults.parse(bad)
@@ -337,12 +385,15 @@ def test_a_failing_sampler_fails_the_requests_it_samples_for():
     drive(sched, [a])
     assert a.output_ids == reference(a.prompt_ids, 5)
     again = run(sched, [b.prompt_ids], 5)[0]  # b's computed prompt KV was cached, and is right
-    assert again.cached_tokens == len(b.prompt_ids) - 1 and again.output_ids == reference(b.prompt_ids, 5)
+    assert again.cached_tokens == len(b.prompt_ids) - 1 and again.output_ids == reference(
+        b.prompt_ids, 5
+    )
 
 
 @pytest.mark.parametrize("policy", ["lpm", "dfs-weight"])
 def test_polling_the_queue_changes_neither_eviction_order_nor_hit_counts(policy):
     from radixrt.scheduler.policy import order_waiting
+
     sched = make(schedule_policy=policy, eviction_policy="lfu")
     run(sched, shared_prompts(groups=3, per=2), 4)
     tree = sched.kv.tree
@@ -353,10 +404,15 @@ def test_polling_the_queue_changes_neither_eviction_order_nor_hit_counts(policy)
 
     before = state()
     sp = SamplingParams(max_new_tokens=2, temperature=0)
-    waiting = [Req(f"w{i}", p[:len(p) - 3] + [1, 2], sp) for i, p in enumerate(shared_prompts(groups=3, per=2))]
+    waiting = [
+        Req(f"w{i}", p[: len(p) - 3] + [1, 2], sp)
+        for i, p in enumerate(shared_prompts(groups=3, per=2))
+    ]
     orders = {tuple(r.rid for r in order_waiting(policy, waiting, sched.kv)) for _ in range(100)}
     assert len(orders) == 1  # and the order does not drift either
     assert state() == before
-    assert [sched.kv.prefix_len_hint(r) for r in waiting] == [sched.kv.prefix_len_hint(r) for r in waiting]
+    assert [sched.kv.prefix_len_hint(r) for r in waiting] == [
+        sched.kv.prefix_len_hint(r) for r in waiting
+    ]
     assert any(sched.kv.prefix_len_hint(r) > 0 for r in waiting)
     assert state() == before

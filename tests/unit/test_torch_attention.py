@@ -12,7 +12,7 @@ from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
 
 D = 16
-SCALE = D ** -0.5
+SCALE = D**-0.5
 PREFIX = 40  # length of every shared prefix
 
 
@@ -28,8 +28,12 @@ def _reference(q: torch.Tensor, pool: KVPool, row: int, seq_len: int) -> torch.T
     return (s.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
-def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = torch.float32,
-           consecutive: tuple[int, ...] = ()):
+def _setup(
+    kh: int,
+    spec: list[tuple[int, int | None]],
+    dtype: torch.dtype = torch.float32,
+    consecutive: tuple[int, ...] = (),
+):
     """spec: per request (seq_len, id of its shared PREFIX-token prefix or None) → pool, rows.
     Slots are scattered, except that the prefixes named in ``consecutive`` take a run of
     consecutive slots (as a prefix prefilled in one piece does)."""
@@ -42,8 +46,11 @@ def _setup(kh: int, spec: list[tuple[int, int | None]], dtype: torch.dtype = tor
     for row, (seq_len, pid) in enumerate(spec):
         new = None
         if pid not in prefixes:
-            new = (list(range(2100 + 100 * pid, 2100 + 100 * pid + PREFIX)) if pid in consecutive
-                   else [next(free) for _ in range(PREFIX)])
+            new = (
+                list(range(2100 + 100 * pid, 2100 + 100 * pid + PREFIX))
+                if pid in consecutive
+                else [next(free) for _ in range(PREFIX)]
+            )
         shared = [] if pid is None else prefixes.setdefault(pid, new)
         slots = shared[:seq_len] + [next(free) for _ in range(seq_len - len(shared))]
         pool.req_to_token[row, :seq_len] = torch.tensor(slots)
@@ -55,12 +62,21 @@ def _run_decode(pool: KVPool, rows: torch.Tensor, seq_lens: list[int], h: int, t
     out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
     q = torch.randn(b, h, D, dtype=dtype)
     k, v = (torch.randn(b, pool.kv_heads, D, dtype=dtype) for _ in range(2))
-    batch = ForwardBatch(ForwardMode.DECODE, torch.zeros(b, dtype=torch.int64),
-                         torch.tensor(seq_lens) - 1, out_loc, rows, seq_lens, [1] * b)
+    batch = ForwardBatch(
+        ForwardMode.DECODE,
+        torch.zeros(b, dtype=torch.int64),
+        torch.tensor(seq_lens) - 1,
+        out_loc,
+        rows,
+        seq_lens,
+        [1] * b,
+    )
     backend = TorchAttentionBackend(pool)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, SCALE)
-    ref = torch.cat([_reference(q[i:i + 1], pool, int(rows[i]), s) for i, s in enumerate(seq_lens)])
+    ref = torch.cat(
+        [_reference(q[i : i + 1], pool, int(rows[i]), s) for i, s in enumerate(seq_lens)]
+    )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     return batch.attn_metadata
@@ -76,22 +92,38 @@ def test_decode_matches_reference(kh: int, h: int, dtype: torch.dtype, tol: floa
     _run_decode(pool, rows, [s for s, _ in spec], h, tol)
 
 
-def _run_extend(pool: KVPool, seq_lens: list[int], extend_lens: list[int], h: int,
-                tol: float = 1e-5):
+def _run_extend(
+    pool: KVPool, seq_lens: list[int], extend_lens: list[int], h: int, tol: float = 1e-5
+):
     rows = torch.arange(len(seq_lens))
-    out_loc = torch.cat([pool.req_to_token[r, s - e:s]
-                         for r, s, e in zip(range(len(seq_lens)), seq_lens, extend_lens)])
+    out_loc = torch.cat(
+        [
+            pool.req_to_token[r, s - e : s]
+            for r, s, e in zip(range(len(seq_lens)), seq_lens, extend_lens)
+        ]
+    )
     t, dtype = len(out_loc), pool.dtype
     q = torch.randn(t, h, D, dtype=dtype)
     k, v = (torch.randn(t, pool.kv_heads, D, dtype=dtype) for _ in range(2))
-    batch = ForwardBatch(ForwardMode.EXTEND, torch.zeros(t, dtype=torch.int64),
-                         torch.zeros(t, dtype=torch.int64), out_loc, rows, seq_lens, extend_lens)
+    batch = ForwardBatch(
+        ForwardMode.EXTEND,
+        torch.zeros(t, dtype=torch.int64),
+        torch.zeros(t, dtype=torch.int64),
+        out_loc,
+        rows,
+        seq_lens,
+        extend_lens,
+    )
     backend = TorchAttentionBackend(pool)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, SCALE)
     starts = torch.tensor([0] + extend_lens).cumsum(0).tolist()
-    ref = torch.cat([_reference(q[s:s + e], pool, r, n)
-                     for s, e, r, n in zip(starts, extend_lens, range(len(seq_lens)), seq_lens)])
+    ref = torch.cat(
+        [
+            _reference(q[s : s + e], pool, r, n)
+            for s, e, r, n in zip(starts, extend_lens, range(len(seq_lens)), seq_lens)
+        ]
+    )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     return batch.attn_metadata
@@ -107,8 +139,14 @@ def test_extend_matches_reference(kh: int, h: int) -> None:
 def test_extend_over_shared_and_private_prefixes(dtype: torch.dtype, tol: float) -> None:
     """Requests 0, 1 and 5 share a cached prefix, 2 caches a longer one, 3 another; 4 has none;
     one request extends by a single token."""
-    spec = [(PREFIX + 5, 0), (PREFIX + 5, 0), (PREFIX + 8, 0), (PREFIX + 5, 1), (12, None),
-            (PREFIX + 1, 0)]
+    spec = [
+        (PREFIX + 5, 0),
+        (PREFIX + 5, 0),
+        (PREFIX + 8, 0),
+        (PREFIX + 5, 1),
+        (12, None),
+        (PREFIX + 1, 0),
+    ]
     pool, _ = _setup(2, spec, dtype, consecutive=(1,))
     _run_extend(pool, [s for s, _ in spec], [5, 5, 5, 5, 12, 1], 6, tol)
 
@@ -117,6 +155,7 @@ def test_attention_op_needs_a_forward_context():
     # A compiled model reaches attention only through radixrt::attention, which reads the
     # step's batch from forward_context; outside one it names the problem.
     from radixrt.attention.base import attention
+
     q = torch.zeros(2, 4, 8)
     with pytest.raises(RuntimeError, match="forward_context"):
         attention(q, q[:, :2], q[:, :2], 0, None, 1.0)

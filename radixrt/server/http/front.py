@@ -24,7 +24,14 @@ from starlette.routing import Route
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
-from radixrt.server.http.jobs import ClientGone, Job, Prompt, SSEResponse, error_response, json_response
+from radixrt.server.http.jobs import (
+    ClientGone,
+    Job,
+    Prompt,
+    SSEResponse,
+    error_response,
+    json_response,
+)
 from radixrt.server.http.openai_api import OpenAIApi
 from radixrt.server.http.sglang_api import SGLangApi
 from radixrt.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -47,7 +54,9 @@ class HttpFront:
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics, methods=["GET"]),
             Route("/v1/models", self.authed(self.models), methods=["GET"]),
-            Route("/v1/chat/completions", self.authed(self.openai.chat_completions), methods=["POST"]),
+            Route(
+                "/v1/chat/completions", self.authed(self.openai.chat_completions), methods=["POST"]
+            ),
             Route("/v1/completions", self.authed(self.openai.completions), methods=["POST"]),
             Route("/generate", self.authed(self.sglang.generate), methods=["POST"]),
             Route("/get_model_info", self.authed(self.model_info), methods=["GET"]),
@@ -56,24 +65,38 @@ class HttpFront:
             Route("/server_info", self.authed(self.server_info), methods=["GET"]),
             Route("/flush_cache", self.authed(self.flush_cache), methods=["POST", "GET"]),
         ]
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self.on_http_exception,
-                                                                Exception: self.on_exception})
+        self.app = Starlette(
+            routes=routes,
+            exception_handlers={
+                HTTPException: self.on_http_exception,
+                Exception: self.on_exception,
+            },
+        )
 
     # ------------------------------------------------------------ plumbing
 
     async def on_http_exception(self, request: Request, exc: HTTPException) -> Response:
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"method {request.method} is not allowed on {request.url.path}"}.get(
-                       exc.status_code, str(exc.detail))
-        return error_response(api.ApiError(exc.status_code, message, "not_found" if exc.status_code == 404
-                                           else ErrorCode.INVALID_REQUEST))
+        message = {
+            404: f"no route {request.method} {request.url.path}",
+            405: f"method {request.method} is not allowed on {request.url.path}",
+        }.get(exc.status_code, str(exc.detail))
+        return error_response(
+            api.ApiError(
+                exc.status_code,
+                message,
+                "not_found" if exc.status_code == 404 else ErrorCode.INVALID_REQUEST,
+            )
+        )
 
     async def on_exception(self, request: Request, exc: Exception) -> Response:
         log.exception("HTTP %s %s failed", request.method, request.url.path)
-        return error_response(api.ApiError(500, f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL))
+        return error_response(
+            api.ApiError(500, f"internal error: {type(exc).__name__}", ErrorCode.INTERNAL)
+        )
 
     def authed(self, handler):
         """``handler(request, api_key)`` behind the API key check, with errors as OpenAI error objects."""
+
         async def endpoint(request: Request) -> Response:
             try:
                 key = self.check_key(request)
@@ -84,6 +107,7 @@ class HttpFront:
                 return error_response(api.ApiError.from_code(e.code, str(e), status=e.status))
             except ClientGone:
                 return Response(status_code=499)
+
         return endpoint
 
     def check_key(self, request: Request) -> str | None:
@@ -91,8 +115,11 @@ class HttpFront:
         scheme, _, key = header.partition(" ")
         key = key.strip() if scheme.lower() == "bearer" else None
         if self.tm.api_keys and not self.tm.authorized(key):
-            raise api.ApiError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                               ErrorCode.UNAUTHORIZED)
+            raise api.ApiError(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                ErrorCode.UNAUTHORIZED,
+            )
         return key
 
     async def read(self, request: Request, cls: type) -> Any:
@@ -100,27 +127,39 @@ class HttpFront:
         limit = self.tm.server.max_message_bytes
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            raise api.ApiError(413 if length.isdigit() else 400, f"a body of {length} bytes; the server "
-                               f"accepts at most {limit}", ErrorCode.TOO_LARGE)
+            raise api.ApiError(
+                413 if length.isdigit() else 400,
+                f"a body of {length} bytes; the server accepts at most {limit}",
+                ErrorCode.TOO_LARGE,
+            )
         parts, size = [], 0
         async for part in request.stream():
             size += len(part)
             if size > limit:
-                raise api.ApiError(413, f"the body is over the server's limit of {limit} bytes",
-                                   ErrorCode.TOO_LARGE)
+                raise api.ApiError(
+                    413,
+                    f"the body is over the server's limit of {limit} bytes",
+                    ErrorCode.TOO_LARGE,
+                )
             parts.append(part)
         return api.decode_body(b"".join(parts), cls)
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:
-            raise api.ApiError(404, f"the model {name!r} does not exist; this server serves "
-                               f"{self.model_name!r}", "model_not_found", "model")
+            raise api.ApiError(
+                404,
+                f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+                "model_not_found",
+                "model",
+            )
 
     async def control(self, kind: str) -> dict:
         try:
             data = await asyncio.wait_for(self.tm.control_async(kind), CONTROL_TIMEOUT_S)
         except TimeoutError:
-            raise api.ApiError(503, f"the scheduler did not answer {kind}", ErrorCode.INTERNAL) from None
+            raise api.ApiError(
+                503, f"the scheduler did not answer {kind}", ErrorCode.INTERNAL
+            ) from None
         if isinstance(data, RequestError):
             raise data
         return data
@@ -131,8 +170,9 @@ class HttpFront:
             text = self.token_texts[token] = self.tm.tokenizer.decode([token])
         return text
 
-    async def run_job(self, request: Request, key: str | None, prompts: list[Prompt], stream: bool,
-                      render_stream) -> Job | SSEResponse:
+    async def run_job(
+        self, request: Request, key: str | None, prompts: list[Prompt], stream: bool, render_stream
+    ) -> Job | SSEResponse:
         """Admit prompts. Unstreamed: wait for every choice and return the Job (the caller renders
         ``job.choices``). Streamed: wait for the first delta, so that a request failing before its
         first token still gets its HTTP status, then stream ``render_stream(job, first)``."""
@@ -156,8 +196,12 @@ class HttpFront:
             message = str(e)
             param = message.split(" ", 1)[0].removeprefix("SamplingParams.")
             param = SAMPLING_NAMES.get(param, param)
-            raise api.ApiError(400, message.replace("SamplingParams.max_new_tokens", "max_tokens"),
-                               ErrorCode.INVALID_REQUEST, param if param.isidentifier() else None) from None
+            raise api.ApiError(
+                400,
+                message.replace("SamplingParams.max_new_tokens", "max_tokens"),
+                ErrorCode.INVALID_REQUEST,
+                param if param.isidentifier() else None,
+            ) from None
         return self.tm.limit_new_tokens(sp, given)
 
     def default_max_tokens(self, prompt_len: int) -> int:
@@ -169,7 +213,9 @@ class HttpFront:
 
     async def health(self, request: Request) -> Response:
         if self.tm.drain_requested:
-            return error_response(api.ApiError(503, "the server is shutting down", ErrorCode.SHUTTING_DOWN))
+            return error_response(
+                api.ApiError(503, "the server is shutting down", ErrorCode.SHUTTING_DOWN)
+            )
         return Response(b"", status_code=200)
 
     async def metrics(self, request: Request) -> Response:
@@ -180,30 +226,58 @@ class HttpFront:
         return Response(self.tm.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request, key: str | None) -> Response:
-        card = api.ModelCard(id=self.model_name, created=self.created, root=self.tm.limits["model"],
-                             max_model_len=self.tm.limits["max_context"])
+        card = api.ModelCard(
+            id=self.model_name,
+            created=self.created,
+            root=self.tm.limits["model"],
+            max_model_len=self.tm.limits["max_context"],
+        )
         return json_response(api.ModelList(data=[card]))
 
     async def model_info(self, request: Request, key: str | None) -> Response:
         path = self.tm.limits["model"]
-        return json_response({"model_path": path, "tokenizer_path": path, "is_generation": True,
-                              "served_model_name": self.model_name, "preferred_sampling_params": None,
-                              "weight_version": "default", "has_image_understanding": False,
-                              "has_audio_understanding": False, "max_context_length": self.tm.limits["max_context"]})
+        return json_response(
+            {
+                "model_path": path,
+                "tokenizer_path": path,
+                "is_generation": True,
+                "served_model_name": self.model_name,
+                "preferred_sampling_params": None,
+                "weight_version": "default",
+                "has_image_understanding": False,
+                "has_audio_understanding": False,
+                "max_context_length": self.tm.limits["max_context"],
+            }
+        )
 
     async def server_info(self, request: Request, key: str | None) -> Response:
         data = await self.control("server_info")
-        state = {**data, "avg_spec_accept_length": None,
-                 "last_gen_throughput": data.get("output_tokens", 0) / data["decode_forward_s"]
-                 if data.get("decode_forward_s") else 0.0}
-        args = {k: v for k, v in dataclasses.asdict(self.tm.server).items()
-                if k not in ("api_key", "debug_faults")}
-        return json_response({**args, "model_path": data["model"], "served_model_name": self.model_name,
-                              "internal_states": [state], "version": "radixrt"})
+        state = {
+            **data,
+            "avg_spec_accept_length": None,
+            "last_gen_throughput": data.get("output_tokens", 0) / data["decode_forward_s"]
+            if data.get("decode_forward_s")
+            else 0.0,
+        }
+        args = {
+            k: v
+            for k, v in dataclasses.asdict(self.tm.server).items()
+            if k not in ("api_key", "debug_faults")
+        }
+        return json_response(
+            {
+                **args,
+                "model_path": data["model"],
+                "served_model_name": self.model_name,
+                "internal_states": [state],
+                "version": "radixrt",
+            }
+        )
 
     async def flush_cache(self, request: Request, key: str | None) -> Response:
         await self.control("flush_cache")
         return Response(b"Cache flushed.\n", status_code=200, media_type="text/plain")
+
 
 class _QuietServer(uvicorn.Server):
     """uvicorn without its signal handlers: the TokenizerManager's process owns its signals."""
@@ -218,6 +292,12 @@ class _QuietServer(uvicorn.Server):
 
 async def serve_http(tm: TokenizerManager, sock) -> None:
     front = HttpFront(tm)
-    config = uvicorn.Config(front.app, lifespan="off", log_level="warning", access_log=False,
-                            loop="none", timeout_keep_alive=30)
+    config = uvicorn.Config(
+        front.app,
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+        loop="none",
+        timeout_keep_alive=30,
+    )
     await _QuietServer(config).serve(sockets=[sock])

@@ -23,9 +23,12 @@ from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
 from radixrt.server.tokenizer_manager import RequestError, TokenizerManager
 
-MAX_CHOICES = 128          # n, or prompts × n, in one request
-SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-               (b"x-accel-buffering", b"no")]
+MAX_CHOICES = 128  # n, or prompts × n, in one request
+SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 DONE = b"data: [DONE]\n\n"
 _GONE = object()  # queued by a Job's watcher when its client disconnects
 
@@ -58,8 +61,17 @@ class Prompt(msgspec.Struct):
 class Choice:
     """What one engine request has produced so far."""
 
-    __slots__ = ("texts", "token_ids", "logprobs", "top_logprobs", "finish_reason", "prompt_tokens",
-                 "cached_tokens", "prompt_logprobs", "prompt_top_logprobs")
+    __slots__ = (
+        "texts",
+        "token_ids",
+        "logprobs",
+        "top_logprobs",
+        "finish_reason",
+        "prompt_tokens",
+        "cached_tokens",
+        "prompt_logprobs",
+        "prompt_top_logprobs",
+    )
 
     def __init__(self) -> None:
         self.texts: list[str] = []
@@ -79,7 +91,10 @@ class Choice:
         self.finish_reason = d.finish_reason
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         if d.prompt_logprobs is not None:
-            self.prompt_logprobs, self.prompt_top_logprobs = d.prompt_logprobs, d.prompt_top_logprobs
+            self.prompt_logprobs, self.prompt_top_logprobs = (
+                d.prompt_logprobs,
+                d.prompt_top_logprobs,
+            )
 
     @property
     def text(self) -> str:
@@ -97,7 +112,9 @@ class Job:
 
     _ids = itertools.count()
 
-    def __init__(self, tm: TokenizerManager, request: Request, api_key: str | None, stream: bool) -> None:
+    def __init__(
+        self, tm: TokenizerManager, request: Request, api_key: str | None, stream: bool
+    ) -> None:
         self.tm, self.request = tm, request
         self.api_key, self.stream = api_key, stream
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -106,7 +123,9 @@ class Job:
         self.unfinished: set[int] = set()
         self.watcher: asyncio.Task | None = None
         self.open = False  # admitted and not closed
-        client = api_key if api_key is not None else (request.client.host if request.client else "?")
+        client = (
+            api_key if api_key is not None else (request.client.host if request.client else "?")
+        )
         # ZeroMQ reserves identities that start with a zero byte for the five-byte ones it
         # generates, so no well-behaved ZeroMQ client shares this one.
         self.identity = b"\0http:" + client.encode()
@@ -116,16 +135,30 @@ class Job:
         if not prompts:
             raise api.ApiError(400, "no prompt given", ErrorCode.INVALID_REQUEST, "prompt")
         if len(prompts) > MAX_CHOICES:
-            raise api.ApiError(400, f"{len(prompts)} choices in one request; at most {MAX_CHOICES}",
-                               ErrorCode.INVALID_REQUEST, "n")
+            raise api.ApiError(
+                400,
+                f"{len(prompts)} choices in one request; at most {MAX_CHOICES}",
+                ErrorCode.INVALID_REQUEST,
+                "n",
+            )
         self.tm.check_admission(self.identity, f"{self.key}:0", count=len(prompts))
         self.open = True
         self.tm.http_open += 1  # the drain waits for this answer to be written
         try:
             for i, p in enumerate(prompts):
-                self.rids.append(self.tm.admit(self.identity, f"{self.key}:{i}", p.ids, p.params,
-                                               api_key=self.api_key, logprob_start_len=p.logprob_start_len,
-                                               stream=self.stream, sink=self.queue, index=i))
+                self.rids.append(
+                    self.tm.admit(
+                        self.identity,
+                        f"{self.key}:{i}",
+                        p.ids,
+                        p.params,
+                        api_key=self.api_key,
+                        logprob_start_len=p.logprob_start_len,
+                        stream=self.stream,
+                        sink=self.queue,
+                        index=i,
+                    )
+                )
                 self.choices.append(Choice())
                 self.unfinished.add(i)
         except Exception:
@@ -172,7 +205,9 @@ class Job:
         self.tm.http_open -= 1
 
 
-async def sse_events(job: Job, first: tuple[int, TextDelta], render, tail=None) -> AsyncIterator[bytes]:
+async def sse_events(
+    job: Job, first: tuple[int, TextDelta], render, tail=None
+) -> AsyncIterator[bytes]:
     """A job's stream: ``render(index, delta)`` (a chunk, or None to send nothing) for each delta
     from ``first`` on; an error event if one of its requests failed; then ``tail()`` (a last
     chunk, or None) and ``[DONE]``."""
@@ -210,5 +245,3 @@ class SSEResponse:
         finally:
             await self.chunks.aclose()
             self.on_close()
-
-

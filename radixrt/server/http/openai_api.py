@@ -26,10 +26,25 @@ if TYPE_CHECKING:
     from radixrt.server.http.front import HttpFront
 
 # apply_chat_template arguments a request's chat_template_kwargs may not set
-RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "return_dict", "return_tensors",
-                                      "add_generation_prompt", "continue_final_message", "chat_template",
-                                      "tools", "documents", "padding", "truncation", "max_length",
-                                      "return_assistant_tokens_mask", "tokenizer_kwargs"})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tools",
+        "documents",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 class OpenAIApi:
@@ -38,24 +53,40 @@ class OpenAIApi:
 
     # ---------------------------------------------------------- sampling
 
-    def sampling(self, body: api._Sampling, max_tokens: int | None, default_max: int, logprobs: bool,
-                 top_logprobs: int, index: int) -> SamplingParams:
+    def sampling(
+        self,
+        body: api._Sampling,
+        max_tokens: int | None,
+        default_max: int,
+        logprobs: bool,
+        top_logprobs: int,
+        index: int,
+    ) -> SamplingParams:
         seed = body.seed
         if seed is not None and index:
             seed = seed + index if seed + index < 2**63 else seed - index
-        fields = dict(max_new_tokens=default_max if max_tokens is None else max_tokens,
-                      temperature=1.0 if body.temperature is None else body.temperature,
-                      top_p=1.0 if body.top_p is None else body.top_p,
-                      top_k=-1 if body.top_k is None else body.top_k,
-                      min_p=0.0 if body.min_p is None else body.min_p,
-                      stop=body.stop, stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos,
-                      seed=seed, logprobs=logprobs, top_logprobs=top_logprobs, cache_salt=body.cache_salt)
+        fields = dict(
+            max_new_tokens=default_max if max_tokens is None else max_tokens,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=-1 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            seed=seed,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            cache_salt=body.cache_salt,
+        )
         return self.front.make_params(fields, given=max_tokens is not None)
 
     @staticmethod
     def check_n(n: int) -> None:
         if not 1 <= n <= MAX_CHOICES:
-            raise api.ApiError(400, f"n must be in [1, {MAX_CHOICES}], got {n}", ErrorCode.INVALID_REQUEST, "n")
+            raise api.ApiError(
+                400, f"n must be in [1, {MAX_CHOICES}], got {n}", ErrorCode.INVALID_REQUEST, "n"
+            )
 
     # -------------------------------------------------------------- chat
 
@@ -63,17 +94,29 @@ class OpenAIApi:
         messages = []
         for i, m in enumerate(body.messages):
             if m.role == "tool" or m.tool_calls:
-                raise api.ApiError(400, "tool messages and tool calls are not supported",
-                                   ErrorCode.INVALID_REQUEST, "messages")
-            messages.append({"role": "system" if m.role == "developer" else m.role,
-                             "content": self.message_text(m.content, i)})
+                raise api.ApiError(
+                    400,
+                    "tool messages and tool calls are not supported",
+                    ErrorCode.INVALID_REQUEST,
+                    "messages",
+                )
+            messages.append(
+                {
+                    "role": "system" if m.role == "developer" else m.role,
+                    "content": self.message_text(m.content, i),
+                }
+            )
         if not messages:
             raise api.ApiError(400, "messages is empty", ErrorCode.INVALID_REQUEST, "messages")
         kwargs = dict(body.chat_template_kwargs or {})
         bad = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
         if bad:
-            raise api.ApiError(400, f"chat_template_kwargs may not set {bad}", ErrorCode.INVALID_REQUEST,
-                               "chat_template_kwargs")
+            raise api.ApiError(
+                400,
+                f"chat_template_kwargs may not set {bad}",
+                ErrorCode.INVALID_REQUEST,
+                "chat_template_kwargs",
+            )
         if body.continue_final_message:
             kwargs.update(continue_final_message=True, add_generation_prompt=False)
         else:
@@ -87,8 +130,13 @@ class OpenAIApi:
         texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise api.ApiError(400, f"messages[{i}]: only text content parts are supported "
-                                   f"(got type {part.get('type')!r})", ErrorCode.INVALID_REQUEST, "messages")
+                raise api.ApiError(
+                    400,
+                    f"messages[{i}]: only text content parts are supported "
+                    f"(got type {part.get('type')!r})",
+                    ErrorCode.INVALID_REQUEST,
+                    "messages",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
 
@@ -97,47 +145,107 @@ class OpenAIApi:
         self.front.check_model(body.model)
         api.check_neutral(body)
         self.check_n(body.n)
-        if body.max_tokens is not None and body.max_completion_tokens is not None \
-                and body.max_tokens != body.max_completion_tokens:
-            raise api.ApiError(400, "max_tokens and max_completion_tokens differ", ErrorCode.INVALID_REQUEST,
-                               "max_completion_tokens")
+        if (
+            body.max_tokens is not None
+            and body.max_completion_tokens is not None
+            and body.max_tokens != body.max_completion_tokens
+        ):
+            raise api.ApiError(
+                400,
+                "max_tokens and max_completion_tokens differ",
+                ErrorCode.INVALID_REQUEST,
+                "max_completion_tokens",
+            )
         if body.top_logprobs is not None and not body.logprobs:
-            raise api.ApiError(400, "top_logprobs needs logprobs=true", ErrorCode.INVALID_REQUEST, "top_logprobs")
+            raise api.ApiError(
+                400, "top_logprobs needs logprobs=true", ErrorCode.INVALID_REQUEST, "top_logprobs"
+            )
         ids = self.chat_ids(body)
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        prompts = [Prompt(ids, self.sampling(body, max_tokens, self.front.default_max_tokens(len(ids)), body.logprobs,
-                                             body.top_logprobs or 0, i))
-                   for i in range(body.n)]
-        meta = (f"chatcmpl-{secrets.token_hex(12)}", int(time.time()), body.model or self.front.model_name)
-        result = await self.front.run_job(request, key, prompts, body.stream,
-                                    lambda job, first: self.chat_stream(job, first, body, meta))
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
+        prompts = [
+            Prompt(
+                ids,
+                self.sampling(
+                    body,
+                    max_tokens,
+                    self.front.default_max_tokens(len(ids)),
+                    body.logprobs,
+                    body.top_logprobs or 0,
+                    i,
+                ),
+            )
+            for i in range(body.n)
+        ]
+        meta = (
+            f"chatcmpl-{secrets.token_hex(12)}",
+            int(time.time()),
+            body.model or self.front.model_name,
+        )
+        result = await self.front.run_job(
+            request,
+            key,
+            prompts,
+            body.stream,
+            lambda job, first: self.chat_stream(job, first, body, meta),
+        )
         if body.stream:
             return result
-        choices = [api.ChatChoice(i, api.AssistantMessage(c.text), c.finish_reason,
-                                  self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
-                                  if body.logprobs else None)
-                   for i, c in enumerate(result.choices)]
+        choices = [
+            api.ChatChoice(
+                i,
+                api.AssistantMessage(c.text),
+                c.finish_reason,
+                self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
+                if body.logprobs
+                else None,
+            )
+            for i, c in enumerate(result.choices)
+        ]
         return json_response(api.ChatCompletion(*meta, choices, self.usage(result.choices, body.n)))
 
-    def chat_stream(self, job: Job, first, body: api.ChatCompletionRequest, meta) -> AsyncIterator[bytes]:
+    def chat_stream(
+        self, job: Job, first, body: api.ChatCompletionRequest, meta
+    ) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
 
         def render(index: int, d) -> api.ChatCompletionChunk | None:
-            if not (d.text or d.finish_reason is not None or index not in started or d.token_ids and body.logprobs):
+            if not (
+                d.text
+                or d.finish_reason is not None
+                or index not in started
+                or d.token_ids
+                and body.logprobs
+            ):
                 return None  # text held back (a stop string may begin there)
             delta = api.ChatDelta(content=d.text, role=None if index in started else "assistant")
             started.add(index)
-            lp = self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs) if body.logprobs else None
+            lp = (
+                self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs)
+                if body.logprobs
+                else None
+            )
             usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
-            return api.ChatCompletionChunk(*meta, [api.ChatChunkChoice(index, delta, d.finish_reason, lp)], usage)
+            return api.ChatCompletionChunk(
+                *meta, [api.ChatChunkChoice(index, delta, d.finish_reason, lp)], usage
+            )
 
         def tail() -> api.ChatCompletionChunk | None:
-            return api.ChatCompletionChunk(*meta, [], self.usage(job.choices, body.n)) if opts.include_usage else None
+            return (
+                api.ChatCompletionChunk(*meta, [], self.usage(job.choices, body.n))
+                if opts.include_usage
+                else None
+            )
 
         return sse_events(job, first, render, tail)
 
-    def chat_logprobs(self, ids: list[int], lps: list[float] | None, tops: list | None) -> api.ChoiceLogprobs:
+    def chat_logprobs(
+        self, ids: list[int], lps: list[float] | None, tops: list | None
+    ) -> api.ChoiceLogprobs:
         content = []
         for j, (token, lp) in enumerate(zip(ids, lps or ())):
             top = []
@@ -155,7 +263,7 @@ class OpenAIApi:
         tokens of every choice."""
         prompt = cached = 0
         for start in range(0, len(choices), n):
-            group = choices[start:start + n]
+            group = choices[start : start + n]
             prompt += max(c.prompt_tokens for c in group)
             cached += max(c.cached_tokens for c in group)
         completion = sum(len(c.token_ids) for c in choices)
@@ -165,8 +273,10 @@ class OpenAIApi:
 
     def completion_prompts(self, prompt: Any) -> list[tuple[list[int], str | None]]:
         """(ids, text) of each prompt: a string, strings, token ids, or lists of token ids."""
+
         def is_ids(x: Any) -> bool:
             return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
+
         if isinstance(prompt, str):
             return [(self.front.tm.tokenizer.encode(prompt), prompt)]
         if isinstance(prompt, list) and prompt:
@@ -176,8 +286,13 @@ class OpenAIApi:
                 return [(prompt, None)]
             if all(is_ids(p) for p in prompt):
                 return [(p, None) for p in prompt]
-        raise api.ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list "
-                           "of lists of token ids (none empty)", ErrorCode.INVALID_REQUEST, "prompt")
+        raise api.ApiError(
+            400,
+            "prompt must be a string, a list of strings, a list of token ids or a list "
+            "of lists of token ids (none empty)",
+            ErrorCode.INVALID_REQUEST,
+            "prompt",
+        )
 
     async def completions(self, request: Request, key: str | None) -> Response:
         body = await self.front.read(request, api.CompletionRequest)
@@ -185,8 +300,12 @@ class OpenAIApi:
         api.check_neutral(body)
         self.check_n(body.n)
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
-            raise api.ApiError(400, f"logprobs must be in [0, 20], got {body.logprobs}",
-                               ErrorCode.INVALID_REQUEST, "logprobs")
+            raise api.ApiError(
+                400,
+                f"logprobs must be in [0, 20], got {body.logprobs}",
+                ErrorCode.INVALID_REQUEST,
+                "logprobs",
+            )
         want_lp = body.logprobs is not None
         prompts = []
         for ids, text in self.completion_prompts(body.prompt):
@@ -194,9 +313,18 @@ class OpenAIApi:
             for j in range(body.n):
                 sp = self.sampling(body, body.max_tokens, 16, want_lp, body.logprobs or 0, j)
                 prompts.append(Prompt(ids, sp, start, text))
-        meta = (f"cmpl-{secrets.token_hex(12)}", int(time.time()), body.model or self.front.model_name)
-        result = await self.front.run_job(request, key, prompts, body.stream,
-                                    lambda job, first: self.completion_stream(job, first, body, prompts, meta))
+        meta = (
+            f"cmpl-{secrets.token_hex(12)}",
+            int(time.time()),
+            body.model or self.front.model_name,
+        )
+        result = await self.front.run_job(
+            request,
+            key,
+            prompts,
+            body.stream,
+            lambda job, first: self.completion_stream(job, first, body, prompts, meta),
+        )
         if body.stream:
             return result
         choices = []
@@ -209,8 +337,9 @@ class OpenAIApi:
     def echo_text(self, p: Prompt) -> str:
         return p.text if p.text is not None else self.front.tm.tokenizer.decode(p.ids)
 
-    def completion_stream(self, job: Job, first, body: api.CompletionRequest, prompts: list[Prompt],
-                          meta) -> AsyncIterator[bytes]:
+    def completion_stream(
+        self, job: Job, first, body: api.CompletionRequest, prompts: list[Prompt], meta
+    ) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
         offsets = [0] * len(prompts)  # text offset of each choice's next token
@@ -224,19 +353,28 @@ class OpenAIApi:
             started.add(index)
             lp = None
             if body.logprobs is not None:
-                lp = self.completion_logprobs(c, p, body.echo and first_chunk, sent[index], offsets[index])
+                lp = self.completion_logprobs(
+                    c, p, body.echo and first_chunk, sent[index], offsets[index]
+                )
                 offsets[index] += sum(len(t) for t in lp.tokens)
                 sent[index] = len(c.token_ids)
             usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
-            return api.Completion(*meta, [api.CompletionChoice(index, text, d.finish_reason, lp)], usage)
+            return api.Completion(
+                *meta, [api.CompletionChoice(index, text, d.finish_reason, lp)], usage
+            )
 
         def tail() -> api.Completion | None:
-            return api.Completion(*meta, [], self.usage(job.choices, body.n)) if opts.include_usage else None
+            return (
+                api.Completion(*meta, [], self.usage(job.choices, body.n))
+                if opts.include_usage
+                else None
+            )
 
         return sse_events(job, first, render, tail)
 
-    def completion_logprobs(self, c: Choice, p: Prompt, echo: bool, since: int = 0,
-                            offset: int = 0) -> api.CompletionLogprobs:
+    def completion_logprobs(
+        self, c: Choice, p: Prompt, echo: bool, since: int = 0, offset: int = 0
+    ) -> api.CompletionLogprobs:
         """Logprobs of c's tokens from ``since`` on, after the prompt's when ``echo`` (the
         prompt's first token has none); text offsets counted from ``offset``."""
         ids: list[int] = []
@@ -255,6 +393,8 @@ class OpenAIApi:
         for t in tokens:
             text_offset.append(pos)
             pos += len(t)
-        top_dicts = [None if top is None else {self.front.token_text(t): lp for t, lp in zip(*top)} for top in tops]
+        top_dicts = [
+            None if top is None else {self.front.token_text(t): lp for t, lp in zip(*top)}
+            for top in tops
+        ]
         return api.CompletionLogprobs(tokens, lps, top_dicts, text_offset)
-

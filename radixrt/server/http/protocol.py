@@ -25,24 +25,46 @@ import msgspec
 
 from radixrt.protocol import ErrorCode
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
-               500: "server_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable_error",
+}
 # How each error code of the ZeroMQ protocol answers over HTTP.
-STATUS_OF_CODE = {ErrorCode.MALFORMED: 400, ErrorCode.INVALID_REQUEST: 400, ErrorCode.PROMPT_TOO_LONG: 400,
-                  ErrorCode.LIMIT_EXCEEDED: 400, ErrorCode.UNKNOWN_RID: 404, ErrorCode.DUPLICATE_RID: 400,
-                  ErrorCode.OVERLOADED: 429, ErrorCode.BUSY: 400, ErrorCode.INTERNAL: 500,
-                  ErrorCode.UNAUTHORIZED: 401, ErrorCode.TOO_LARGE: 413, ErrorCode.SHUTTING_DOWN: 503,
-                  ErrorCode.UNKNOWN_MESSAGE: 404, ErrorCode.VERSION_MISMATCH: 400}
+STATUS_OF_CODE = {
+    ErrorCode.MALFORMED: 400,
+    ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.PROMPT_TOO_LONG: 400,
+    ErrorCode.LIMIT_EXCEEDED: 400,
+    ErrorCode.UNKNOWN_RID: 404,
+    ErrorCode.DUPLICATE_RID: 400,
+    ErrorCode.OVERLOADED: 429,
+    ErrorCode.BUSY: 400,
+    ErrorCode.INTERNAL: 500,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.TOO_LARGE: 413,
+    ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.UNKNOWN_MESSAGE: 404,
+    ErrorCode.VERSION_MISMATCH: 400,
+}
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.param = status, message, code, param
 
     @classmethod
-    def from_code(cls, code: str, message: str, param: str | None = None, status: int | None = None) -> ApiError:
+    def from_code(
+        cls, code: str, message: str, param: str | None = None, status: int | None = None
+    ) -> ApiError:
         """The error for a ZeroMQ error code (``status``: where the code alone does not decide it)."""
         return cls(status or STATUS_OF_CODE.get(code, 500), message, code, param)
 
@@ -143,32 +165,58 @@ class GenerateReqInput(_Strict):
 
 def check_neutral(body: _Sampling) -> None:
     """400 for OpenAI fields set to something radixrt does not do."""
-    neutral = {"frequency_penalty": (None, 0.0), "presence_penalty": (None, 0.0),
-               "repetition_penalty": (None, 1.0), "min_tokens": (None, 0), "logit_bias": (None, {}),
-               "tools": (None, []), "functions": (None, []), "modalities": (None, ["text"])}
+    neutral = {
+        "frequency_penalty": (None, 0.0),
+        "presence_penalty": (None, 0.0),
+        "repetition_penalty": (None, 1.0),
+        "min_tokens": (None, 0),
+        "logit_bias": (None, {}),
+        "tools": (None, []),
+        "functions": (None, []),
+        "modalities": (None, ["text"]),
+    }
     for name, ok in neutral.items():
         value = getattr(body, name, None)
         if value not in ok:
-            raise ApiError(400, f"{name}={value!r} is not supported by this server", ErrorCode.INVALID_REQUEST,
-                           name)
+            raise ApiError(
+                400,
+                f"{name}={value!r} is not supported by this server",
+                ErrorCode.INVALID_REQUEST,
+                name,
+            )
     if body.best_of not in (None, body.n):
-        raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of == n)",
-                       ErrorCode.INVALID_REQUEST, "best_of")
+        raise ApiError(
+            400,
+            f"best_of={body.best_of} is not supported (only best_of == n)",
+            ErrorCode.INVALID_REQUEST,
+            "best_of",
+        )
     fmt = getattr(body, "response_format", None)
     if fmt is not None and fmt.type != "text":
-        raise ApiError(400, f"response_format type {fmt.type!r} is not supported (only 'text')",
-                       ErrorCode.INVALID_REQUEST, "response_format")
+        raise ApiError(
+            400,
+            f"response_format type {fmt.type!r} is not supported (only 'text')",
+            ErrorCode.INVALID_REQUEST,
+            "response_format",
+        )
     choice = getattr(body, "tool_choice", None)
     if choice not in (None, "none", "auto"):
-        raise ApiError(400, "tool_choice is not supported (no tools)", ErrorCode.INVALID_REQUEST, "tool_choice")
+        raise ApiError(
+            400, "tool_choice is not supported (no tools)", ErrorCode.INVALID_REQUEST, "tool_choice"
+        )
     if getattr(body, "suffix", None):
         raise ApiError(400, "suffix is not supported", ErrorCode.INVALID_REQUEST, "suffix")
     if not body.skip_special_tokens:
-        raise ApiError(400, "skip_special_tokens=false is not supported", ErrorCode.INVALID_REQUEST,
-                       "skip_special_tokens")
+        raise ApiError(
+            400,
+            "skip_special_tokens=false is not supported",
+            ErrorCode.INVALID_REQUEST,
+            "skip_special_tokens",
+        )
 
 
 # ------------------------------------------------------------- responses
+
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
@@ -304,8 +352,11 @@ def encode(obj: Any) -> bytes:
 
 
 def error_body(err: ApiError) -> bytes:
-    return encode(ErrorResponse(ErrorBody(err.message, ERROR_TYPES.get(err.status, "server_error"),
-                                          err.param, err.code)))
+    return encode(
+        ErrorResponse(
+            ErrorBody(err.message, ERROR_TYPES.get(err.status, "server_error"), err.param, err.code)
+        )
+    )
 
 
 def decode_body(body: bytes, cls: type[msgspec.Struct]) -> Any:
@@ -314,7 +365,11 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> Any:
         return msgspec.json.decode(body, type=cls)
     except msgspec.ValidationError as e:
         match = _PATH.search(str(e))
-        raise ApiError(400, f"invalid request body: {e}", ErrorCode.INVALID_REQUEST,
-                       match.group(1) if match else None) from None
+        raise ApiError(
+            400,
+            f"invalid request body: {e}",
+            ErrorCode.INVALID_REQUEST,
+            match.group(1) if match else None,
+        ) from None
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", ErrorCode.MALFORMED) from None
