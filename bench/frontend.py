@@ -121,11 +121,13 @@ def main() -> None:
         run("cache off", model, args.dtype, questions, args.threads, disable_radix_cache=True),
     ]
     print(
-        f"{'':10} {'s':>7} {'prog/s':>8} {'tok/s':>8} {'hit':>6} {'prefill':>9} {'unique':>8} {'ratio':>6}"
+        f"{'':10} {'s':>7} {'prog/s':>8} {'tok/s':>8} {'hit':>6} "
+        f"{'prefill':>9} {'unique':>8} {'ratio':>6}"
     )
     for r in rows:
         print(
-            f"{r['name']:10} {r['seconds']:7.2f} {r['programs_per_s']:8.2f} {r['output_tok_per_s']:8.1f} "
+            f"{r['name']:10} {r['seconds']:7.2f} {r['programs_per_s']:8.2f} "
+            f"{r['output_tok_per_s']:8.1f} "
             f"{r['hit_rate']:6.1%} {r['prefill_tokens']:9d} {r['unique_prefix_tree_tokens']:8d} "
             f"{r['prefill_over_unique']:6.2f}"
         )

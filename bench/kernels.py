@@ -132,7 +132,9 @@ def bench_decode(batch: int, context: int, copy_gbps: float, num_sms: int) -> De
     ws = DecodeWorkspace.allocate(batch, HEADS, HEAD_DIM, splits, DEVICE)
     scale = HEAD_DIM**-0.5
     triton_us = bench(
-        lambda: decode_attention(q, k_buf, v_buf, o, indptr, indices, scale, splits, ws)
+        lambda k_buf=k_buf, v_buf=v_buf: decode_attention(
+            q, k_buf, v_buf, o, indptr, indices, scale, splits, ws
+        )
     )
     k, v = gathered(k_buf, indices, batch, context), gathered(v_buf, indices, batch, context)
     del k_buf, v_buf

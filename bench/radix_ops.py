@@ -694,7 +694,8 @@ def main() -> None:
         bev = r["baseline"]["evict_us_per_call"] if baseline else None
         print(
             f"{n:>8}{r['build_s']:>9.2f}{r['evict_us_per_call']:>10.2f}{r['evict_p50_us']:>8.2f}"
-            f"{r['py_calls_per_evict']:>9.1f}{r['match_us']:>10.2f}{r['insert_us']:>11.2f}{fmt(bev, 15)}"
+            f"{r['py_calls_per_evict']:>9.1f}{r['match_us']:>10.2f}{r['insert_us']:>11.2f}"
+            f"{fmt(bev, 15)}"
             f"{fmt(bev / r['evict_us_per_call'] if bev else None, 7, 0)}x"
         )
     growth = scaling[-1]["evict_us_per_call"] / scaling[0]["evict_us_per_call"]

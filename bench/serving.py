@@ -682,10 +682,12 @@ def table(result: dict, compare: bool) -> str:
             f"\nthroughput server/engine, best of each: {result['throughput_ratio']:.3f} streamed, "
             f"{result['throughput_ratio_no_stream']:.3f} unstreamed; median of the per-repeat "
             f"ratios: {result['throughput_ratio_paired_median']:.3f} streamed, "
-            f"{result['throughput_ratio_no_stream_paired_median']:.3f} unstreamed; TTFT added at low load "
+            f"{result['throughput_ratio_no_stream_paired_median']:.3f} unstreamed; "
+            "TTFT added at low load "
             f"(paired p50): {p['added_p50_ms']:.2f} ms ({p['added_outside_forward_p50_ms']:.2f} ms "
             f"outside the forward); TTFT p50 one request at a time: server "
-            f"{result['ttft_ms_low_load']['server']:.1f} ms, Engine {result['ttft_ms_low_load']['engine']:.1f} ms"
+            f"{result['ttft_ms_low_load']['server']:.1f} ms, "
+            f"Engine {result['ttft_ms_low_load']['engine']:.1f} ms"
         )
     return "\n".join(lines)
 

@@ -466,7 +466,8 @@ class Fleet:
         return True
 
     def kill_times(self, t0: float) -> list[float]:
-        """Kill times spread over the middle of the run: kill_rate × clients per minute, at least 1."""
+        """Kill times spread over the middle of the run: kill_rate × clients per minute, at
+        least 1."""
         duration = self.stop_at - t0
         if self.args.kill_rate <= 0:
             return []

@@ -1,4 +1,5 @@
-"""Shared by the examples: ``--server tcp://...`` or an in-process Engine (``--model``, default tiny)."""
+"""Shared by the examples: ``--server tcp://...`` or an in-process Engine (``--model``,
+default tiny)."""
 
 from __future__ import annotations
 

@@ -384,7 +384,8 @@ class Stream:
 
 
 class AsyncClient:
-    """asyncio client (zmq.asyncio). Use ``async with AsyncClient(addr) as c`` or ``await c.connect()``."""
+    """asyncio client (zmq.asyncio). Use ``async with AsyncClient(addr) as c`` or
+    ``await c.connect()``."""
 
     def __init__(
         self,

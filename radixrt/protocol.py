@@ -21,7 +21,7 @@ Contract:
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
@@ -253,28 +253,28 @@ class ProcessFailed(_Msg, tag="failed"):
     error: str
 
 
-Message = Union[
-    Hello,
-    GenerateRequest,
-    AbortRequest,
-    ControlRequest,
-    HelloReply,
-    StreamChunk,
-    GenerateReply,
-    ReplyBatch,
-    ControlReply,
-    Ping,
-    ErrorReply,
-    TokenizedRequest,
-    AbortRid,
-    BatchTokenOut,
-    BatchTextOut,
-    RidError,
-    SchedulerReady,
-    ProcessReady,
-    Drained,
-    ProcessFailed,
-]
+Message = (
+    Hello
+    | GenerateRequest
+    | AbortRequest
+    | ControlRequest
+    | HelloReply
+    | StreamChunk
+    | GenerateReply
+    | ReplyBatch
+    | ControlReply
+    | Ping
+    | ErrorReply
+    | TokenizedRequest
+    | AbortRid
+    | BatchTokenOut
+    | BatchTextOut
+    | RidError
+    | SchedulerReady
+    | ProcessReady
+    | Drained
+    | ProcessFailed
+)
 MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
 
 _encoder = msgspec.msgpack.Encoder()

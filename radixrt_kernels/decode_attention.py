@@ -66,7 +66,8 @@ INTERPRETER_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
 
 def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> DecodeConfig:
     """Untuned GPU defaults, checked to compile for sm_90 without register spills (fp32 runs
-    exact FMA dots, which need smaller tiles at large head dims); small tiles under the interpreter."""
+    exact FMA dots, which need smaller tiles at large head dims); small tiles under the
+    interpreter."""
     if INTERPRET:
         return INTERPRETER_CONFIG
     if head_dim > 128:

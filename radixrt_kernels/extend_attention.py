@@ -93,7 +93,8 @@ def default_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) ->
 def launch_meta(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, config: ExtendConfig | None = None
 ) -> dict[str, object]:
-    """The kernel's constexprs and launch options for these shapes (also used by the compile test)."""
+    """The kernel's constexprs and launch options for these shapes (also used by the compile
+    test)."""
     cfg = config or default_extend_config(head_dim, dtype)
     return dict(
         HEAD_DIM=head_dim,

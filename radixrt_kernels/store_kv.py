@@ -71,7 +71,8 @@ def store_kv(
     v_buffer: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    """Write ``k[i]``, ``v[i]`` (``[kv_heads, head_dim]`` each) into row ``slots[i]`` of the buffers."""
+    """Write ``k[i]``, ``v[i]`` (``[kv_heads, head_dim]`` each) into row ``slots[i]`` of the
+    buffers."""
     _check_store_args(k, v, k_buffer, v_buffer, slots)
     n, kv_heads, head_dim = k.shape
     if n == 0:

@@ -140,7 +140,8 @@ def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
 def _kv_index(
     table: torch.Tensor, rows: torch.Tensor, lens: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(indptr [B + 1], ``table[rows[b], :lens[b]]`` for every b, concatenated), on table's device."""
+    """(indptr [B + 1], ``table[rows[b], :lens[b]]`` for every b, concatenated), on table's
+    device."""
     indptr = _indptr(lens, table.device)
     counts = indptr[1:] - indptr[:-1]
     total = sum(lens)

@@ -28,7 +28,8 @@ Contract:
   first token, or with page_size > 1 the first page as a tuple). A
   namespace node is a root of its own: empty key and value, lock_ref fixed
   at 1, never evictable; lock/unlock/touch walks stop at it (every walk
-  stops at the first empty key). It exists only while it has children: ``insert`` creates it, ``evict``
+  stops at the first empty key). It exists only while it has children:
+  ``insert`` creates it, ``evict``
   drops it with its last child, and a match under an unknown salt returns
   ``root`` as ``last_node`` (a 0-token hit; locking it is a no-op). So
   requests with different salts never share a slot, and the same salt (or
@@ -327,7 +328,8 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: TreeNode) -> None:
-        """lock_ref -= 1 on node and every ancestor below its root; raises if a ref would go below 0."""
+        """lock_ref -= 1 on node and every ancestor below its root; raises if a ref would go
+        below 0."""
         if node._key and node.lock_ref <= 0:
             raise RuntimeError(f"unlock of {node!r} which is not locked")
         while node._key:
@@ -500,7 +502,8 @@ class RadixCache:
         return node
 
     def _child_key(self, tokens: list[int], pos: int) -> int | tuple[int, ...]:
-        """The children-dict key of a run starting at ``tokens[pos]`` (a token, or a page as a tuple)."""
+        """The children-dict key of a run starting at ``tokens[pos]`` (a token, or a page as a
+        tuple)."""
         return tokens[pos] if self.page_size == 1 else tuple(tokens[pos : pos + self.page_size])
 
     def _aligned_len(self, tokens: list[int] | np.ndarray) -> int:
@@ -649,7 +652,8 @@ def _int64s(n: int) -> struct.Struct:
 
 
 def _pack(tokens: list[int] | np.ndarray, start: int, stop: int) -> bytes:
-    """``tokens[start:stop]`` as native int64 bytes: a memcpy of an int64 array, a C loop over a list."""
+    """``tokens[start:stop]`` as native int64 bytes: a memcpy of an int64 array, a C loop over a
+    list."""
     if type(tokens) is np.ndarray:
         return tokens[start:stop].tobytes()
     run = tokens if start == 0 and stop == len(tokens) else tokens[start:stop]

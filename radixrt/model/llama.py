@@ -126,7 +126,8 @@ class LlamaModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual before it): the final hidden state is their sum."""
+        """(the last layer's output, the residual before it): the final hidden state is their
+        sum."""
         h, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, batch)
@@ -154,7 +155,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """float32 logits [N, vocab] at ``batch.logits_indices`` (default: each request's last token)."""
+        """float32 logits [N, vocab] at ``batch.logits_indices`` (default: each request's last
+        token)."""
         idx = (
             batch.logits_indices if batch.logits_indices is not None else batch.last_token_indices()
         )

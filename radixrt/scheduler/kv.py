@@ -42,7 +42,8 @@ class KVManager:
         return self.allocator.available + self.tree.evictable_size
 
     def prefix_len_hint(self, req: Req) -> int:
-        """Cached prefix length for ``req`` (for ordering and probes: changes nothing in the tree)."""
+        """Cached prefix length for ``req`` (for ordering and probes: changes nothing in the
+        tree)."""
         if self.disabled:
             return 0
         return self.tree.peek_prefix(req.fill_ids[: req.match_limit], req.params.cache_salt).hit_len

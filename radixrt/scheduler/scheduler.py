@@ -159,7 +159,8 @@ class Scheduler:
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
 
     def _admit(self, req: Req, budget: int, reserve: int, busy: bool) -> int:
-        """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run now."""
+        """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run
+        now."""
         if not self.kv.admit(req):
             return 0
         n = self._extend_len(req, budget)
@@ -187,7 +188,8 @@ class Scheduler:
         return n
 
     def _shares_unbuilt_prefix(self, req: Req, admitted: list[Req]) -> bool:
-        """True if req would hit much more of the tree once an admitted request's prompt is in it."""
+        """True if req would hit much more of the tree once an admitted request's prompt is in
+        it."""
         if self.kv.disabled:
             return False
         ids, salt = req.fill_ids, req.params.cache_salt

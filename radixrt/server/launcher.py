@@ -72,7 +72,8 @@ class Launcher:
             if server.http_port:
                 where += f" and http://{host}:{server.http_port}"
             print(
-                f"radixrt ready on {where} (model {info['model_name']}, {info['kv_slots']} KV slots)",
+                f"radixrt ready on {where} (model {info['model_name']}, "
+                f"{info['kv_slots']} KV slots)",
                 flush=True,
             )
             return self.supervise()

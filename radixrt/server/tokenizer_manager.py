@@ -431,7 +431,8 @@ class TokenizerManager:
             )
 
     def limit_new_tokens(self, sp: SamplingParams, given: bool) -> SamplingParams:
-        """Apply ``max_new_tokens_limit``: a default yields to it, an explicit value over it is refused."""
+        """Apply ``max_new_tokens_limit``: a default yields to it, an explicit value over it is
+        refused."""
         limit = self.server.max_new_tokens_limit
         if not given:
             sp.max_new_tokens = min(sp.max_new_tokens, limit)
@@ -490,7 +491,8 @@ class TokenizerManager:
             self.to_sched.send(encode(AbortRid(rid=rid)))
 
     def control_async(self, kind: str) -> asyncio.Future:
-        """Send a control request to the scheduler; the future gets its ``data`` (or a RequestError)."""
+        """Send a control request to the scheduler; the future gets its ``data`` (or a
+        RequestError)."""
         qid = f"h{next(self.counter)}"
         fut = asyncio.get_running_loop().create_future()
         self.http_controls[qid] = fut
@@ -632,7 +634,8 @@ class TokenizerManager:
     def observe(self, st: ClientReq, item: TextDelta, now: float) -> None:
         """Metrics of one delta: first token, token gaps, the request's end. A streamed request's
         gaps are measured here as its deltas arrive; an unstreamed one's single delta carries the
-        scheduler's time of its first token (the same monotonic clock), and its mean gap after it."""
+        scheduler's time of its first token (the same monotonic clock), and its mean gap after
+        it."""
         n = len(item.token_ids)
         if n and st.last_token_at is None:
             first = item.first_token_at if not st.stream and item.first_token_at else now

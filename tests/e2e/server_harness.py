@@ -1,4 +1,5 @@
-"""A real `radixrt launch` subprocess for end-to-end tests, and the checks every server test shares."""
+"""A real `radixrt launch` subprocess for end-to-end tests, and the checks every server test
+shares."""
 
 from __future__ import annotations
 

@@ -239,7 +239,8 @@ def _wait_draining(address: str) -> None:
 
 @contextlib.contextmanager
 def sigterm_mid_stream(grace_period: str, prompt: str, max_new_tokens: int):
-    """A server with one streamed request under way, sent SIGTERM: (server, client, result, thread)."""
+    """A server with one streamed request under way, sent SIGTERM: (server, client, result,
+    thread)."""
     srv = Server("--grace-period", grace_period)
     try:
         with Client(srv.address, timeout=120) as c:

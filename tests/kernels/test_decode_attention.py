@@ -81,7 +81,8 @@ def test_decode_other_head_dims(head_dim, request):
 
 
 def test_decode_wide_group_int32_model_layout(request):
-    """G = 32 query heads per KV head (BLOCK_H 32), int32 indices, q a strided view, own workspace."""
+    """G = 32 query heads per KV head (BLOCK_H 32), int32 indices, q a strided view, own
+    workspace."""
     gen, seed = make_generator(request)
     _run(
         gen,
@@ -136,7 +137,8 @@ def _valid_args(gen):
     )
 
 
-BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the error must start with)
+# (label, argument, replacement given the valid args, the name the error must start with)
+BAD_ARGS = [
     ("q_4d", "q", lambda a: a["q"][None], "q"),
     ("q_int", "q", lambda a: a["q"].int(), "q"),
     ("q_heads_not_multiple", "q", lambda a: a["q"][:, :3], "q"),

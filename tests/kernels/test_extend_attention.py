@@ -154,7 +154,8 @@ def _valid_args(gen):
     )
 
 
-BAD_ARGS = [  # (label, argument, replacement given the valid args, the name the error must start with)
+# (label, argument, replacement given the valid args, the name the error must start with)
+BAD_ARGS = [
     ("q_2d", "q", lambda a: a["q"][:, 0], "q"),
     ("q_float64", "q", lambda a: a["q"].double(), "q"),
     ("o_dtype", "o", lambda a: a["o"].half(), "o"),

@@ -30,9 +30,10 @@ except ImportError as e:  # another Triton layout: nothing to check against
         f"Triton's ahead-of-time compiler API is not available: {e}", allow_module_level=True
     )
 
-import radixrt_kernels.decode_attention as decode
-import radixrt_kernels.extend_attention as extend
-import radixrt_kernels.store_kv as store
+# Below the Triton checks on purpose: the kernel modules import triton (hence noqa: E402).
+import radixrt_kernels.decode_attention as decode  # noqa: E402
+import radixrt_kernels.extend_attention as extend  # noqa: E402
+import radixrt_kernels.store_kv as store  # noqa: E402
 
 SM90 = 90
 MAX_SHARED_BYTES = 227 * 1024

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtype) -> KVPool:
-    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None); scattered slots."""
+    """spec: per request (seq_len, id of its shared PREFIX-token prefix or None); scattered
+    slots."""
     torch.manual_seed(0)
     pool = KVPool(4096, 1, kh, d, dtype, len(spec), 512)
     pool.k_buffers[0].normal_()

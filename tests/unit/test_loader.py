@@ -528,7 +528,8 @@ def test_transformers_loads_tiny_model(tiny_models, arch):
     ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == (
-        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef hello(): pass<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\ndef hello(): pass<|im_end|>\n"
+        "<|im_start|>assistant\n"
     )
     ids = tok(text)["input_ids"]
     assert ids[0] == 1 and ids.count(2) == 2

@@ -95,7 +95,8 @@ class HttpFront:
         )
 
     def authed(self, handler):
-        """``handler(request, api_key)`` behind the API key check, with errors as OpenAI error objects."""
+        """``handler(request, api_key)`` behind the API key check, with errors as OpenAI error
+        objects."""
 
         async def endpoint(request: Request) -> Response:
             try:

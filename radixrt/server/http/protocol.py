@@ -65,7 +65,8 @@ class ApiError(Exception):
     def from_code(
         cls, code: str, message: str, param: str | None = None, status: int | None = None
     ) -> ApiError:
-        """The error for a ZeroMQ error code (``status``: where the code alone does not decide it)."""
+        """The error for a ZeroMQ error code (``status``: where the code alone does not decide
+        it)."""
         return cls(status or STATUS_OF_CODE.get(code, 500), message, code, param)
 
 
