@@ -140,8 +140,8 @@ class OpenAIApi:
             texts.append(part["text"])
         return "\n".join(texts)
 
-    async def chat_completions(self, request: Request, key: str | None) -> Response:
-        body = await self.front.read(request, api.ChatCompletionRequest)
+    def check_chat(self, body: api.ChatCompletionRequest) -> int | None:
+        """Refuse what the chat endpoint does not take; returns the request's max_tokens."""
         self.front.check_model(body.model)
         api.check_neutral(body)
         self.check_n(body.n)
@@ -160,12 +160,14 @@ class OpenAIApi:
             raise api.ApiError(
                 400, "top_logprobs needs logprobs=true", ErrorCode.INVALID_REQUEST, "top_logprobs"
             )
+        if body.max_completion_tokens is not None:
+            return body.max_completion_tokens
+        return body.max_tokens
+
+    async def chat_completions(self, request: Request, key: str | None) -> Response:
+        body = await self.front.read(request, api.ChatCompletionRequest)
+        max_tokens = self.check_chat(body)
         ids = self.chat_ids(body)
-        max_tokens = (
-            body.max_completion_tokens
-            if body.max_completion_tokens is not None
-            else body.max_tokens
-        )
         prompts = [
             Prompt(
                 ids,
