@@ -140,7 +140,9 @@ class Engine:
         self.scheduler.check_memory()
 
     def flush_cache(self) -> None:
-        self.scheduler.kv.flush()
+        """Drop every cached prefix (the engine must be idle)."""
+        if not self.scheduler.flush_cache():
+            raise RuntimeError("flush_cache needs an idle engine (no request waiting or running)")
 
     def shutdown(self) -> None:
         self.scheduler = None

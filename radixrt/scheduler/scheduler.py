@@ -89,6 +89,13 @@ class Scheduler:
     def idle(self) -> bool:
         return not (self.waiting or self.decoding or self.chunked)
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; False (and nothing dropped) unless idle with no KV held."""
+        if not self.idle or self.kv.running:
+            return False
+        self.kv.flush()
+        return True
+
     @property
     def kv_capacity(self) -> int:
         """KV slots the pool can hand out: no sequence longer than this fits."""

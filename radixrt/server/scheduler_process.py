@@ -155,7 +155,7 @@ class SchedulerProcess:
         if msg.kind == "server_info":
             data = {**self.info(), **self.scheduler.get_stats(), "scheduler_pid": os.getpid()}
         elif msg.kind == "flush_cache":
-            if not self.scheduler.idle or self.scheduler.kv.running:
+            if not self.scheduler.flush_cache():
                 self.send.send(
                     encode(
                         ErrorReply(
@@ -166,7 +166,6 @@ class SchedulerProcess:
                     )
                 )
                 return
-            self.scheduler.kv.flush()
             data = {"ok": True}
         elif msg.kind == "health":
             data = {"ok": True}
