@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from radixrt import Engine, SamplingParams
+from radixrt.model.layers import QKVLinear
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -174,9 +175,15 @@ def dense_floor(
         k: torch.randn(chunk, k, dtype=head.weight.dtype) for k in widths
     }  # outside the clock
 
+    positions = torch.zeros(chunk, dtype=torch.int64)  # the qkv projection rotates q and k
+
     def run(rows: int, sampled: int) -> None:
         for m in linears:
-            m(inputs[m.in_features][:rows])
+            x = inputs[m.in_features][:rows]
+            if isinstance(m, QKVLinear):
+                m(x, positions[:rows])
+            else:
+                m(x)
         head(inputs[hidden][:sampled])
 
     assert len(prompts) <= chunk
