@@ -25,6 +25,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "cpu", "triton", "torch")
+LINEAR_KERNELS = ("auto", "amx", "avx512_bf16", "fma", "onednn", "torch_fp32", "torch")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("lpm", "fcfs", "dfs-weight")
 EVICTION_POLICIES = ("lru", "lfu")
@@ -94,6 +95,12 @@ class EngineConfig:
         "attention kernels; auto: triton on GPU, cpu (the "
         "C kernel) on CPU where it builds, else torch (the reference)",
         choices=ATTENTION_BACKENDS,
+    )
+    linear_kernel: str = setting(
+        "auto",
+        "the bf16 CPU linear path; auto: each weight shape's fastest on this CPU, measured at "
+        "the first start and cached",
+        choices=LINEAR_KERNELS,
     )
     max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
     new_token_ratio: float = setting(

@@ -2,11 +2,14 @@
 
 ``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
 ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
-see ``cpu_ops``) and ``cpu/linear.c`` (bf16 linear layers with AMX, see
-``cpu_linear``) are compiled with the system C compiler (``-O3 -march=native``,
+see ``cpu_ops``), ``cpu/linear.c`` and ``cpu/linear_vec.c`` (bf16 linear
+layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) are compiled with the system C compiler (``-O3 -march=native``,
 OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
 library links against the OpenMP runtime PyTorch already loaded, so its loops
 run on PyTorch's threads.
+
+``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
+library as it is built for a CPU without AMX).
 
 ``load(cache_dir)`` returns the library, or None when it cannot be built (no
 compiler, or PyTorch not on libgomp); ``why_unavailable()`` says why. Callers
@@ -25,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 FOLDER = Path(__file__).with_name("cpu")
-SOURCES = [FOLDER / "attention.c", FOLDER / "elementwise.c", FOLDER / "linear.c"]
-HEADERS = [FOLDER / "common.h"]
+SOURCES = [FOLDER / n for n in ("attention.c", "elementwise.c", "linear.c", "linear_vec.c")]
+HEADERS = [FOLDER / "common.h", FOLDER / "linear_out.h"]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -86,12 +89,17 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     ],
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
     "radixrt_linear_available": [],
+    "radixrt_linear_vec_available": [_int],
 }
+# radixrt_linear_vec: a kernel number, then radixrt_linear's arguments
+SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]
 RESTYPES = {
     "radixrt_decode_segments": (
         ctypes.c_int64,
         [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
-    )
+    ),
+    "radixrt_peak": (ctypes.c_double, [_int, _i64, _int]),
+    "radixrt_stream_read": (ctypes.c_double, [_ptr, _i64, _int]),
 }  # the others: int
 
 _lib: ctypes.CDLL | None = None
@@ -150,8 +158,9 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     texts = [f.read_text() for f in SOURCES + HEADERS]
+    flags = [*CFLAGS, *os.environ.get("RADIXRT_KERNEL_CFLAGS", "").split()]
     key = hashlib.sha256(
-        "\0".join([*texts, " ".join(CFLAGS), cc, version, gomp, _cpu_features()]).encode()
+        "\0".join([*texts, " ".join(flags), cc, version, gomp, _cpu_features()]).encode()
     ).hexdigest()[:16]
     target = folder / f"radixrt-cpu-{key}.so"
     if not target.exists():
@@ -159,7 +168,7 @@ def _build_and_load(folder: Path) -> ctypes.CDLL:
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
             lib = Path(tmp) / "k.so"
-            cmds = [[cc, *CFLAGS, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
+            cmds = [[cc, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
             for cmd in [*cmds, [cc, "-shared", *objs, gomp, "-lm", "-o", str(lib)]]:
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:

@@ -1,14 +1,22 @@
-"""bfloat16 linear layers on the CPU with AMX (``cpu/linear.c``), on weights packed once.
+"""bfloat16 linear layers on the CPU, on weights packed once (``pack``), by one of three kernels.
 
-A decode step is bound by streaming the weights; this kernel reads each
-weight as one sequential stream per thread. Its sums are added in the order
-oneDNN's AMX kernels add them, so for up to 32 rows its results equal
-``F.linear``'s bit for bit (beyond, within the last bf16 bit: oneDNN picks
-kernels of other orders there).
-
-``available(lib)`` says whether the library runs it (a CPU with AMX that
-the OS grants); ``pack(lib, w)`` packs a [N, K] bf16 weight (K a multiple of
-32); ``linear(lib, x, packed, n, bias, float_out)`` multiplies.
+- ``"amx"`` (``cpu/linear.c``): AMX tile products. A decode step is bound by
+  streaming the weights; this kernel reads each weight as one sequential
+  stream per thread. Its sums are added in the order oneDNN's AMX kernels add
+  them, so for up to 32 rows its results equal ``F.linear``'s bit for bit
+  (beyond, within the last bf16 bit: oneDNN picks kernels of other orders).
+- ``"avx512_bf16"`` (``cpu/linear_vec.c``): vdpbf16ps dot products.
+- ``"fma"`` (``cpu/linear_vec.c``): the bf16 weights widened to float32 as
+  they are read and multiplied with float32 FMA (AVX-512, or AVX2 on CPUs
+  without it), x widened once per call.
+All three read the same packed weights, add in float32 and round once to
+bf16 (the bias added in float32 first), so a layer may run a different kernel
+for decode-sized and prefill-sized batches. ``available(lib)`` says whether
+AMX runs here (the CPU has it and the OS grants it), ``kernel_available(lib,
+name)`` for any of the three; ``pack(lib, w)`` packs a [N, K] bf16 weight (K
+a multiple of 32); ``linear(lib, x, packed, n, bias, float_out, ...,
+kernel=...)`` multiplies. ``peak_gflops`` and ``stream_gbps`` measure this
+CPU's ceilings (register-only FMA and vdpbf16ps loops, a read-only stream).
 
 Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
 ``gated=True`` gives silu(x·gateᵀ)·(x·upᵀ) [M, N'] in the same pass, rounded
@@ -24,6 +32,8 @@ a multiple of 64) in the same pass, as ``cpu_ops.rope_`` rotates them.
 from __future__ import annotations
 
 import ctypes
+import functools
+import time
 from typing import NamedTuple
 
 import torch
@@ -31,8 +41,21 @@ import torch
 K_MULTIPLE = 32  # in_features must be a multiple of this (the kernel's chunk)
 
 
+KERNELS = ("amx", "avx512_bf16", "fma")
+_VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}  # radixrt_linear_vec's kernel numbers
+
+
 def available(lib: ctypes.CDLL | None) -> bool:
     return lib is not None and bool(lib.radixrt_linear_available())
+
+
+def kernel_available(lib: ctypes.CDLL | None, kernel: str) -> bool:
+    """Whether ``linear(..., kernel=kernel)`` runs here."""
+    if kernel == "amx":
+        return available(lib)
+    if kernel not in _VEC_KERNEL:
+        raise ValueError(f"unknown linear kernel {kernel!r} (one of {KERNELS})")
+    return lib is not None and bool(lib.radixrt_linear_vec_available(_VEC_KERNEL[kernel]))
 
 
 def packable(w: torch.Tensor, gated: bool = False) -> bool:
@@ -95,11 +118,13 @@ def linear(
     float_out: bool = False,
     gated: bool = False,
     rope: Rope | None = None,
+    kernel: str = "amx",
 ) -> torch.Tensor:
     """x [..., K] (bf16) · Wᵀ + bias for W [n, K] packed by ``pack``: [..., n] in bf16, or the
     bf16 results widened to float32 with ``float_out``; for a weight packed ``gated``,
-    silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``). Called
-    for every linear of every step: the checks are kept to a few attribute reads."""
+    silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``); by
+    ``kernel`` (one of ``KERNELS``). Called for every linear of every step: the checks are
+    kept to a few attribute reads."""
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (
         bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))
@@ -139,7 +164,10 @@ def linear(
     y = torch.empty(m, width, dtype=torch.float32 if float_out else torch.bfloat16)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    rc = lib.radixrt_linear(
+    call = lib.radixrt_linear
+    if kernel != "amx":
+        call = functools.partial(lib.radixrt_linear_vec, _VEC_KERNEL[kernel])
+    rc = call(
         x2.data_ptr(),
         x2.stride(0),
         packed.data_ptr(),
@@ -159,3 +187,29 @@ def linear(
             f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here"
         )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
+
+
+def peak_gflops(lib: ctypes.CDLL, kind: str, threads: int, seconds: float = 0.2) -> float:
+    """The register-only throughput of ``kind`` ("fma": float32 FMA; "avx512_bf16": vdpbf16ps)
+    on ``threads`` threads, in GFLOP/s (0 where this build lacks it)."""
+    code, flops_per_op = {"fma": (0, 32), "avx512_bf16": (1, 64)}[kind]
+    iters = 1 << 16
+    while True:
+        t0 = time.perf_counter()
+        if lib.radixrt_peak(code, iters, threads) == -1:
+            return 0.0
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return iters * 12 * flops_per_op * threads / elapsed / 1e9
+        iters *= 2
+
+
+def stream_gbps(lib: ctypes.CDLL, threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """The best of ``repeats`` read-only passes over ``nbytes`` (far past the caches), in GB/s."""
+    buf = torch.ones(nbytes // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        lib.radixrt_stream_read(buf.data_ptr(), buf.numel() * 4, threads)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best / 1e9

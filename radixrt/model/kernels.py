@@ -22,22 +22,26 @@ kernels' modules say where they round).
 from __future__ import annotations
 
 import ctypes
+import tempfile
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from radixrt.model.calibrate import PACKED, THRESHOLD, Calibrator, Choice, make_method
 from radixrt.model.linear_methods import (
     ActAfter,
-    AmxGatedLinear,
-    AmxLinear,
-    AmxRotaryQKV,
+    ByRows,
     LinearMethod,
-    OneDNNLinear,
+    PackedGatedLinear,
+    PackedKernels,
+    PackedLinear,
+    PackedRotaryQKV,
     QKVShape,
     RotateAfter,
     onednn_works,
 )
-from radixrt_kernels import cpu_linear, cpu_ops
+from radixrt_kernels import cpu_library, cpu_linear, cpu_ops
 
 # ---- elementwise kernels: PyTorch's ops --------------------------------------------------------
 
@@ -143,68 +147,110 @@ class CSiluMul(TorchSiluMul):
 
 
 class Kernels:
-    """One model's kernels. ``linear`` is the method for weights it takes, ``fallback`` for the
-    rest; ``amx_lib`` (the library, when the AMX kernel runs) enables the fused forms."""
+    """One model's kernels. ``linear`` says which linear path each weight shape runs: a path
+    name for every shape (one of ``calibrate.PATHS``), or a function (n, k, large) -> Choice,
+    such as a ``Calibrator``'s ``choice``; ``lib`` is the CPU kernels' library, which the packed
+    paths need. ``compiled``: the model runs under torch.compile, where a layer takes one
+    weight layout (the packed kernels still pick theirs per call)."""
 
     def __init__(
         self,
-        linear: LinearMethod | None = None,
-        fallback: LinearMethod | None = None,
+        linear: str | Callable[..., Choice] = "torch",
+        lib: ctypes.CDLL | None = None,
         norm: TorchRMSNorm | None = None,
         rotary: TorchRotary | None = None,
         act: TorchSiluMul | None = None,
-        amx_lib: ctypes.CDLL | None = None,
+        compiled: bool = False,
     ) -> None:
-        self.linear = linear or LinearMethod()
-        self.fallback = fallback or self.linear
+        if isinstance(linear, str):
+            path = linear
+            linear = lambda n, k, large=True: Choice(path, path)  # noqa: E731
+        self.choose = linear
+        self.lib, self.compiled = lib, compiled
         self.norm = norm or TorchRMSNorm()
         self.rotary = rotary or TorchRotary()
         self.act = act or TorchSiluMul()
-        self.amx_lib = amx_lib
+        self.chosen: dict[str, str] = {}  # "n x k" → the path(s) it runs, for describe()
 
-    def linear_for(self, out_features: int, in_features: int) -> LinearMethod:
-        """The method for a weight [out_features, in_features]."""
-        if self.amx_lib is not None and not _amx_takes(out_features, in_features):
-            return self.fallback
-        return self.linear
+    def _choice(self, n: int, k: int, large: bool = True) -> Choice:
+        choice = self.choose(n, k, large)
+        if k % cpu_linear.K_MULTIPLE:  # the packed kernels take whole chunks of input features
+            choice = Choice(
+                *(p if p not in PACKED else "onednn" if onednn_works() else "torch" for p in choice)
+            )
+        mixed = not (choice.small in PACKED and choice.large in PACKED)
+        if self.compiled and mixed and choice.small != choice.large:
+            choice = Choice(choice.small, choice.small)  # one layout: the decode-sized path's
+        self.chosen[f"{n}x{k}"] = (
+            choice.small
+            if choice.small == choice.large
+            else (f"{choice.small} (rows <= {THRESHOLD}), {choice.large}")
+        )
+        return choice
 
-    def gated_for(self, half: int, in_features: int) -> AmxGatedLinear | ActAfter:
+    def _plain(self, small: str, big: str) -> LinearMethod:
+        """The plain method for ``small`` (and, when packed, ``big`` above THRESHOLD rows)."""
+        if small in PACKED:
+            return PackedLinear(self.lib, PackedKernels(small, big, THRESHOLD))
+        return make_method(small, self.lib)
+
+    def _split(self, choice: Choice, form):
+        """``form(path, path)`` for both classes of calls, or by rows when they differ."""
+        if choice.small == choice.large:
+            return form(choice.small, choice.small)
+        if choice.small in PACKED and choice.large in PACKED:
+            return form(choice.small, choice.large)
+        return ByRows(form(choice.small, choice.small), form(choice.large, choice.large), THRESHOLD)
+
+    def linear_for(self, out_features: int, in_features: int, large: bool = True) -> LinearMethod:
+        """The method for a weight [out_features, in_features] (``large`` False: it never sees
+        more than decode-sized calls)."""
+        return self._split(self._choice(out_features, in_features, large), self._plain)
+
+    def gated_for(self, half: int, in_features: int):
         """[gate; up] [2·half, in_features] → silu(gate)·up."""
-        if self.amx_lib is not None and _amx_takes(2 * half, in_features, gated=True):
-            return AmxGatedLinear(self.amx_lib)
-        return ActAfter(self.linear_for(2 * half, in_features), self.act)
+        choice = self._choice(2 * half, in_features)
 
-    def rotary_qkv_for(
-        self, shape: QKVShape, out_features: int, in_features: int
-    ) -> AmxRotaryQKV | RotateAfter:
+        def form(small: str, big: str):
+            if small in PACKED and (2 * half) % 64 == 0:
+                return PackedGatedLinear(self.lib, PackedKernels(small, big, THRESHOLD))
+            return ActAfter(self._plain(small, big), self.act)
+
+        return self._split(choice, form)
+
+    def rotary_qkv_for(self, shape: QKVShape, out_features: int, in_features: int):
         """qkv [out_features, in_features] → q and k rotated, v."""
-        if (
-            self.amx_lib is not None
-            and _amx_takes(out_features, in_features)
-            and cpu_linear.rope_fusable(shape.head_dim)
-        ):
-            return AmxRotaryQKV(self.amx_lib, shape)
-        return RotateAfter(self.linear_for(out_features, in_features), shape)
+        choice = self._choice(out_features, in_features)
 
-    def describe(self) -> dict[str, str]:
+        def form(small: str, big: str):
+            if small in PACKED and cpu_linear.rope_fusable(shape.head_dim):
+                return PackedRotaryQKV(self.lib, shape, PackedKernels(small, big, THRESHOLD))
+            return RotateAfter(self._plain(small, big), shape)
+
+        return self._split(choice, form)
+
+    def describe(self) -> dict[str, object]:
+        """The elementwise kernels' names and each linear shape's path(s)."""
         return {
-            "linear": self.linear.name,
-            "linear_fallback": self.fallback.name,
+            "linear": dict(self.chosen),
             "rms_norm": self.norm.name,
             "rotary": self.rotary.name,
             "silu_mul": self.act.name,
         }
 
 
-def _amx_takes(out_features: int, in_features: int, gated: bool = False) -> bool:
-    return in_features % cpu_linear.K_MULTIPLE == 0 and (not gated or out_features % 64 == 0)
-
-
 def choose_kernels(
-    device: torch.device, dtype: torch.dtype, lib: ctypes.CDLL | None, compiled: bool = False
+    device: torch.device,
+    dtype: torch.dtype,
+    lib: ctypes.CDLL | None,
+    compiled: bool = False,
+    linear: str = "auto",
+    cache_dir: str | None = None,
 ) -> Kernels:
     """The kernels for a model of ``dtype`` on ``device`` (``lib``: the CPU kernels' library, or
-    None; ``compiled``: the model runs under torch.compile)."""
+    None; ``compiled``: the model runs under torch.compile). ``linear``: "auto" measures each
+    bf16 CPU weight shape's fastest path (``calibrate.Calibrator``, its results kept under
+    ``cache_dir``); a path name runs that path everywhere it can."""
     if device.type != "cpu":
         return Kernels()
     elementwise = {}
@@ -212,7 +258,14 @@ def choose_kernels(
         elementwise = {"norm": CRMSNorm(lib), "rotary": CRotary(lib), "act": CSiluMul(lib)}
     if dtype != torch.bfloat16:
         return Kernels(**elementwise)
-    fallback = OneDNNLinear() if onednn_works() else LinearMethod()
-    if cpu_linear.available(lib):
-        return Kernels(AmxLinear(lib), fallback, amx_lib=lib, **elementwise)
-    return Kernels(fallback, **elementwise)
+    if linear != "auto":
+        if linear in PACKED and not cpu_linear.kernel_available(lib, linear):
+            raise ValueError(
+                f"linear_kernel {linear!r} does not run on this CPU (or without the "
+                f"kernels' library: {cpu_library.why_unavailable()})"
+            )
+        return Kernels(linear, lib, compiled=compiled, **elementwise)
+    if lib is None:  # no packed kernels: oneDNN where it works, else PyTorch's bf16 linear
+        return Kernels("onednn" if onednn_works() else "torch", compiled=compiled, **elementwise)
+    calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir())
+    return Kernels(calibrator.choice, lib, compiled=compiled, **elementwise)

@@ -167,7 +167,7 @@ class LMHead(VocabEmbedding):
 
     def __init__(self, vocab_size: int, hidden: int, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__(vocab_size, hidden)
-        self.method = kernels.linear_for(vocab_size, hidden)
+        self.method = kernels.linear_for(vocab_size, hidden, large=False)  # sampled rows only
         self.matmul_weight: torch.Tensor | None = None
 
     def prepare_weights(self) -> None:

@@ -10,20 +10,26 @@ and the layer calls it on every forward:
 - ``logits(x, w, n)`` is the same without a bias, widened to float32 (an LM
   head).
 
-``TorchLinear`` is PyTorch's ``F.linear``; ``OneDNNLinear`` keeps the weight
-in oneDNN's blocked bf16 layout; ``AmxLinear`` in the layout of the AMX kernel
-of ``radixrt_kernels.cpu_linear``. Two fused forms take the step after the
-linear into the same pass where the AMX kernel can:
+``TorchLinear`` is PyTorch's ``F.linear``; ``TorchFP32Linear`` PyTorch's
+float32 linear on a float32 copy of the weight; ``OneDNNLinear`` keeps the
+weight in oneDNN's blocked bf16 layout; ``PackedLinear`` in the layout of
+``radixrt_kernels.cpu_linear``, whose kernels (AMX, AVX512-BF16, FMA) all read
+it, so it may run one kernel for decode-sized calls and another for
+prefill-sized ones (``PackedKernels``). ``ByRows`` does the same across
+methods of different layouts, holding the weight in both. Two fused forms
+take the step after the linear into the packed kernels' pass:
 
 - a gated method turns [gate; up] (weight [2N, K]) into silu(gate)·up [.., N]:
-  ``AmxGatedLinear``, or ``ActAfter`` (any linear method, then the activation);
+  ``PackedGatedLinear``, or ``ActAfter`` (any linear method, then the
+  activation);
 - a rotary qkv method returns q, k, v with q and k rotated at the token
-  positions: ``AmxRotaryQKV``, or ``RotateAfter`` (any linear method, then
+  positions: ``PackedRotaryQKV``, or ``RotateAfter`` (any linear method, then
   the rotary kernel).
 
 Inductor cannot lower the packed layouts, so under ``torch.compile`` the
-oneDNN and AMX kernels run as the opaque ops ``radixrt::onednn_linear`` and
-``radixrt::amx_linear``: the graph calls the very kernels eager mode runs.
+oneDNN and packed kernels run as the opaque ops ``radixrt::onednn_linear`` and
+``radixrt::packed_linear`` (which picks its kernel by the row count inside):
+the graph calls the very kernels eager mode runs.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class LinearMethod:
     """PyTorch's linear on the weight as loaded."""
 
     name = "torch"
+    layout = "plain"
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return w
@@ -63,6 +70,7 @@ class OneDNNLinear(LinearMethod):
     ``F.linear``, which reorders the weight on every call)."""
 
     name = "onednn"
+    layout = "onednn"
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return _ONEDNN_PACK(w, None)
@@ -73,13 +81,48 @@ class OneDNNLinear(LinearMethod):
         return onednn_linear(x, w, bias)
 
 
-class AmxLinear(LinearMethod):
-    """The AMX kernel (``radixrt_kernels.cpu_linear``) on a bf16 weight packed once."""
+class TorchFP32Linear(LinearMethod):
+    """PyTorch's float32 linear on a float32 copy of the weight (twice the bf16 bytes), x widened
+    and the result rounded to bf16 once: where float32 FMA outruns every bf16 path."""
 
-    name = "amx"
+    name = "torch_fp32"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return w.float()
+
+    def apply(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        return F.linear(x.float(), w, None if bias is None else bias.float()).to(x.dtype)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return self.apply(x, w, None, n).float()
+
+
+class PackedKernels(NamedTuple):
+    """Which ``cpu_linear`` kernel runs a call on packed weights: ``small`` for up to
+    ``threshold`` rows (decode-sized), ``large`` above (prefill-sized)."""
+
+    small: str
+    large: str
+    threshold: int = 64
+
+    @property
+    def name(self) -> str:
+        if self.small == self.large:
+            return self.small
+        return f"{self.small} (rows <= {self.threshold}), {self.large}"
+
+
+class PackedLinear(LinearMethod):
+    """The C kernels of ``radixrt_kernels.cpu_linear`` (AMX, AVX512-BF16, FMA) on a bf16
+    weight packed once; all three read the same layout."""
+
+    layout = "packed"
+
+    def __init__(self, lib: ctypes.CDLL, kernels: PackedKernels) -> None:
+        self.lib, self.kernels = lib, kernels
+        self.name = kernels.name
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.pack(self.lib, w)
@@ -87,10 +130,42 @@ class AmxLinear(LinearMethod):
     def apply(
         self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
     ) -> torch.Tensor:
-        return amx_linear(x, w, bias, n)
+        return packed_linear(x, w, bias, n, self.kernels)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-        return amx_linear(x, w, None, n, float_out=True)  # bf16 sums widened in the same pass
+        return packed_linear(x, w, None, n, self.kernels, float_out=True)  # widened in the pass
+
+
+class ByRows(LinearMethod):
+    """One method for up to ``threshold`` rows, another above, each on its own layout of the
+    weight where the two differ (the second copy held here). Works for the plain, gated and
+    rotary forms alike: ``apply``'s arguments after the weight pass through."""
+
+    def __init__(self, small, large, threshold: int = 64) -> None:
+        self.small, self.large, self.threshold = small, large, threshold
+        self.name = f"{small.name} (rows <= {threshold}), {large.name}"
+        self.small_w: torch.Tensor | None = None  # the small method's layout, when its own
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        if _layout(self.small) != _layout(self.large):
+            self.small_w = self.small.prepare(w)
+        return self.large.prepare(w)
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, *args):
+        if x.shape[0] <= self.threshold:
+            return self.small.apply(x, w if self.small_w is None else self.small_w, *args)
+        return self.large.apply(x, w, *args)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        if x.shape[0] <= self.threshold:
+            return self.small.logits(x, w if self.small_w is None else self.small_w, n)
+        return self.large.logits(x, w, n)
+
+
+def _layout(method) -> str:
+    """What a method's ``prepare`` produces: methods of one layout share the prepared weight."""
+    inner = getattr(method, "linear", method)  # the fused forms: their linear's layout
+    return getattr(inner, "layout", inner.name)
 
 
 # ---- [gate; up] → silu(gate)·up ------------------------------------------------------------
@@ -110,20 +185,21 @@ class ActAfter:
         return self.act(self.linear.apply(x, w, None, n))
 
 
-class AmxGatedLinear:
-    """The AMX kernel with SiLU-and-mul in its pass: gate and up blocks interleaved at packing,
-    rounded as ``cpu_ops.silu_mul`` rounds the two products."""
+class PackedGatedLinear:
+    """The packed kernels with SiLU-and-mul in their pass: gate and up blocks interleaved at
+    packing, rounded as ``cpu_ops.silu_mul`` rounds the two products."""
 
-    name = "amx + silu_mul"
+    layout = "packed-gated"
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self.lib = lib
+    def __init__(self, lib: ctypes.CDLL, kernels: PackedKernels) -> None:
+        self.lib, self.kernels = lib, kernels
+        self.name = f"{kernels.name} + silu_mul"
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.pack(self.lib, w, gated=True)
 
     def apply(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-        return amx_linear(x, w, None, n, gated=True)
+        return packed_linear(x, w, None, n, self.kernels, gated=True)
 
 
 # ---- qkv with q and k rotated ---------------------------------------------------------------
@@ -167,13 +243,14 @@ class RotateAfter:
         return qk, qkv[:, cols:].view(t, -1, d)
 
 
-class AmxRotaryQKV:
-    """The AMX kernel rotating q and k while it writes them (heads of 64 or 128)."""
+class PackedRotaryQKV:
+    """The packed kernels rotating q and k while they write them (heads of 64 or 128)."""
 
-    name = "amx + rotary"
+    layout = "packed"
 
-    def __init__(self, lib: ctypes.CDLL, shape: QKVShape) -> None:
-        self.lib, self.shape = lib, shape
+    def __init__(self, lib: ctypes.CDLL, shape: QKVShape, kernels: PackedKernels) -> None:
+        self.lib, self.shape, self.kernels = lib, shape, kernels
+        self.name = f"{kernels.name} + rotary"
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return cpu_linear.pack(self.lib, w)
@@ -189,7 +266,7 @@ class AmxRotaryQKV:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         d, cols = self.shape.head_dim, self.shape.qk_cols
         rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, d, cols)
-        qkv = amx_linear(x, w, bias, n, rope=rope)
+        qkv = packed_linear(x, w, bias, n, self.kernels, rope=rope)
         t = qkv.shape[0]
         return qkv[:, :cols].view(t, -1, d), qkv[:, cols:].view(t, -1, d)
 
@@ -236,28 +313,30 @@ def _(
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-def amx_linear(
+def packed_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
     bias: torch.Tensor | None,
     out_features: int,
+    kernels: PackedKernels,
     float_out: bool = False,
     gated: bool = False,
     rope: cpu_linear.Rope | None = None,
 ) -> torch.Tensor:
     """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
     silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``; q and k rotated with
-    ``rope``)."""
+    ``rope``), by the kernel ``kernels`` names for x's row count."""
     if torch.compiler.is_compiling():
         r = rope or cpu_linear.Rope(None, None, None, 0, 0)
-        return _amx_linear_op(x, packed, bias, out_features, float_out, gated, *r)
+        return _packed_linear_op(x, packed, bias, out_features, float_out, gated, *r, *kernels)
+    kernel = kernels.small if x.shape[0] <= kernels.threshold else kernels.large
     return cpu_linear.linear(
-        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope
+        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope, kernel
     )
 
 
-@torch.library.custom_op("radixrt::amx_linear", mutates_args=())
-def _amx_linear_op(
+@torch.library.custom_op("radixrt::packed_linear", mutates_args=())
+def _packed_linear_op(
     x: torch.Tensor,
     packed: torch.Tensor,
     bias: torch.Tensor | None,
@@ -269,16 +348,20 @@ def _amx_linear_op(
     sin_signed: torch.Tensor | None,
     head_dim: int,
     rope_cols: int,
+    small: str,
+    large: str,
+    threshold: int,
 ) -> torch.Tensor:
     rope = None
     if positions is not None:
         rope = cpu_linear.Rope(positions, cos, sin_signed, head_dim, rope_cols)
+    kernel = small if x.shape[0] <= threshold else large
     return cpu_linear.linear(
-        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope
+        cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope, kernel
     )
 
 
-@_amx_linear_op.register_fake
+@_packed_linear_op.register_fake
 def _(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -291,6 +374,9 @@ def _(
     sin_signed: torch.Tensor | None,
     head_dim: int,
     rope_cols: int,
+    small: str,
+    large: str,
+    threshold: int,
 ) -> torch.Tensor:
     width = out_features // 2 if gated else out_features
     return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)

@@ -88,7 +88,12 @@ class ModelRunner:
         )
         lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
         self.kernels = choose_kernels(
-            self.device, self.dtype, lib, compiled=config.enable_torch_compile
+            self.device,
+            self.dtype,
+            lib,
+            compiled=config.enable_torch_compile,
+            linear=config.linear_kernel,
+            cache_dir=cache_dir(),
         )
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())

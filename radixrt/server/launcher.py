@@ -71,6 +71,10 @@ class Launcher:
             where = f"tcp://{host}:{server.port}"
             if server.http_port:
                 where += f" and http://{host}:{server.http_port}"
+            linears = info.get("kernels", {}).get("linear", {})
+            if linears:  # which path each weight shape runs (stderr: stdout has the ready line)
+                shapes = ", ".join(f"{shape}: {path}" for shape, path in linears.items())
+                print(f"radixrt: linear kernels: {shapes}", file=sys.stderr, flush=True)
             print(
                 f"radixrt ready on {where} (model {info['model_name']}, "
                 f"{info['kv_slots']} KV slots)",

@@ -76,6 +76,8 @@ class SchedulerProcess:
             "page_size": eng.config.page_size,
             "max_waiting_requests": self.max_waiting,
             "dtype": eng.config.dtype,
+            "kernels": eng.runner.kernels.describe(),
+            "attention_backend": eng.runner.attn_backend.name,
         }
 
     def loop(self) -> None:

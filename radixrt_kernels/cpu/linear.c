@@ -33,16 +33,14 @@
 #include <string.h>
 
 #include "common.h"
+#include "linear_out.h"
 
 #ifdef HAVE_AMX
 #include <omp.h>
 #endif
 
-#define NB 32                 /* output features per block */
-#define KC 32                 /* input features per chunk */
 #define TILE_ELEMS 512        /* bf16 values in one 16 × 32 tile */
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
-#define MAX_UNIT 4            /* blocks written together at most (a rotary head of 128) */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
 
@@ -63,119 +61,6 @@ int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
 }
 
 #ifdef HAVE_AMX
-/* Where results go: y [*, n] with rows `stride` elements apart (bf16, or float32 with f32),
- * plus the bias [n] (bf16) where not NULL. Gated: SiLU-and-mul of block pairs; rope_dim > 0:
- * the rotary embedding on the heads of rope_dim features in features [0, rope_cols), at row r's
- * position positions[r], with float32 tables cos and sin± [*, rope_dim]. */
-struct output {
-    void *y;
-    int64_t stride, n; /* n: the output's features (gated: half the weight's) */
-    const bf16 *bias;
-    int f32, gated;
-    const int64_t *positions;
-    const float *cos, *sin;
-    int64_t rope_dim, rope_cols;
-};
-
-/* A unit's finished results (a block; a gated pair of blocks; a rotary head's blocks), waiting
- * to be written: rows r0 .. r0 + rows - 1 (none when rows is 0) of the output features from f0,
- * as float32 acc[i] [32][NB] for the unit's block i. */
-struct results {
-    float (*acc)[32][NB];
-    int rows;
-    int64_t r0, f0;
-};
-
-/* One block's results (r->acc[0]) plus the bias, rounded to bf16 (then widened with f32);
- * features past n dropped. */
-static inline void write_block(const struct output *o, const struct results *r) {
-    for (int h = 0; h < 2; h++) {
-        const int64_t cols = o->n - r->f0 - 16 * h;
-        if (cols <= 0) break;
-        const __mmask16 keep = cols >= 16 ? 0xffff : (__mmask16)((1u << cols) - 1);
-        __m512 b = _mm512_setzero_ps();
-        if (o->bias != NULL) /* as float32: the bf16 bits shifted up */
-            b = _mm512_castsi512_ps(_mm512_slli_epi32(
-                _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(keep, o->bias + r->f0 + 16 * h)), 16));
-        for (int row = 0; row < r->rows; row++) {
-            const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(&r->acc[0][row][16 * h]), b));
-            const int64_t at = (r->r0 + row) * o->stride + r->f0 + 16 * h;
-            if (o->f32)
-                _mm512_mask_storeu_ps((float *)o->y + at, keep,
-                                      _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16)));
-            else
-                _mm256_mask_storeu_epi16((bf16 *)o->y + at, keep, v);
-        }
-    }
-}
-
-/* Gated output: silu(gate)·up of bf16-rounded results, rounded as radixrt_silu_mul rounds. */
-static inline void write_gated(const struct output *o, const struct results *r) {
-    for (int h = 0; h < 2; h++) {
-        for (int row = 0; row < r->rows; row++) {
-            const v16 g = round16(*(const v16 *)&r->acc[0][row][16 * h]);
-            const v16 u = round16(*(const v16 *)&r->acc[1][row][16 * h]);
-            const v16 silu = round16(g * vrecip(1.0f + vexp(-g)));
-            store16((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + 16 * h, silu * u, 1);
-        }
-    }
-}
-
-/* 16 bias values from feature f as float32 (0 without a bias). */
-static inline v16 bias16(const struct output *o, int64_t f) {
-    return o->bias != NULL ? load16(o->bias + f, 1) : (v16){0};
-}
-
-/* A rotary head (features f0 .. f0 + D - 1, D = rope_dim): x = the results plus the bias,
- * rounded; then x·cos + roll(x, D/2)·sin± with the tables rounded to bf16 and each product and
- * the sum rounded, as radixrt_rope rotates. */
-static inline void write_rope(const struct output *o, const struct results *r) {
-    const int64_t d = o->rope_dim, half_blocks = d / NB / 2;
-    for (int64_t i = 0; i < half_blocks; i++) {
-        for (int h = 0; h < 2; h++) {
-            const int64_t da = i * NB + 16 * h, db = da + d / 2; /* paired dims of the head */
-            const v16 ba = bias16(o, r->f0 + da), bb = bias16(o, r->f0 + db);
-            for (int row = 0; row < r->rows; row++) {
-                const float *cos_row = o->cos + o->positions[r->r0 + row] * d;
-                const float *sin_row = o->sin + o->positions[r->r0 + row] * d;
-                const v16 xa = round16(*(const v16 *)&r->acc[i][row][16 * h] + ba);
-                const v16 xb = round16(*(const v16 *)&r->acc[i + half_blocks][row][16 * h] + bb);
-                const v16 ca = round16(load16(cos_row + da, 0)), sa = round16(load16(sin_row + da, 0));
-                const v16 cb = round16(load16(cos_row + db, 0)), sb = round16(load16(sin_row + db, 0));
-                bf16 *out = (bf16 *)o->y + (r->r0 + row) * o->stride + r->f0;
-                store16(out + da, round16(xa * ca) + round16(xb * sa), 1);
-                store16(out + db, round16(xb * cb) + round16(xa * sb), 1);
-            }
-        }
-    }
-}
-
-/* Write a unit's results: gated, rotated, or block by block. */
-static inline void write_results(const struct output *o, const struct results *r, int unit) {
-    if (o->gated) {
-        write_gated(o, r);
-        return;
-    }
-    if (o->rope_dim > 0 && r->f0 < o->rope_cols) {
-        write_rope(o, r);
-        return;
-    }
-    for (int i = 0; i < unit; i++) {
-        const struct results one = {r->acc + i, r->rows, r->r0, r->f0 + i * NB};
-        write_block(o, &one);
-    }
-}
-
-/* Fetch for writing the output lines of rows r0 .. r0 + rows - 1 at features f0 .. f0 + NB - 1
- * (the next pass's, a pass ahead): output rows lie far apart, no hardware prefetcher follows
- * them, and a prefill's output is megabytes, so each line's first write would wait out a miss. */
-static inline void claim_output(const struct output *o, int64_t r0, int64_t rows, int64_t f0) {
-    const size_t elem = o->f32 ? 4 : 2;
-    for (int64_t r = 0; r < rows; r++)
-        for (size_t byte = 0; byte < NB * elem; byte += 64)
-            __builtin_prefetch((const char *)o->y + ((r0 + r) * o->stride + f0) * elem + byte, 1, 1);
-}
-
 /* A cursor through a thread's weight stream, ahead of the products: each chunk's products
  * prefetch its next `lines` cache lines into L2. With P passes of 32 rows over each block, a
  * chunk of 2 × 1 KB takes 32 / P lines, so the stream keeps flowing during every pass, not only

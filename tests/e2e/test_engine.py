@@ -113,9 +113,9 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     if "head dim 64" in model:
         path = _with_head_dim_64(path, tmp_path / "hd64")
     requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + i)] for i in range(4)]
-    eng = engine_factory(path, dtype="bfloat16")
-    assert eng.runner.kernels.linear.name == "amx"
+    eng = engine_factory(path, dtype="bfloat16", linear_kernel="amx")
     attn = eng.runner.model.model.layers[0].self_attn
+    assert attn.o_proj.method.name == "amx"
     fused_rope = attn.qkv_proj.method.name == "amx + rotary"
     assert fused_rope == ("head dim 64" in model) and attn.head_dim == (64 if fused_rope else 32)
     assert eng.runner.model.model.layers[0].mlp.gate_up_proj.method.name == "amx + silu_mul"
@@ -135,6 +135,28 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     assert len({tuple(ids) for ids in got}) == len(requests) and all(
         len(set(ids)) > 3 for ids in got
     )
+
+
+@pytest.mark.parametrize("kernel", ["fma", "avx512_bf16", "torch_fp32"])
+def test_bf16_linear_paths_agree(kernel, tiny_llama, engine_factory):
+    """Every bf16 linear path computes float32 sums rounded once to bf16: through the whole model
+    the first token and its logprob agree with PyTorch's bf16 linears (not bit for bit: the sums
+    are added in other orders)."""
+    from radixrt_kernels import cpu_linear
+
+    lib = cpu_library.load(cache_dir())
+    if kernel in cpu_linear.KERNELS and not cpu_linear.kernel_available(lib, kernel):
+        pytest.skip(f"the {kernel} linear kernel does not run here")
+    sp = SamplingParams(max_new_tokens=1, temperature=0, logprobs=True)
+    requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + 9 * i)] for i in range(4)]
+    outs = {}
+    for path in (kernel, "torch"):
+        eng = engine_factory(tiny_llama, dtype="bfloat16", linear_kernel=path)
+        assert eng.runner.model.model.layers[0].self_attn.o_proj.method.name == path
+        outs[path] = eng.generate(input_ids=requests, sampling_params=sp)
+    for got, want in zip(outs[kernel], outs["torch"]):
+        assert got.token_ids == want.token_ids
+        assert abs(got.logprobs[0] - want.logprobs[0]) < 0.25  # bf16 activations, layer by layer
 
 
 def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):

@@ -37,6 +37,7 @@ FLAG_VALUES = {
     "max_prefill_tokens": (["--max-prefill-tokens", "2048"], 2048),
     "new_token_ratio": (["--new-token-ratio", "0.25"], 0.25),
     "seed": (["--random-seed", "7"], 7),
+    "linear_kernel": (["--linear-kernel", "fma"], "fma"),
     "eviction_policy": (["--eviction-policy", "lfu"], "lfu"),
     "device": (["--device", "cpu"], "cpu"),
     "enable_torch_compile": (["--enable-torch-compile"], True),

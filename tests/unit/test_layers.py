@@ -10,7 +10,6 @@ from torch import nn
 from radixrt.model import linear_methods
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
-from radixrt.model.linear_methods import AmxLinear, OneDNNLinear
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_linear
 
@@ -21,20 +20,24 @@ needs_onednn = pytest.mark.skipif(
 CPU = torch.device("cpu")
 
 
-def amx_library():
+def library_with(kernel: str = "amx"):
+    """The kernels' library, where it runs ``kernel`` (else the test is skipped)."""
     lib = cpu_library.load(cache_dir())
-    if not cpu_linear.available(lib):
-        pytest.skip(
-            f"no AMX linear kernel here (library: {cpu_library.why_unavailable() or 'built'})"
-        )
+    if not cpu_linear.kernel_available(lib, kernel):
+        why = cpu_library.why_unavailable() or "built"
+        pytest.skip(f"the {kernel} linear kernel does not run here (library: {why})")
     return lib
 
 
+def amx_library():
+    return library_with("amx")
+
+
 def kernels_for(packing: str) -> Kernels:
-    if packing == "amx":
-        lib = amx_library()
-        return Kernels(AmxLinear(lib), OneDNNLinear() if HAS_ONEDNN else None, amx_lib=lib)
-    return Kernels(OneDNNLinear())
+    """Every linear on ``packing``: a packed kernel (cpu_linear.KERNELS) or oneDNN's layout."""
+    if packing in cpu_linear.KERNELS:
+        return Kernels(packing, library_with(packing))
+    return Kernels(packing)
 
 
 class Tiny(nn.Module):
@@ -58,7 +61,8 @@ class Tiny(nn.Module):
         return self.head(self.down(self.up(x)))
 
 
-PACKINGS = [pytest.param("onednn", marks=needs_onednn), "amx"]
+PACKED = list(cpu_linear.KERNELS)  # amx, avx512_bf16, fma: one packed layout
+PACKINGS = [pytest.param("onednn", marks=needs_onednn), *PACKED]
 
 
 @pytest.mark.parametrize("packing", PACKINGS)
@@ -67,10 +71,9 @@ def test_packed_bf16_model_matches_plain(packing: str, rows: int) -> None:
     plain = Tiny(torch.bfloat16)
     packed = Tiny(torch.bfloat16, kernels_for(packing))
     assert packed.down.method.name == packed.head.method.name == packing
-    # SiLU-and-mul in the AMX kernel's pass; with oneDNN's layout, PyTorch's after it
-    assert (
-        packed.up.method.name == {"amx": "amx + silu_mul", "onednn": "onednn, then torch"}[packing]
-    )
+    # SiLU-and-mul in the packed kernels' pass; with oneDNN's layout, PyTorch's after it
+    fused = "onednn, then torch" if packing == "onednn" else f"{packing} + silu_mul"
+    assert packed.up.method.name == fused
     assert plain.up.method.name == "torch, then torch"
     assert packed.up.weight.is_mkldnn == (packing == "onednn")
     assert packed.head.matmul_weight is not None and not packed.head.weight.is_mkldnn  # kept plain
@@ -112,20 +115,51 @@ def test_amx_linear_equals_pytorch(rows: int) -> None:
     assert err_ours <= err_torch * 1.05
 
 
+@pytest.mark.parametrize("kernel", ["avx512_bf16", "fma"])
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 32, 45, 100, 700])
+def test_vector_kernels_equal_pytorch_within_bf16_rounding(kernel: str, rows: int) -> None:
+    # float32 sums in input-feature order, rounded once: within bf16 rounding of F.linear, and
+    # as close to a float64 product. Rows cover register blocks (12) and their remainders, a
+    # 32-row pass and the grouped passes of a prefill; 200 features: a short last block.
+    lib = library_with(kernel)
+    torch.manual_seed(rows)
+    n, k = 200, 320  # 10 chunks: more than one segment of the FMA kernel
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    x = torch.randn(rows, 3 * k, dtype=torch.bfloat16)[:, k : 2 * k]  # strided rows
+    packed = cpu_linear.pack(lib, w)
+    exact = (x.double() @ w.double().T + bias.double()).float()
+    got = cpu_linear.linear(lib, x, packed, n, bias, kernel=kernel)
+    want = torch.nn.functional.linear(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=0.1)
+    err_ours = (got.float() - exact).abs().mean()
+    err_torch = (want.float() - exact).abs().mean()
+    assert err_ours <= err_torch * 1.05
+    wide = cpu_linear.linear(lib, x, packed, n, bias, float_out=True, kernel=kernel)
+    assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
+
+
 @pytest.mark.parametrize("rows", [1, 17, 32, 100, 700])
-def test_gated_amx_linear_is_silu_and_mul_of_the_two_products(rows: int) -> None:
+@pytest.mark.parametrize("kernel", PACKED)
+def test_gated_linear_is_silu_and_mul_of_the_two_products(rows: int, kernel: str) -> None:
     # [gate; up] packed gated: silu(gate)·up in the same pass, bit-equal to the two steps apart
     # (the linear, then cpu_ops.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
     from radixrt_kernels import cpu_ops
 
-    lib = amx_library()
+    lib = library_with(kernel)
     torch.manual_seed(rows)
     w = (torch.randn(192, 96) * 0.2).bfloat16()  # gate and up: 96 rows each (3 blocks of 32)
     x = torch.randn(rows, 96, dtype=torch.bfloat16)
-    got = cpu_linear.linear(lib, x, cpu_linear.pack(lib, w, gated=True), 192, gated=True)
+    got = cpu_linear.linear(
+        lib, x, cpu_linear.pack(lib, w, gated=True), 192, gated=True, kernel=kernel
+    )
     assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
     assert torch.equal(
-        got, cpu_ops.silu_mul(lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192))
+        got,
+        cpu_ops.silu_mul(
+            lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192, kernel=kernel)
+        ),
     )
     gate, up = torch.nn.functional.linear(x, w).chunk(2, dim=-1)
     torch.testing.assert_close(
@@ -150,7 +184,7 @@ def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
         return m
 
     fused, plain = mlp(kernels), mlp(Kernels())
-    assert fused.gate_up.method.name == "amx + silu_mul"
+    assert fused.gate_up.method.name == "amx + silu_mul"  # (kernels_for("amx"))
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.inference_mode():
         assert fused.gate_up(x).shape == (5, 96)
@@ -158,16 +192,17 @@ def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
         torch.testing.assert_close(fused.down(fused.gate_up(x)), want, rtol=2**-6, atol=2e-2)
 
 
+@pytest.mark.parametrize("kernel", PACKED)
 @pytest.mark.parametrize("head_dim,bias", [(64, False), (64, True), (128, True)])
-def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -> None:
+def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool, kernel: str) -> None:
     # RotaryQKVLinear on the AMX kernel: q and k rotated in the linear's own pass, bit-equal to the
     # same kernel's plain output followed by the rotary embedding (cpu_ops.rope_), eager and under
     # torch.compile.
     from radixrt.model.layers import QKVLinear, RotaryEmbedding, RotaryQKVLinear
     from radixrt_kernels import cpu_ops
 
-    kernels = kernels_for("amx")
-    lib = kernels.amx_lib
+    kernels = kernels_for(kernel)
+    lib = kernels.lib
     rotary = RotaryEmbedding(head_dim, 4096, 10000.0)
 
     def build(cls, *extra):
@@ -179,7 +214,7 @@ def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool) -
         return m
 
     fused, unrotated = build(RotaryQKVLinear, rotary), build(QKVLinear)
-    assert fused.method.name == "amx + rotary" and unrotated.method.name == "amx"
+    assert fused.method.name == f"{kernel} + rotary" and unrotated.method.name == kernel
 
     def flat(x, positions, layer=fused):
         return torch.cat([t.reshape(x.shape[0], -1) for t in layer(x, positions)], dim=1)
@@ -218,7 +253,7 @@ def test_amx_linear_rejects_what_it_cannot_take() -> None:
 def test_amx_packing_needs_packable_weights() -> None:
     # in_features that are not a multiple of 32: no AMX layout for that weight; oneDNN's, where it
     # exists, and the AMX kernel for the others
-    model = Tiny(torch.bfloat16, kernels_for("amx"), hidden=40)
+    model = Tiny(torch.bfloat16, kernels_for("amx"), hidden=40)  # the others: 32 or 64
     fallback = "onednn" if HAS_ONEDNN else "torch"
     assert model.up.method.name == f"{fallback}, then torch" and model.head.method.name == fallback
     assert model.down.method.name == "amx"  # in_features 64
@@ -238,7 +273,7 @@ def test_packed_layers_compile(packing: str) -> None:
     # twice, so there: equal up to that rounding.
     packed = Tiny(torch.bfloat16, kernels_for(packing))
     compiled = torch.compile(packed, dynamic=True)
-    exact = packing == "amx"
+    exact = packing != "onednn"
     with torch.inference_mode():
         for rows in (3, 17):
             x = torch.randn(rows, 32, dtype=torch.bfloat16)
@@ -247,33 +282,61 @@ def test_packed_layers_compile(packing: str) -> None:
             )
 
 
-def test_kernels_chosen_for_dtype_device_and_compile() -> None:
+def test_kernels_chosen_for_dtype_device_and_compile(monkeypatch) -> None:
+    from radixrt.model import kernels as kernels_module
+    from radixrt.model.calibrate import Choice
+
     lib = cpu_library.load(cache_dir())
     fp32 = choose_kernels(CPU, torch.float32, lib)
-    assert fp32.linear.name == "torch" and fp32.amx_lib is None
+    assert fp32.linear_for(64, 32).name == "torch"
+    meta = choose_kernels(torch.device("meta"), torch.bfloat16, lib)
+    assert meta.describe() == Kernels().describe()
+    forced = choose_kernels(CPU, torch.bfloat16, lib, linear="fma")
+    assert forced.linear_for(64, 32).name == "fma"
+    assert forced.norm.name == ("c" if lib is not None else "torch")
     assert (
-        choose_kernels(torch.device("meta"), torch.bfloat16, lib).describe() == Kernels().describe()
+        choose_kernels(CPU, torch.bfloat16, lib, compiled=True, linear="fma").norm.name == "torch"
     )
-    bf16 = choose_kernels(CPU, torch.bfloat16, lib)
-    want = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
-    assert bf16.linear.name == want
-    assert bf16.norm.name == ("c" if lib is not None else "torch")
+    # auto: each shape's paths from the calibration (here a stand-in), split by rows
+    picks = {(64, 32): Choice("fma", "torch_fp32"), (128, 64): Choice("fma", "amx")}
+    monkeypatch.setattr(
+        kernels_module.Calibrator, "choice", lambda self, n, k, large=True: picks[(n, k)]
+    )
+    auto = choose_kernels(CPU, torch.bfloat16, lib)
+    assert auto.linear_for(64, 32).name == "fma (rows <= 64), torch_fp32"  # two layouts: ByRows
+    assert auto.linear_for(128, 64).name == "fma (rows <= 64), amx"  # one packed weight
+    assert auto.describe()["linear"] == {
+        "64x32": "fma (rows <= 64), torch_fp32",
+        "128x64": "fma (rows <= 64), amx",
+    }
     compiled = choose_kernels(CPU, torch.bfloat16, lib, compiled=True)
-    assert compiled.linear.name == want and compiled.norm.name == "torch"  # Inductor fuses those
+    assert compiled.linear_for(64, 32).name == "fma"  # compiled: one layout per layer
     model = Tiny(torch.float32, fp32)
     assert model.up.method.name == f"torch, then {fp32.act.name}" and not model.up.weight.is_mkldnn
 
 
-def test_bf16_cpu_engine_packs_its_weights(tiny_llama: str) -> None:
-    from radixrt import Engine
-
+def test_a_path_that_does_not_run_here_is_refused(monkeypatch) -> None:
     lib = cpu_library.load(cache_dir())
-    expected = "amx" if cpu_linear.available(lib) else "onednn" if HAS_ONEDNN else "torch"
+    monkeypatch.setattr(cpu_linear, "kernel_available", lambda lib, kernel: kernel == "fma")
+    with pytest.raises(ValueError, match="linear_kernel 'amx' does not run on this CPU"):
+        choose_kernels(CPU, torch.bfloat16, lib, linear="amx")
+
+
+def test_bf16_cpu_engine_runs_the_chosen_paths(tiny_llama: str) -> None:
+    from radixrt import Engine
+    from radixrt.model.calibrate import PATHS
+
+    with Engine(
+        model=tiny_llama, dtype="bfloat16", max_total_tokens=256, linear_kernel="fma"
+    ) as eng:
+        assert eng.runner.model.model.layers[0].self_attn.o_proj.method.name == "fma"
     with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=256) as eng:
-        assert eng.runner.kernels.linear.name == expected
-        assert eng.runner.model.model.layers[0].self_attn.o_proj.method.name == expected
+        chosen = eng.runner.kernels.describe()["linear"]
+        assert len(chosen) == 5  # qkv, o, gate_up, down, lm_head
+        for path in chosen.values():
+            assert all(p.split(" ")[0] in PATHS for p in path.split(", "))
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
-        assert eng.runner.kernels.linear.name == "torch"
+        assert set(eng.runner.kernels.describe()["linear"].values()) == {"torch"}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -293,40 +356,34 @@ def test_rotary_matches_rotate_half_bit_for_bit(dtype) -> None:
     assert torch.equal(rope(positions, x[:, 3:9]), want[:, 3:9])  # a strided view of some heads
 
 
-def test_cpus_without_amx_get_onednn_layout(monkeypatch, tmp_path) -> None:
-    """A library built without AMX (as on CPUs that lack it) has no linear kernel: the model
-    keeps oneDNN's layout and its results."""
+@pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
+def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tmp_path) -> None:
+    """The library as built on CPUs without AMX, without AVX512-BF16 or without AVX-512 (AVX2:
+    the FMA kernel on narrower vectors): AMX is refused, the vector kernels that build give the
+    native build's results, with every epilogue."""
     from radixrt_kernels import cpu_library as library
 
-    monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, "-mno-amx-tile"])
+    native = library.load(cache_dir())
+    monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, *flags])
     lib = library._build_and_load(tmp_path)
     assert not cpu_linear.available(lib)
-    w = torch.randn(64, 32, dtype=torch.bfloat16)
-    y = torch.empty(2, 64, dtype=torch.bfloat16)
-    x = torch.randn(2, 32, dtype=torch.bfloat16)
-    packed = cpu_linear.pack(lib, w)  # packing is plain C: it still works
-    assert (
-        lib.radixrt_linear(
-            x.data_ptr(),
-            32,
-            packed.data_ptr(),
-            None,
-            y.data_ptr(),
-            64,
-            0,
-            0,
-            None,
-            None,
-            None,
-            0,
-            0,
-            2,
-            64,
-            32,
-            1,
-        )
-        == -1
+    assert cpu_linear.kernel_available(lib, "fma")
+    assert cpu_linear.kernel_available(lib, "avx512_bf16") == (
+        "-mno-amx-tile" in flags and (cpu_linear.kernel_available(native, "avx512_bf16"))
     )
-    assert choose_kernels(CPU, torch.bfloat16, lib).linear.name == (
-        "onednn" if HAS_ONEDNN else "torch"
-    )
+    torch.manual_seed(5)
+    w = torch.randn(192, 128, dtype=torch.bfloat16)
+    bias = torch.randn(192, dtype=torch.bfloat16)
+    x = torch.randn(37, 128, dtype=torch.bfloat16)
+    packed, gated = cpu_linear.pack(lib, w), cpu_linear.pack(lib, w, gated=True)
+    with pytest.raises(ValueError, match="does not take"):
+        cpu_linear.linear(lib, x, packed, 192)  # amx
+    for kernel in ("fma", "avx512_bf16"):
+        if not cpu_linear.kernel_available(lib, kernel):
+            continue
+        for args in ((packed, 192, bias), (gated, 192, None, False, True)):
+            got = cpu_linear.linear(lib, x, *args, kernel=kernel)
+            want = cpu_linear.linear(native, x, *args, kernel=kernel)
+            # (gated: the portable build's exp and reciprocal may move a result by one bf16 step)
+            torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+    assert choose_kernels(CPU, torch.bfloat16, lib, linear="fma").linear_for(192, 128).name == "fma"

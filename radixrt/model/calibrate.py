@@ -1,0 +1,157 @@
+"""Which bf16 linear path is fastest on this CPU, per weight shape and batch size, measured once.
+
+A bf16 linear's best path depends on the CPU: AMX tiles where it has them; elsewhere
+AVX512-BF16 dot products, bf16 weights widened to float32 for FMA, oneDNN, or PyTorch's
+float32 linear on a float32 copy of the weight, whichever this CPU runs fastest. Decode-sized
+calls (up to ``THRESHOLD`` rows) are bound by streaming the weights from memory, prefill-sized
+ones by arithmetic, so the two may pick different paths.
+
+``Calibrator.choice(n, k)`` times every path available here on random [n, k] weights at
+``SMALL_ROWS`` rows (cycling through copies of the weight that together outgrow the last-level
+cache, so each call streams cold weights, as a decode step does) and at ``LARGE_ROWS`` rows
+(one copy: a prefill's weights stay in cache while its rows go by), and returns the fastest of
+each (``Choice``). Results are kept in ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU
+model and flags, kernel library, PyTorch version and thread count, so only the first start on
+a machine measures.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from radixrt.model.linear_methods import (
+    LinearMethod,
+    OneDNNLinear,
+    PackedKernels,
+    PackedLinear,
+    TorchFP32Linear,
+    onednn_works,
+)
+from radixrt_kernels import cpu_library, cpu_linear
+
+logger = logging.getLogger(__name__)
+
+THRESHOLD = 64  # rows: up to here a call is decode-sized
+SMALL_ROWS, LARGE_ROWS = 16, 512  # the row counts each class is timed at
+COLD_BYTES = 128 << 20  # weight copies cycled through for the decode-sized timing
+PACKED = frozenset(cpu_linear.KERNELS)
+OTHERS = ("onednn", "torch_fp32", "torch")
+PATHS = (*cpu_linear.KERNELS, *OTHERS)
+
+
+class Choice(NamedTuple):
+    """The path for calls of up to THRESHOLD rows (``small``) and above (``large``)."""
+
+    small: str
+    large: str
+
+
+def available_paths(lib, k: int) -> list[str]:
+    """The paths that run here for weights of ``k`` input features."""
+    paths = [p for p in cpu_linear.KERNELS if k % cpu_linear.K_MULTIPLE == 0]
+    paths = [p for p in paths if cpu_linear.kernel_available(lib, p)]
+    if onednn_works():
+        paths.append("onednn")
+    return [*paths, "torch_fp32", "torch"]
+
+
+def make_method(name: str, lib) -> LinearMethod:
+    """A plain linear method for ``name``, one of ``PATHS``."""
+    if name in PACKED:
+        return PackedLinear(lib, PackedKernels(name, name, THRESHOLD))
+    methods = {"onednn": OneDNNLinear, "torch_fp32": TorchFP32Linear, "torch": LinearMethod}
+    if name not in methods:
+        raise ValueError(f"unknown linear path {name!r} (one of {PATHS})")
+    return methods[name]()
+
+
+def time_path(method: LinearMethod, n: int, k: int, rows: int, cold: bool) -> float:
+    """Seconds per call of ``method`` on [rows, k] · [n, k]ᵀ: the best of three rounds."""
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
+    copies = max(1, math.ceil(COLD_BYTES / (n * k * 2))) if cold else 1
+    weights = [method.prepare(w.clone()) for _ in range(copies)]
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    with torch.inference_mode():
+        method.apply(x, weights[0], None, n)  # warm-up
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for wc in weights:
+                method.apply(x, wc, None, n)
+            best = min(best, (time.perf_counter() - t0) / copies)
+    return best
+
+
+class Calibrator:
+    """The per-shape choices for this machine, measured on first use and cached on disk."""
+
+    def __init__(self, lib, cache_dir: str, threads: int | None = None) -> None:
+        self.lib = lib
+        self.threads = threads or torch.get_num_threads()
+        self.path = Path(cache_dir) / "calibration" / f"linear-{self._key()}.json"
+        self.table: dict[str, dict] = {}
+        try:
+            self.table = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            self.table = {}
+
+    def _key(self) -> str:
+        parts = (
+            cpu_library._cpu_features(),
+            getattr(self.lib, "_name", ""),
+            torch.__version__,
+            str(self.threads),
+        )
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def choice(self, n: int, k: int, large: bool = True) -> Choice:
+        """The fastest path for weights [n, k] per class of calls (``large`` False: only
+        decode-sized calls happen, as for an LM head; both classes get that path)."""
+        key = f"{n}x{k}" + ("" if large else ":small")
+        entry = self.table.get(key)
+        if entry is None or any(p not in PATHS for p in (entry["small"], entry["large"])):
+            entry = self._measure(n, k, large)
+            self.table[key] = entry
+            self._save()
+        return Choice(entry["small"], entry["large"])
+
+    def _measure(self, n: int, k: int, large: bool) -> dict:
+        t0 = time.perf_counter()
+        paths = available_paths(self.lib, k)
+        small = {p: time_path(make_method(p, self.lib), n, k, SMALL_ROWS, True) for p in paths}
+        big = {}
+        if large:
+            big = {p: time_path(make_method(p, self.lib), n, k, LARGE_ROWS, False) for p in paths}
+        best_small = min(small, key=small.get)
+        best_large = min(big, key=big.get) if big else best_small
+        logger.info(
+            "calibrated the %dx%d linear in %.1f s: %s up to %d rows, %s above",
+            n,
+            k,
+            time.perf_counter() - t0,
+            best_small,
+            THRESHOLD,
+            best_large,
+        )
+        return {"small": best_small, "large": best_large, "seconds": {"small": small, "large": big}}
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, suffix=".tmp")
+            with os.fdopen(fd, "w") as f:
+                json.dump(self.table, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError as e:  # a read-only cache: measure again next time
+            logger.warning("could not keep the linear calibration in %s: %s", self.path, e)

@@ -1,0 +1,283 @@
+/* Linear layers on the CPU without AMX: y = x·Wᵀ (+ bias) on the packed weights of linear.c.
+ *
+ * Two kernels read the same packed layout (per block of NB output features and chunk of KC
+ * input features, two tiles of 16 K-pairs × 16 features × 2), a K-pair of 16 features being
+ * 16 dwords whose low half is the even input feature and whose high half the odd one:
+ * - FMA: bf16 weights widened to float32 on the fly (the low half shifted up, the high half
+ *   masked: one instruction per 16 values) and multiplied with float32 FMA by x converted to
+ *   float32 once per call. Built for AVX-512 (MR_FMA rows × 2 tiles of accumulators in
+ *   registers) or narrower vectors (AVX2: one tile at a time).
+ * - DPBF16 (AVX512-BF16): vdpbf16ps on the pairs as they are, x's pairs broadcast.
+ * Both add the products in input-feature order into float32 sums per row and feature; the
+ * results are written by linear_out.h, as the AMX kernel's are (bias in float32, one rounding
+ * to bf16; the gated and rotary epilogues). Threads split the blocks as the AMX kernel does;
+ * with more than 64 rows a thread takes its blocks in groups that stay in L2 while every pass
+ * of 32 rows runs over them.
+ *
+ * radixrt_peak and radixrt_stream_read measure this CPU's ceilings for the benchmarks: the
+ * register-only throughput of FMA and of vdpbf16ps, and the speed of a read-only stream.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+#include "linear_out.h"
+
+#define KERNEL_FMA 0
+#define KERNEL_DPBF16 1
+#define TILE_DWORDS 256       /* one 16-pair × 16-feature tile as dwords */
+#define GROUP 16              /* blocks per group with more than two passes, at most ... */
+#define GROUP_BYTES (3 << 19) /* ... and about this much weight */
+#define PREFETCH_AHEAD 32768  /* bytes of the weight stream fetched ahead, into L2 */
+
+#ifdef __AVX512F__
+#define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
+#define NT_FMA 2  /* tiles per FMA register block */
+#else
+#define MR_FMA 4
+#define NT_FMA 1
+#endif
+#define MR_DP 12
+#define SEGMENT 8 /* chunks per segment: 16 KiB of weights */
+
+typedef uint32_t v16w __attribute__((vector_size(64))); /* a K-pair of 16 features */
+
+static inline v16w load_pairs(const uint32_t *p) {
+    v16w w;
+    memcpy(&w, p, sizeof w);
+    return w;
+}
+
+/* acc[i][16·t ..] (+)= the products of chunks c0 .. c1 - 1 for i < mr rows of x (float32, xs
+ * apart) and tiles t0 .. t0 + NT_FMA - 1 of one block (w: its chunks, as dwords); the sums
+ * start from acc where c0 > 0. */
+static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x, int64_t xs,
+                                                           const uint32_t *w, int64_t c0, int64_t c1,
+                                                           int t0, float (*acc)[NB]) {
+    v16 a[MR_FMA][NT_FMA];
+    for (int i = 0; i < MR_FMA; i++)
+        for (int t = 0; t < NT_FMA; t++) {
+            a[i][t] = (v16){0};
+            if (c0 > 0 && i < mr) memcpy(&a[i][t], &acc[i][16 * (t0 + t)], sizeof(v16));
+        }
+    for (int64_t c = c0; c < c1; c++) {
+        for (int p = 0; p < 16; p++) {
+            v16 lo[NT_FMA], hi[NT_FMA];
+            for (int t = 0; t < NT_FMA; t++) {
+                const v16w d = load_pairs(w + (c * 2 + t0 + t) * TILE_DWORDS + p * 16);
+                lo[t] = (v16)(d << 16);
+                hi[t] = (v16)(d & 0xffff0000u);
+            }
+            const float *xk = x + c * KC + 2 * p;
+#pragma GCC unroll 16
+            for (int i = 0; i < mr; i++) {
+                const float x0 = xk[i * xs], x1 = xk[i * xs + 1];
+                for (int t = 0; t < NT_FMA; t++) {
+                    a[i][t] += x0 * lo[t];
+                    a[i][t] += x1 * hi[t];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int t = 0; t < NT_FMA; t++) memcpy(&acc[i][16 * (t0 + t)], &a[i][t], sizeof(v16));
+}
+
+/* Rows 0 .. rows - 1 of acc over chunks c0 .. c1 - 1 of tiles t0 .. t0 + NT_FMA - 1. */
+static inline void fma_segment(const float *x, int64_t xs, const uint32_t *w, int64_t c0, int64_t c1,
+                               int t0, int rows, float (*acc)[NB]) {
+    int r = 0;
+    for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * xs, xs, w, c0, c1, t0, acc + r);
+    switch (rows - r) { /* the rest, with a register block of its own size */
+#define FMA_REST(n) \
+    case n: fma_rows(n, x + r * xs, xs, w, c0, c1, t0, acc + r); break;
+        FMA_REST(1) FMA_REST(2) FMA_REST(3)
+#if MR_FMA > 4
+        FMA_REST(4) FMA_REST(5) FMA_REST(6) FMA_REST(7) FMA_REST(8) FMA_REST(9) FMA_REST(10)
+        FMA_REST(11)
+#endif
+#undef FMA_REST
+    default: break;
+    }
+}
+
+/* One block's sums for `rows` rows of x (float32) into acc, MR_FMA rows at a time, over
+ * segments of SEGMENT chunks (a segment's weights stay in L1 while every row block reads
+ * them). */
+static void fma_block(const float *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
+                      float (*acc)[NB]) {
+    for (int64_t c0 = 0; c0 < chunks; c0 += SEGMENT) {
+        const int64_t c1 = c0 + SEGMENT < chunks ? c0 + SEGMENT : chunks;
+        for (int t0 = 0; t0 < 2; t0 += NT_FMA) fma_segment(x, xs, w, c0, c1, t0, rows, acc);
+    }
+}
+
+#ifdef __AVX512BF16__
+/* acc[i][..] for i < mr rows of x (bf16, xs apart) over one block's two tiles, by vdpbf16ps. */
+static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x, int64_t xs,
+                                                          const uint32_t *w, int64_t chunks,
+                                                          float (*acc)[NB]) {
+    __m512 a[MR_DP][2];
+    for (int i = 0; i < MR_DP; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int p = 0; p < 16; p++) {
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (c * 2) * TILE_DWORDS + p * 16);
+            const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (c * 2 + 1) * TILE_DWORDS + p * 16);
+            const bf16 *xk = x + c * KC + 2 * p;
+#pragma GCC unroll 16
+            for (int i = 0; i < mr; i++) {
+                int32_t pair;
+                memcpy(&pair, xk + i * xs, 4);
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+                a[i][0] = _mm512_dpbf16_ps(a[i][0], xb, w0);
+                a[i][1] = _mm512_dpbf16_ps(a[i][1], xb, w1);
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        _mm512_storeu_ps(&acc[i][0], a[i][0]);
+        _mm512_storeu_ps(&acc[i][16], a[i][1]);
+    }
+}
+
+static void dp_block(const bf16 *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
+                     float (*acc)[NB]) {
+    int r = 0;
+    for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, acc + r);
+    switch (rows - r) {
+#define DP_REST(n) \
+    case n: dp_rows(n, x + r * xs, xs, w, chunks, acc + r); break;
+        DP_REST(1) DP_REST(2) DP_REST(3) DP_REST(4) DP_REST(5) DP_REST(6) DP_REST(7) DP_REST(8)
+        DP_REST(9) DP_REST(10) DP_REST(11)
+#undef DP_REST
+    default: break;
+    }
+}
+#endif
+
+/* 1 if radixrt_linear_vec runs `kernel` in this build, else 0. */
+int radixrt_linear_vec_available(int kernel) {
+    if (kernel == KERNEL_FMA) return 1;
+#ifdef __AVX512BF16__
+    if (kernel == KERNEL_DPBF16) return 1;
+#endif
+    return 0;
+}
+
+/* x [m, k] bf16 (rows x_stride apart) as float32 [m, k], in parallel. */
+static float *widen_rows(const bf16 *x, int64_t x_stride, int64_t m, int64_t k, int num_threads) {
+    float *xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64));
+    if (xf == NULL) return NULL;
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * x_stride + i]);
+    return xf;
+}
+
+/* As radixrt_linear (the same packed weights, arguments and outputs), computed by `kernel`
+ * (KERNEL_FMA or KERNEL_DPBF16). Returns -1 (writing nothing) if the sizes do not fit or this
+ * build lacks the kernel. */
+int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias,
+                       void *y, int64_t y_stride, int y_f32, int gated, const int64_t *positions,
+                       const float *rope_cos, const float *rope_sin, int64_t rope_dim, int64_t rope_cols,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    if (!radixrt_linear_vec_available(kernel) || m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k
+        || y_stride < (gated ? n / 2 : n) || num_threads < 1
+        || (gated && (n % (2 * NB) || bias != NULL || y_f32))
+        || (rope_dim && (gated || y_f32 || rope_dim < 0 || rope_dim % (2 * NB) || rope_dim > MAX_UNIT * NB
+                         || n % rope_dim || rope_cols % rope_dim || rope_cols > n)))
+        return -1;
+    if (m == 0) return 0;
+    float *xf = NULL;
+    if (kernel == KERNEL_FMA && (xf = widen_rows(x, x_stride, m, k, num_threads)) == NULL) return -1;
+    const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, block_elems = chunks * 2 * 512;
+    const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float acc[MAX_UNIT][32][NB] __attribute__((aligned(64)));
+        const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated,
+                                 positions, rope_cos, rope_sin, rope_dim, rope_cols};
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
+        int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
+        group = m <= 64 || group < unit ? unit : group > GROUP ? GROUP : group;
+        const char *ahead = (const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD;
+        const char *end = (const char *)(packed + b1 * block_elems);
+        for (int64_t g0 = b0; g0 < b1; g0 += group) {
+            const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
+            for (int64_t r0 = 0; r0 < m; r0 += 32) {
+                const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
+                for (int64_t b = g0; b < g1; b++) {
+                    const uint32_t *w = (const uint32_t *)(packed + b * block_elems);
+                    for (int64_t i = 0; r0 == 0 && i < block_elems * 2 && ahead < end; i += 64, ahead += 64)
+                        __builtin_prefetch(ahead, 0, 2); /* a block's worth of the stream ahead */
+                    if (kernel == KERNEL_FMA)
+                        fma_block(xf + r0 * k, k, w, chunks, rows, acc[b % unit]);
+#ifdef __AVX512BF16__
+                    else
+                        dp_block(x + r0 * x_stride, x_stride, w, chunks, rows, acc[b % unit]);
+#endif
+                    if (b % unit == unit - 1) {
+                        const int64_t f0 = gated ? b / 2 * NB : (b - unit + 1) * NB;
+                        const struct results done = {acc, rows, r0, f0};
+                        write_results(&o, &done, unit);
+                    }
+                }
+            }
+        }
+    }
+    free(xf);
+    return 0;
+}
+
+/* Register-only throughput loops (a benchmark's ceilings): `iters` rounds of 12 independent
+ * accumulators per thread, by FMA (kind 0: 32 flops per instruction with AVX-512) or vdpbf16ps
+ * (kind 1: 64 flops per instruction). Returns a sum of the results (so nothing is optimized
+ * away), or -1 for a kind this build lacks. */
+double radixrt_peak(int kind, int64_t iters, int num_threads) {
+    double total = 0;
+    if (kind == 1 && !radixrt_linear_vec_available(KERNEL_DPBF16)) return -1;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        v16 a[12];
+        for (int j = 0; j < 12; j++) a[j] = (v16){0} + 1e-3f * (float)j;
+        const v16 s = (v16){0} + 0.999f, t = (v16){0} + 1e-7f;
+        if (kind == 0) {
+            for (int64_t it = 0; it < iters; it++)
+                for (int j = 0; j < 12; j++) a[j] = a[j] * s + t;
+        }
+#ifdef __AVX512BF16__
+        else {
+            const __m512bh u = _mm512_cvtne2ps_pbh((__m512)s, (__m512)s);
+            const __m512bh v = _mm512_cvtne2ps_pbh((__m512)t, (__m512)t);
+            for (int64_t it = 0; it < iters; it++)
+                for (int j = 0; j < 12; j++) a[j] = (v16)_mm512_dpbf16_ps((__m512)a[j], u, v);
+        }
+#endif
+        for (int j = 0; j < 12; j++) total += hsum(a[j]);
+    }
+    return total;
+}
+
+/* Read `bytes` at p once (threads split it; 64-byte lines); returns a sum of what was read. */
+double radixrt_stream_read(const void *p, int64_t bytes, int num_threads) {
+    double total = 0;
+    const int64_t lines = bytes / 64;
+#pragma omp parallel num_threads(num_threads) reduction(+ : total)
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        const int64_t l0 = lines * id / threads, l1 = lines * (id + 1) / threads;
+        v16 s0 = {0}, s1 = {0};
+        for (int64_t l = l0; l + 1 < l1; l += 2) {
+            v16 a, b;
+            memcpy(&a, (const char *)p + l * 64, 64);
+            memcpy(&b, (const char *)p + (l + 1) * 64, 64);
+            s0 += a;
+            s1 += b;
+        }
+        total += hsum(s0 + s1);
+    }
+    return total;
+}

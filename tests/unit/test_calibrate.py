@@ -1,0 +1,105 @@
+"""The linear calibration: the fastest path per weight shape and class of calls, measured once
+per machine and kept on disk; ByRows, which runs one path up to a row count and another above."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from radixrt.model import calibrate
+from radixrt.model.calibrate import PATHS, Calibrator, Choice
+from radixrt.model.linear_methods import ByRows, PackedKernels, PackedLinear, TorchFP32Linear
+from radixrt.model.loader import cache_dir
+from radixrt_kernels import cpu_library, cpu_linear
+
+
+@pytest.fixture
+def lib():
+    lib = cpu_library.load(cache_dir())
+    if lib is None:
+        pytest.skip(f"no CPU kernels' library: {cpu_library.why_unavailable()}")
+    return lib
+
+
+def fake_times(monkeypatch, seconds: dict) -> list:
+    """time_path answers from ``seconds`` {(path, rows): s}; returns the calls made."""
+    calls = []
+
+    def time_path(method, n, k, rows, cold):
+        calls.append((method.name, n, k, rows, cold))
+        return seconds.get((method.name, rows), 1.0)
+
+    monkeypatch.setattr(calibrate, "time_path", time_path)
+    return calls
+
+
+def test_the_fastest_path_per_class_is_chosen_and_kept(lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(
+        calibrate, "available_paths", lambda lib, k: ["fma", "onednn", "torch_fp32"]
+    )
+    small, large = calibrate.SMALL_ROWS, calibrate.LARGE_ROWS
+    calls = fake_times(
+        monkeypatch,
+        {
+            ("fma", small): 0.1,
+            ("onednn", small): 0.2,
+            ("torch_fp32", large): 0.3,
+            ("fma", large): 0.5,
+        },
+    )
+    cal = Calibrator(lib, str(tmp_path))
+    assert cal.choice(96, 64) == Choice("fma", "torch_fp32")
+    assert {(rows, cold) for *_, rows, cold in calls} == {(small, True), (large, False)}
+    assert cal.choice(96, 64, large=False) == Choice("fma", "fma")  # an LM head: decode only
+    measured = len(calls)
+    assert cal.choice(96, 64) == Choice("fma", "torch_fp32") and len(calls) == measured
+    saved = json.loads(cal.path.read_text())
+    assert saved["96x64"]["small"] == "fma" and saved["96x64"]["seconds"]["large"]["fma"] == 0.5
+    monkeypatch.setattr(calibrate, "time_path", lambda *a: pytest.fail("measured again"))
+    again = Calibrator(lib, str(tmp_path))  # a later start on this machine reads the file
+    assert again.choice(96, 64) == Choice("fma", "torch_fp32")
+    assert Calibrator(lib, str(tmp_path), threads=7).path != cal.path  # another thread count
+
+
+def test_a_damaged_or_stale_file_is_measured_again(lib, monkeypatch, tmp_path) -> None:
+    cal = Calibrator(lib, str(tmp_path))
+    cal.path.parent.mkdir(parents=True)
+    cal.path.write_text("{not json")
+    monkeypatch.setattr(calibrate, "available_paths", lambda lib, k: ["torch"])
+    calls = fake_times(monkeypatch, {})
+    assert Calibrator(lib, str(tmp_path)).choice(32, 32) == Choice("torch", "torch") and calls
+    cal.path.write_text(json.dumps({"32x32": {"small": "gone", "large": "torch"}}))
+    assert Calibrator(lib, str(tmp_path)).choice(32, 32) == Choice("torch", "torch")
+
+
+def test_packed_paths_need_whole_chunks(lib) -> None:
+    assert not set(cpu_linear.KERNELS) & set(calibrate.available_paths(lib, 40))
+    assert "fma" in calibrate.available_paths(lib, 64)
+    assert set(calibrate.available_paths(lib, 64)) <= set(PATHS)
+
+
+def test_a_real_calibration_picks_a_path_that_runs(lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(calibrate, "COLD_BYTES", 1 << 20)
+    monkeypatch.setattr(calibrate, "LARGE_ROWS", 96)
+    choice = Calibrator(lib, str(tmp_path)).choice(64, 64)
+    assert choice.small in calibrate.available_paths(lib, 64)
+    assert choice.large in calibrate.available_paths(lib, 64)
+
+
+def test_by_rows_runs_each_path_on_its_own_layout(lib) -> None:
+    torch.manual_seed(0)
+    w = torch.randn(96, 64).bfloat16()
+    fma = PackedLinear(lib, PackedKernels("fma", "fma"))
+    method = ByRows(fma, TorchFP32Linear(), threshold=8)
+    weight = method.prepare(w)
+    assert weight.dtype == torch.float32 and method.small_w is not None  # two layouts held
+    for rows, want_method, want_w in ((8, fma, fma.prepare(w)), (9, TorchFP32Linear(), w.float())):
+        x = torch.randn(rows, 64).bfloat16()
+        assert torch.equal(
+            method.apply(x, weight, None, 96), want_method.apply(x, want_w, None, 96)
+        )
+    same = ByRows(PackedLinear(lib, PackedKernels("fma", "fma")), fma)
+    same.prepare(w)
+    assert same.small_w is None  # one layout: one copy
