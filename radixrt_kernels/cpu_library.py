@@ -3,10 +3,10 @@
 ``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
 ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
 see ``cpu_ops``), ``cpu/linear.c`` and ``cpu/linear_vec.c`` (bf16 linear
-layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) are compiled with the system C compiler (``-O3 -march=native``,
-OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
-library links against the OpenMP runtime PyTorch already loaded, so its loops
-run on PyTorch's threads.
+layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) are compiled with
+the system C compiler (``-O3 -march=native``, OpenMP) into one library in
+``CACHE_DIR/kernels/`` and loaded with ctypes. The library links against the
+OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
