@@ -11,8 +11,8 @@ ones by arithmetic, so the two may pick different paths.
 cache, so each call streams cold weights, as a decode step does) and at ``LARGE_ROWS`` rows
 (one copy: a prefill's weights stay in cache while its rows go by), and returns the fastest of
 each (``Choice``). Results are kept in ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU
-model and flags, kernel library, PyTorch version and thread count, so only the first start on
-a machine measures.
+model and flags, kernel library, PyTorch version, thread count and oneDNN ISA limit
+(``ONEDNN_MAX_CPU_ISA``), so only the first start on a machine measures.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class Calibrator:
             getattr(self.lib, "_name", ""),
             torch.__version__,
             str(self.threads),
+            *(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")),
         )
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
