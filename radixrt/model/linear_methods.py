@@ -86,6 +86,7 @@ class TorchFP32Linear(LinearMethod):
     and the result rounded to bf16 once: where float32 FMA outruns every bf16 path."""
 
     name = "torch_fp32"
+    layout = "fp32"
 
     def prepare(self, w: torch.Tensor) -> torch.Tensor:
         return w.float()

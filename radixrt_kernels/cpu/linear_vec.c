@@ -50,10 +50,11 @@ static inline v16w load_pairs(const uint32_t *p) {
     return w;
 }
 
-/* acc[i][16·t ..] (+)= the products of chunks c0 .. c1 - 1 for i < mr rows of x (float32, xs
- * apart) and tiles t0 .. t0 + NT_FMA - 1 of one block (w: its chunks, as dwords); the sums
- * start from acc where c0 > 0. */
-static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x, int64_t xs,
+/* acc[i][16·t ..] (+)= the products of chunks c0 .. c1 - 1 for the mr rows of a panel of x
+ * (float32 [k][mr]: input feature by input feature, its rows side by side) and tiles t0 ..
+ * t0 + NT_FMA - 1 of one block (w: its chunks, as dwords); the sums start from acc where
+ * c0 > 0. */
+static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
                                                            const uint32_t *w, int64_t c0, int64_t c1,
                                                            int t0, float (*acc)[NB]) {
     v16 a[MR_FMA][NT_FMA];
@@ -70,10 +71,10 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
                 lo[t] = (v16)(d << 16);
                 hi[t] = (v16)(d & 0xffff0000u);
             }
-            const float *xk = x + c * KC + 2 * p;
+            const float *xk = x + (c * KC + 2 * p) * mr;
 #pragma GCC unroll 16
             for (int i = 0; i < mr; i++) {
-                const float x0 = xk[i * xs], x1 = xk[i * xs + 1];
+                const float x0 = xk[i], x1 = xk[mr + i];
                 for (int t = 0; t < NT_FMA; t++) {
                     a[i][t] += x0 * lo[t];
                     a[i][t] += x1 * hi[t];
@@ -85,14 +86,15 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
         for (int t = 0; t < NT_FMA; t++) memcpy(&acc[i][16 * (t0 + t)], &a[i][t], sizeof(v16));
 }
 
-/* Rows 0 .. rows - 1 of acc over chunks c0 .. c1 - 1 of tiles t0 .. t0 + NT_FMA - 1. */
-static inline void fma_segment(const float *x, int64_t xs, const uint32_t *w, int64_t c0, int64_t c1,
+/* Rows 0 .. rows - 1 of acc over chunks c0 .. c1 - 1 of tiles t0 .. t0 + NT_FMA - 1; x: the
+ * pass's panels of MR_FMA rows (the last may have fewer), k input features each. */
+static inline void fma_segment(const float *x, int64_t k, const uint32_t *w, int64_t c0, int64_t c1,
                                int t0, int rows, float (*acc)[NB]) {
     int r = 0;
-    for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * xs, xs, w, c0, c1, t0, acc + r);
-    switch (rows - r) { /* the rest, with a register block of its own size */
+    for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, acc + r);
+    switch (rows - r) { /* the last panel, with a register block of its own size */
 #define FMA_REST(n) \
-    case n: fma_rows(n, x + r * xs, xs, w, c0, c1, t0, acc + r); break;
+    case n: fma_rows(n, x + r * k, w, c0, c1, t0, acc + r); break;
         FMA_REST(1) FMA_REST(2) FMA_REST(3)
 #if MR_FMA > 4
         FMA_REST(4) FMA_REST(5) FMA_REST(6) FMA_REST(7) FMA_REST(8) FMA_REST(9) FMA_REST(10)
@@ -103,14 +105,13 @@ static inline void fma_segment(const float *x, int64_t xs, const uint32_t *w, in
     }
 }
 
-/* One block's sums for `rows` rows of x (float32) into acc, MR_FMA rows at a time, over
- * segments of SEGMENT chunks (a segment's weights stay in L1 while every row block reads
- * them). */
-static void fma_block(const float *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
+/* One block's sums for `rows` rows of x (panels, see fma_segment) into acc, over segments of
+ * SEGMENT chunks (a segment's weights stay in L1 while every panel reads them). */
+static void fma_block(const float *x, int64_t k, const uint32_t *w, int64_t chunks, int rows,
                       float (*acc)[NB]) {
     for (int64_t c0 = 0; c0 < chunks; c0 += SEGMENT) {
         const int64_t c1 = c0 + SEGMENT < chunks ? c0 + SEGMENT : chunks;
-        for (int t0 = 0; t0 < 2; t0 += NT_FMA) fma_segment(x, xs, w, c0, c1, t0, rows, acc);
+        for (int t0 = 0; t0 < 2; t0 += NT_FMA) fma_segment(x, k, w, c0, c1, t0, rows, acc);
     }
 }
 
@@ -166,13 +167,17 @@ int radixrt_linear_vec_available(int kernel) {
     return 0;
 }
 
-/* x [m, k] bf16 (rows x_stride apart) as float32 [m, k], in parallel. */
-static float *widen_rows(const bf16 *x, int64_t x_stride, int64_t m, int64_t k, int num_threads) {
+/* x [m, k] bf16 (rows x_stride apart) as float32 panels of MR_FMA rows (the last holds the
+ * rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. In parallel. */
+static float *widen_panels(const bf16 *x, int64_t x_stride, int64_t m, int64_t k, int num_threads) {
     float *xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64));
     if (xf == NULL) return NULL;
 #pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t r = 0; r < m; r++)
-        for (int64_t i = 0; i < k; i++) xf[r * k + i] = bf16_to_f32(x[r * x_stride + i]);
+    for (int64_t r = 0; r < m; r++) {
+        const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
+        float *panel = xf + p0 * k;
+        for (int64_t i = 0; i < k; i++) panel[i * mr + (r - p0)] = bf16_to_f32(x[r * x_stride + i]);
+    }
     return xf;
 }
 
@@ -191,7 +196,9 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
         return -1;
     if (m == 0) return 0;
     float *xf = NULL;
-    if (kernel == KERNEL_FMA && (xf = widen_rows(x, x_stride, m, k, num_threads)) == NULL) return -1;
+    if (kernel == KERNEL_FMA && (xf = widen_panels(x, x_stride, m, k, num_threads)) == NULL) return -1;
+    /* rows per pass: the FMA kernel's are whole panels, so a pass never splits one */
+    const int64_t pass = kernel == KERNEL_FMA ? 32 / MR_FMA * MR_FMA : 32;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, block_elems = chunks * 2 * 512;
     const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
 #pragma omp parallel num_threads(num_threads)
@@ -207,8 +214,8 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
         const char *end = (const char *)(packed + b1 * block_elems);
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
-            for (int64_t r0 = 0; r0 < m; r0 += 32) {
-                const int rows = m - r0 < 32 ? (int)(m - r0) : 32;
+            for (int64_t r0 = 0; r0 < m; r0 += pass) {
+                const int rows = m - r0 < pass ? (int)(m - r0) : (int)pass;
                 for (int64_t b = g0; b < g1; b++) {
                     const uint32_t *w = (const uint32_t *)(packed + b * block_elems);
                     for (int64_t i = 0; r0 == 0 && i < block_elems * 2 && ahead < end; i += 64, ahead += 64)

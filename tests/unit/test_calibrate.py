@@ -103,3 +103,21 @@ def test_by_rows_runs_each_path_on_its_own_layout(lib) -> None:
     same = ByRows(PackedLinear(lib, PackedKernels("fma", "fma")), fma)
     same.prepare(w)
     assert same.small_w is None  # one layout: one copy
+
+
+@pytest.mark.parametrize(
+    "small,large", [("torch", "torch_fp32"), ("onednn", "torch"), ("fma", "onednn")]
+)
+def test_by_rows_keeps_both_layouts_where_they_differ(lib, small: str, large: str) -> None:
+    torch.manual_seed(1)
+    w = torch.randn(64, 64).bfloat16()
+    if "onednn" in (small, large) and not calibrate.onednn_works():
+        pytest.skip("no oneDNN linear ops")
+    method = ByRows(calibrate.make_method(small, lib), calibrate.make_method(large, lib), 4)
+    weight = method.prepare(w)
+    for rows in (4, 5):  # each side on its own layout, equal to PyTorch's within bf16 rounding
+        x = torch.randn(rows, 64).bfloat16()
+        got = method.apply(x, weight, None, 64)
+        torch.testing.assert_close(
+            got.float(), torch.nn.functional.linear(x, w).float(), rtol=2**-6, atol=0.1
+        )
