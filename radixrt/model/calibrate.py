@@ -75,21 +75,28 @@ def make_method(name: str, lib) -> LinearMethod:
     return methods[name]()
 
 
-def time_path(method: LinearMethod, n: int, k: int, rows: int, cold: bool) -> float:
-    """Seconds per call of ``method`` on [rows, k] · [n, k]ᵀ: the best of three rounds."""
+ROUNDS = 5  # timing rounds, the paths taking turns within each (noise hits them alike)
+
+
+def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold: bool) -> dict:
+    """Seconds per call of each method on [rows, k] · [n, k]ᵀ: the best of ROUNDS rounds, in
+    each of which every method runs once over its weight copies."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
-    copies = max(1, math.ceil(COLD_BYTES / (n * k * 2))) if cold else 1
-    weights = [method.prepare(w.clone()) for _ in range(copies)]
     x = torch.randn(rows, k, generator=gen).bfloat16()
+    copies = max(1, math.ceil(COLD_BYTES / (n * k * 2))) if cold else 1
+    best = dict.fromkeys(methods, float("inf"))
     with torch.inference_mode():
-        method.apply(x, weights[0], None, n)  # warm-up
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            for wc in weights:
-                method.apply(x, wc, None, n)
-            best = min(best, (time.perf_counter() - t0) / copies)
+        for method in methods.values():  # warm-up (and a check that the path runs)
+            method.apply(x, method.prepare(w.clone()), None, n)
+        for _ in range(ROUNDS):
+            for name, method in methods.items():
+                weights = [method.prepare(w.clone()) for _ in range(copies)]
+                t0 = time.perf_counter()
+                for wc in weights:
+                    method.apply(x, wc, None, n)
+                best[name] = min(best[name], (time.perf_counter() - t0) / copies)
+                del weights
     return best
 
 
@@ -129,11 +136,9 @@ class Calibrator:
 
     def _measure(self, n: int, k: int, large: bool) -> dict:
         t0 = time.perf_counter()
-        paths = available_paths(self.lib, k)
-        small = {p: time_path(make_method(p, self.lib), n, k, SMALL_ROWS, True) for p in paths}
-        big = {}
-        if large:
-            big = {p: time_path(make_method(p, self.lib), n, k, LARGE_ROWS, False) for p in paths}
+        methods = {p: make_method(p, self.lib) for p in available_paths(self.lib, k)}
+        small = time_paths(methods, n, k, SMALL_ROWS, True)
+        big = time_paths(methods, n, k, LARGE_ROWS, False) if large else {}
         best_small = min(small, key=small.get)
         best_large = min(big, key=big.get) if big else best_small
         logger.info(

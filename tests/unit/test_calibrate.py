@@ -24,14 +24,14 @@ def lib():
 
 
 def fake_times(monkeypatch, seconds: dict) -> list:
-    """time_path answers from ``seconds`` {(path, rows): s}; returns the calls made."""
+    """time_paths answers from ``seconds`` {(path, rows): s}; returns the calls made."""
     calls = []
 
-    def time_path(method, n, k, rows, cold):
-        calls.append((method.name, n, k, rows, cold))
-        return seconds.get((method.name, rows), 1.0)
+    def time_paths(methods, n, k, rows, cold):
+        calls.append((tuple(methods), n, k, rows, cold))
+        return {name: seconds.get((name, rows), 1.0) for name in methods}
 
-    monkeypatch.setattr(calibrate, "time_path", time_path)
+    monkeypatch.setattr(calibrate, "time_paths", time_paths)
     return calls
 
 
@@ -57,7 +57,7 @@ def test_the_fastest_path_per_class_is_chosen_and_kept(lib, monkeypatch, tmp_pat
     assert cal.choice(96, 64) == Choice("fma", "torch_fp32") and len(calls) == measured
     saved = json.loads(cal.path.read_text())
     assert saved["96x64"]["small"] == "fma" and saved["96x64"]["seconds"]["large"]["fma"] == 0.5
-    monkeypatch.setattr(calibrate, "time_path", lambda *a: pytest.fail("measured again"))
+    monkeypatch.setattr(calibrate, "time_paths", lambda *a: pytest.fail("measured again"))
     again = Calibrator(lib, str(tmp_path))  # a later start on this machine reads the file
     assert again.choice(96, 64) == Choice("fma", "torch_fp32")
     assert Calibrator(lib, str(tmp_path), threads=7).path != cal.path  # another thread count
