@@ -7,12 +7,13 @@ calls (up to ``THRESHOLD`` rows) are bound by streaming the weights from memory,
 ones by arithmetic, so the two may pick different paths.
 
 ``Calibrator.choice(n, k)`` times every path available here on random [n, k] weights at
-``SMALL_ROWS`` rows (cycling through copies of the weight that together outgrow the last-level
-cache, so each call streams cold weights, as a decode step does) and at ``LARGE_ROWS`` rows
-(one copy: a prefill's weights stay in cache while its rows go by), and returns the fastest of
-each (``Choice``). Results are kept in ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU
-model and flags, kernel library, PyTorch version, thread count and oneDNN ISA limit
-(``ONEDNN_MAX_CPU_ISA``), so only the first start on a machine measures.
+``SMALL_ROWS`` rows (cycling through up to ``COLD_BYTES`` of copies of the weight, so each
+call reads weights its core's caches do not hold, as a decode step does) and at
+``LARGE_ROWS`` rows (one copy: a prefill's weights stay in cache while its rows go by), the
+paths taking turns, and returns the fastest of each (``Choice``). Results are kept in
+``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU model and flags, kernel library, PyTorch
+version, thread count and oneDNN ISA limit (``ONEDNN_MAX_CPU_ISA``), so only the first start
+on a machine measures.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ logger = logging.getLogger(__name__)
 
 THRESHOLD = 64  # rows: up to here a call is decode-sized
 SMALL_ROWS, LARGE_ROWS = 16, 512  # the row counts each class is timed at
-COLD_BYTES = 128 << 20  # weight copies cycled through for the decode-sized timing
+COLD_BYTES = 64 << 20  # weight copies cycled through for the decode-sized timing ...
+MAX_COPIES = 64  # ... at most this many
 PACKED = frozenset(cpu_linear.KERNELS)
 OTHERS = ("onednn", "torch_fp32", "torch")
 PATHS = (*cpu_linear.KERNELS, *OTHERS)
@@ -75,7 +77,7 @@ def make_method(name: str, lib) -> LinearMethod:
     return methods[name]()
 
 
-ROUNDS = 5  # timing rounds, the paths taking turns within each (noise hits them alike)
+ROUNDS = 3  # timing rounds, the paths taking turns within each (noise hits them alike)
 
 
 def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold: bool) -> dict:
@@ -84,7 +86,7 @@ def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
-    copies = max(1, math.ceil(COLD_BYTES / (n * k * 2))) if cold else 1
+    copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / (n * k * 2)))) if cold else 1
     best = dict.fromkeys(methods, float("inf"))
     with torch.inference_mode():
         for method in methods.values():  # warm-up (and a check that the path runs)
