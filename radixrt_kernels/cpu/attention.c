@@ -31,9 +31,10 @@
  * Per item, by what the CPU has (the build is -march=native):
  * - attend_item_amx: bf16, items of >= AMX_MIN_ROWS query rows (a shared
  *   prefix, an extend), with AMX tile products;
- * - attend_item_bf16: other bf16 items, with AVX512-BF16 dot products and the
- *   keys as vector lanes (a private tail has only G query rows);
- * - attend_item: float32, and bf16 without AVX512-BF16 (converted to float32),
+ * - attend_item_bf16: the other bf16 items of a call that runs AMX, with
+ *   AVX512-BF16 dot products and the keys as vector lanes (a private tail has
+ *   only G query rows);
+ * - attend_item: float32, and bf16 otherwise (converted to float32),
  *   query rows as vector lanes, written with GCC vector extensions.
  */
 #include <math.h>
@@ -615,10 +616,16 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
     const int64_t g = call.g;
 #ifdef HAVE_AMX
     const int use_amx = is_bf16 && amx_permitted();
+    /* The AVX512-BF16 dot products serve the small items of an AMX call; without AMX, bf16
+     * items are widened to float32 for FMA, which runs twice the dot products' flops where
+     * vdpbf16ps has half FMA's throughput (the CPUs with AVX512-BF16 and no AMX). */
+    const int dot_bf16 = use_amx;
     const int64_t qb = use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
 #else
     const int64_t qb = QB;
+    const int dot_bf16 = 0;
 #endif
+    (void)dot_bf16; /* read only where the build has AVX512-BF16 */
     /* Work items: per segment, KH × ceil(members·G / qb). */
     int64_t items = 0;
     for (int64_t s = 0; s < num_segments; s++) {
@@ -663,7 +670,7 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
             }
 #endif
 #ifdef __AVX512BF16__
-            if (is_bf16) {
+            if (is_bf16 && dot_bf16) {
                 attend_item_bf16(&call, &it);
                 continue;
             }
