@@ -102,6 +102,24 @@ def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold
     return best
 
 
+SECOND_LAYOUT_GAIN = 0.9  # a second copy of a weight must make its calls this much faster
+
+
+def _layout(path: str) -> str:
+    return "packed" if path in PACKED else path
+
+
+def _best_large(seconds: dict[str, float], small: str) -> str:
+    """The fastest prefill-sized path, unless it needs a second layout of the weight and is
+    not SECOND_LAYOUT_GAIN faster than the best path on the decode-sized path's layout."""
+    best = min(seconds, key=seconds.get)
+    same = [p for p in seconds if _layout(p) == _layout(small)]
+    alt = min(same, key=seconds.get)
+    if _layout(best) != _layout(small) and seconds[best] > SECOND_LAYOUT_GAIN * seconds[alt]:
+        return alt
+    return best
+
+
 class Calibrator:
     """The per-shape choices for this machine, measured on first use and cached on disk."""
 
@@ -142,7 +160,7 @@ class Calibrator:
         small = time_paths(methods, n, k, SMALL_ROWS, True)
         big = time_paths(methods, n, k, LARGE_ROWS, False) if large else {}
         best_small = min(small, key=small.get)
-        best_large = min(big, key=big.get) if big else best_small
+        best_large = _best_large(big, best_small) if big else best_small
         logger.info(
             "calibrated the %dx%d linear in %.1f s: %s up to %d rows, %s above",
             n,

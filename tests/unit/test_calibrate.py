@@ -121,3 +121,12 @@ def test_by_rows_keeps_both_layouts_where_they_differ(lib, small: str, large: st
         torch.testing.assert_close(
             got.float(), torch.nn.functional.linear(x, w).float(), rtol=2**-6, atol=0.1
         )
+
+
+def test_a_second_layout_must_pay_for_itself() -> None:
+    seconds = {"fma": 1.0, "amx": 0.95, "torch_fp32": 0.92, "onednn": 2.0}
+    assert calibrate._best_large(seconds, "fma") == "amx"  # fp32 copy not 10 % faster: packed
+    seconds["torch_fp32"] = 0.5
+    assert calibrate._best_large(seconds, "fma") == "torch_fp32"
+    assert calibrate._best_large(seconds, "onednn") == "torch_fp32"
+    assert calibrate._best_large({"onednn": 1.0, "torch": 0.95}, "onednn") == "onednn"
