@@ -44,6 +44,15 @@
 
 typedef uint32_t v16w __attribute__((vector_size(64))); /* a K-pair of 16 features */
 
+/* Fetch into L2 the two cache lines PREFETCH_AHEAD bytes past pair p of a chunk (2 KB: 16 pairs
+ * × 2 lines): spread over the products, so the stream flows without a burst of prefetches
+ * filling the line buffers. Past the end of the weights it fetches nothing that matters. */
+static inline void stream_ahead(const uint32_t *chunk, int p) {
+    const char *at = (const char *)chunk + PREFETCH_AHEAD + p * 128;
+    __builtin_prefetch(at, 0, 2);
+    __builtin_prefetch(at + 64, 0, 2);
+}
+
 static inline v16w load_pairs(const uint32_t *p) {
     v16w w;
     memcpy(&w, p, sizeof w);
@@ -56,7 +65,7 @@ static inline v16w load_pairs(const uint32_t *p) {
  * c0 > 0. */
 static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
                                                            const uint32_t *w, int64_t c0, int64_t c1,
-                                                           int t0, float (*acc)[NB]) {
+                                                           int t0, int pf, float (*acc)[NB]) {
     v16 a[MR_FMA][NT_FMA];
     for (int i = 0; i < MR_FMA; i++)
         for (int t = 0; t < NT_FMA; t++) {
@@ -71,6 +80,8 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
                 lo[t] = (v16)(d << 16);
                 hi[t] = (v16)(d & 0xffff0000u);
             }
+            if (pf) /* the weight stream PREFETCH_AHEAD ahead, two lines per pair */
+                stream_ahead(w + c * 2 * TILE_DWORDS, p);
             const float *xk = x + (c * KC + 2 * p) * mr;
 #pragma GCC unroll 16
             for (int i = 0; i < mr; i++) {
@@ -91,10 +102,11 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
 static inline void fma_segment(const float *x, int64_t k, const uint32_t *w, int64_t c0, int64_t c1,
                                int t0, int rows, float (*acc)[NB]) {
     int r = 0;
-    for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, acc + r);
+    for (; r + MR_FMA <= rows; r += MR_FMA)
+        fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, r == 0 && t0 == 0, acc + r);
     switch (rows - r) { /* the last panel, with a register block of its own size */
 #define FMA_REST(n) \
-    case n: fma_rows(n, x + r * k, w, c0, c1, t0, acc + r); break;
+    case n: fma_rows(n, x + r * k, w, c0, c1, t0, r == 0 && t0 == 0, acc + r); break;
         FMA_REST(1) FMA_REST(2) FMA_REST(3)
 #if MR_FMA > 4
         FMA_REST(4) FMA_REST(5) FMA_REST(6) FMA_REST(7) FMA_REST(8) FMA_REST(9) FMA_REST(10)
@@ -118,7 +130,7 @@ static void fma_block(const float *x, int64_t k, const uint32_t *w, int64_t chun
 #ifdef __AVX512BF16__
 /* acc[i][..] for i < mr rows of x (bf16, xs apart) over one block's two tiles, by vdpbf16ps. */
 static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x, int64_t xs,
-                                                          const uint32_t *w, int64_t chunks,
+                                                          const uint32_t *w, int64_t chunks, int pf,
                                                           float (*acc)[NB]) {
     __m512 a[MR_DP][2];
     for (int i = 0; i < MR_DP; i++) a[i][0] = a[i][1] = _mm512_setzero_ps();
@@ -126,6 +138,7 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
         for (int p = 0; p < 16; p++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (c * 2) * TILE_DWORDS + p * 16);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (c * 2 + 1) * TILE_DWORDS + p * 16);
+            if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p);
             const bf16 *xk = x + c * KC + 2 * p;
 #pragma GCC unroll 16
             for (int i = 0; i < mr; i++) {
@@ -146,10 +159,10 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
 static void dp_block(const bf16 *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
                      float (*acc)[NB]) {
     int r = 0;
-    for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, acc + r);
+    for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, r == 0, acc + r);
     switch (rows - r) {
 #define DP_REST(n) \
-    case n: dp_rows(n, x + r * xs, xs, w, chunks, acc + r); break;
+    case n: dp_rows(n, x + r * xs, xs, w, chunks, r == 0, acc + r); break;
         DP_REST(1) DP_REST(2) DP_REST(3) DP_REST(4) DP_REST(5) DP_REST(6) DP_REST(7) DP_REST(8)
         DP_REST(9) DP_REST(10) DP_REST(11)
 #undef DP_REST
@@ -210,16 +223,12 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
         const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
         int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
         group = m <= 64 || group < unit ? unit : group > GROUP ? GROUP : group;
-        const char *ahead = (const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD;
-        const char *end = (const char *)(packed + b1 * block_elems);
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
             for (int64_t r0 = 0; r0 < m; r0 += pass) {
                 const int rows = m - r0 < pass ? (int)(m - r0) : (int)pass;
                 for (int64_t b = g0; b < g1; b++) {
                     const uint32_t *w = (const uint32_t *)(packed + b * block_elems);
-                    for (int64_t i = 0; r0 == 0 && i < block_elems * 2 && ahead < end; i += 64, ahead += 64)
-                        __builtin_prefetch(ahead, 0, 2); /* a block's worth of the stream ahead */
                     if (kernel == KERNEL_FMA)
                         fma_block(xf + r0 * k, k, w, chunks, rows, acc[b % unit]);
 #ifdef __AVX512BF16__
