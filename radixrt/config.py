@@ -239,7 +239,7 @@ class ServerConfig:
 
     @property
     def loopback(self) -> bool:
-        """Whether ``host`` is reachable from this machine only."""
+        """Whether ``host`` is a loopback address (reachable from the local host only)."""
         return self.host in LOOPBACK_HOSTS
 
     @property

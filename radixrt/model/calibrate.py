@@ -121,7 +121,7 @@ def _best_large(seconds: dict[str, float], small: str) -> str:
 
 
 class Calibrator:
-    """The per-shape choices for this machine, measured on first use and cached on disk."""
+    """The per-shape choices for the CPU it runs on, measured on first use and cached on disk."""
 
     def __init__(self, lib, cache_dir: str, threads: int | None = None) -> None:
         self.lib = lib

@@ -10,7 +10,7 @@ and the layer calls it on every forward:
 - ``logits(x, w, n)`` is the same without a bias, widened to float32 (an LM
   head).
 
-``TorchLinear`` is PyTorch's ``F.linear``; ``TorchFP32Linear`` PyTorch's
+``LinearMethod`` is PyTorch's ``F.linear``; ``TorchFP32Linear`` PyTorch's
 float32 linear on a float32 copy of the weight; ``OneDNNLinear`` keeps the
 weight in oneDNN's blocked bf16 layout; ``PackedLinear`` in the layout of
 ``radixrt_kernels.cpu_linear``, whose kernels (AMX, AVX512-BF16, FMA) all read
@@ -60,9 +60,6 @@ class LinearMethod:
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
         return self.apply(x, w, None, n).float()
-
-
-TorchLinear = LinearMethod
 
 
 class OneDNNLinear(LinearMethod):
@@ -152,15 +149,19 @@ class ByRows(LinearMethod):
             self.small_w = self.small.prepare(w)
         return self.large.prepare(w)
 
-    def apply(self, x: torch.Tensor, w: torch.Tensor, *args):
+    def _side(self, x: torch.Tensor, w: torch.Tensor):
+        """(the method for x's row count, the weight in its layout)."""
         if x.shape[0] <= self.threshold:
-            return self.small.apply(x, w if self.small_w is None else self.small_w, *args)
-        return self.large.apply(x, w, *args)
+            return self.small, w if self.small_w is None else self.small_w
+        return self.large, w
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, *args):
+        method, weight = self._side(x, w)
+        return method.apply(x, weight, *args)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
-        if x.shape[0] <= self.threshold:
-            return self.small.logits(x, w if self.small_w is None else self.small_w, n)
-        return self.large.logits(x, w, n)
+        method, weight = self._side(x, w)
+        return method.logits(x, weight, n)
 
 
 def _layout(method) -> str:
