@@ -84,6 +84,11 @@ def supports(k_buf: torch.Tensor) -> bool:
     )
 
 
+def dots_available(lib: ctypes.CDLL) -> bool:
+    """Whether ``attention(..., bf16_dots=True)`` runs dot products in this build."""
+    return bool(lib.radixrt_attention_dots_available())
+
+
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
     """x [n, heads, D] as the kernel reads it: heads contiguous within a token, token rows any
     multiple of D apart (a view into the fused qkv output as it is; else a contiguous copy)."""
@@ -101,12 +106,15 @@ def attention(
     seg: Segments,
     scaling: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    bf16_dots: bool = False,
 ) -> torch.Tensor:
     """q [T, H, D] (the query tokens; token rows may be strided), k_buf/v_buf [N, KH, D]
     (contiguous, same dtype) → o [T, H, D].
 
     ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the forward's new K/V, written into the
-    buffers at those slots first (one call instead of a store and an attention)."""
+    buffers at those slots first (one call instead of a store and an attention).
+    ``bf16_dots``: bf16 work that AMX does not take runs on AVX512-BF16 dot products where the
+    build has them (``dots_available``), else it is widened to float32 for FMA."""
     t, h, d = q.shape
     kh = k_buf.shape[1]
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
@@ -135,6 +143,7 @@ def attention(
         v_buf.data_ptr(),
         out.data_ptr(),
         int(q.dtype == torch.bfloat16),
+        int(bf16_dots),
         t,
         h,
         kh,

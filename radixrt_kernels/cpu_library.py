@@ -41,6 +41,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _ptr,
         _ptr,
         _int,
+        _int,
         _i64,
         _i64,
         _i64,
@@ -89,6 +90,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     ],
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
     "radixrt_linear_available": [],
+    "radixrt_attention_dots_available": [],
     "radixrt_linear_vec_available": [_int],
 }
 # radixrt_linear_vec: a kernel number, then radixrt_linear's arguments

@@ -61,6 +61,10 @@ class AttentionBackend(ABC):
     def __init__(self, pool: KVPool) -> None:
         self.pool = pool
 
+    def describe(self) -> str:
+        """The backend, and the kernel path it chose where it has several."""
+        return self.name
+
     @abstractmethod
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         """Build the per-step index tensors (once per step, shared by all layers)."""

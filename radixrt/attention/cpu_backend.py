@@ -9,7 +9,10 @@ new K/V. Its work is described once per step as segments (``cpu_attention.Segmen
   computed in C (``cpu_attention.decode_segments``);
 - extend: each request's whole sequence (cached prefix and new tokens) is one causal segment
   for its new tokens.
-The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``).
+The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``). Its bf16 work
+that AMX does not take runs on AVX512-BF16 dot products or widened to float32 for FMA, whichever
+``calibrate.Calibrator.attention_dots`` measured faster for the model's attention shape on this
+CPU (``bf16_dots``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
+from radixrt.model.calibrate import Calibrator
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_attention, cpu_library
 
@@ -42,12 +46,25 @@ def unavailable_reason(pool: KVPool) -> str | None:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, num_heads: int | None = None, bf16_dots: bool | None = None):
+        """``num_heads``: the model's query heads (default: one per KV head); ``bf16_dots``:
+        force the bf16 path (None: the measured choice, for a bf16 pool)."""
         super().__init__(pool)
         why = unavailable_reason(pool)
         if why is not None:
             raise RuntimeError(f"attention_backend='cpu' cannot run: {why}")
         self.lib = cpu_library.load(cache_dir())
+        if pool.dtype != torch.bfloat16 or not cpu_attention.dots_available(self.lib):
+            bf16_dots = False
+        elif bf16_dots is None:
+            group = (num_heads or pool.kv_heads) // pool.kv_heads
+            bf16_dots = Calibrator(self.lib, cache_dir()).attention_dots(
+                pool.kv_heads, group, pool.head_dim
+            )
+        self.bf16_dots = bf16_dots
+
+    def describe(self) -> str:
+        return "cpu (bf16: dot products)" if self.bf16_dots else "cpu"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
@@ -75,7 +92,14 @@ class CpuAttentionBackend(AttentionBackend):
         if not q.dtype == k.dtype == v.dtype == dt:
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
         o = cpu_attention.attention(
-            self.lib, q, k_buf, v_buf, batch.attn_metadata, scaling, (k, v, batch.out_cache_loc)
+            self.lib,
+            q,
+            k_buf,
+            v_buf,
+            batch.attn_metadata,
+            scaling,
+            (k, v, batch.out_cache_loc),
+            bf16_dots=self.bf16_dots,
         )
         return o.to(out_dtype)
 

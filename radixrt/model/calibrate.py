@@ -14,6 +14,12 @@ paths taking turns, and returns the fastest of each (``Choice``). Results are ke
 ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU model and flags, kernel library, PyTorch
 version, thread count and oneDNN ISA limit (``ONEDNN_MAX_CPU_ISA``), so only the first start
 on a machine measures.
+
+``Calibrator.attention_dots(kv_heads, group, head_dim)`` settles the same question for the
+CPU attention kernel's bf16 work that AMX does not take: AVX512-BF16 dot products, or the
+values widened to float32 for FMA (vdpbf16ps has half FMA's throughput on some CPUs, twice
+its flops on others). It times a decode batch and an extend of that attention shape both
+ways.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from radixrt.model.linear_methods import (
     TorchFP32Linear,
     onednn_works,
 )
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels import cpu_attention, cpu_library, cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +126,58 @@ def _best_large(seconds: dict[str, float], small: str) -> str:
     return best
 
 
+ATTN_REQUESTS, ATTN_KEYS, ATTN_NEW = 16, 512, 128  # the attention timing's batch
+
+
+def _attention_calls(kv_heads: int, group: int, head_dim: int) -> list[tuple]:
+    """(q, k_buf, v_buf, segments) of a decode batch (ATTN_REQUESTS requests of ATTN_KEYS
+    keys each, in scattered slots) and an extend (ATTN_NEW new tokens after ATTN_KEYS cached
+    ones), bf16 with random values."""
+    gen = torch.Generator().manual_seed(kv_heads * 131 + group * 17 + head_dim)
+    n, h = ATTN_REQUESTS * ATTN_KEYS, kv_heads * group
+    k_buf, v_buf = (torch.randn(n, kv_heads, head_dim, generator=gen).bfloat16() for _ in range(2))
+    slots = torch.randperm(n, generator=gen)
+    ones, zeros = (f(ATTN_REQUESTS, dtype=torch.int64) for f in (torch.ones, torch.zeros))
+    decode = cpu_attention.Segments(
+        slots,
+        torch.arange(ATTN_REQUESTS + 1) * ATTN_KEYS,
+        torch.arange(ATTN_REQUESTS),
+        torch.arange(ATTN_REQUESTS + 1),
+        zeros,
+        ones,
+    )
+    keys = ATTN_KEYS + ATTN_NEW
+    extend = cpu_attention.Segments(
+        slots[:keys],
+        torch.tensor([0, keys]),
+        torch.arange(ATTN_NEW),
+        torch.tensor([0, ATTN_NEW]),
+        torch.zeros(1, dtype=torch.int64),
+        torch.ones(ATTN_NEW, dtype=torch.int64),
+        torch.ones(1, dtype=torch.int64),
+    )
+    return [
+        (torch.randn(rows, h, head_dim, generator=gen).bfloat16(), k_buf, v_buf, seg)
+        for rows, seg in ((ATTN_REQUESTS, decode), (ATTN_NEW, extend))
+    ]
+
+
+def time_attention(lib, kv_heads: int, group: int, head_dim: int) -> dict[str, float]:
+    """Seconds per decode-and-extend pair of attention calls, with dot products ("dots") and
+    widened to float32 ("fma"): the best of ROUNDS rounds, the two taking turns."""
+    calls = _attention_calls(kv_heads, group, head_dim)
+    best = {"dots": float("inf"), "fma": float("inf")}
+    for _ in range(ROUNDS + 1):  # the first round warms up
+        for name in best:
+            t0 = time.perf_counter()
+            for q, k_buf, v_buf, seg in calls:
+                cpu_attention.attention(
+                    lib, q, k_buf, v_buf, seg, head_dim**-0.5, bf16_dots=name == "dots"
+                )
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return best
+
+
 class Calibrator:
     """The per-shape choices for the CPU it runs on, measured on first use and cached on disk."""
 
@@ -153,6 +211,27 @@ class Calibrator:
             self.table[key] = entry
             self._save()
         return Choice(entry["small"], entry["large"])
+
+    def attention_dots(self, kv_heads: int, group: int, head_dim: int) -> bool:
+        """Whether the CPU attention kernel runs this shape's bf16 work faster on dot products
+        (False where this build has none)."""
+        if not cpu_attention.dots_available(self.lib):
+            return False
+        key = f"attention:{kv_heads}x{group}x{head_dim}"
+        entry = self.table.get(key)
+        if entry is None or not isinstance(entry.get("dots"), bool):
+            seconds = time_attention(self.lib, kv_heads, group, head_dim)
+            entry = {"dots": seconds["dots"] < seconds["fma"], "seconds": seconds}
+            logger.info(
+                "calibrated attention (%d KV heads x %d, head_dim %d): %s",
+                kv_heads,
+                group,
+                head_dim,
+                "dot products" if entry["dots"] else "float32 FMA",
+            )
+            self.table[key] = entry
+            self._save()
+        return entry["dots"]
 
     def _measure(self, n: int, k: int, large: bool) -> dict:
         t0 = time.perf_counter()

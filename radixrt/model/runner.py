@@ -45,9 +45,12 @@ def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> to
     return _DTYPES.get(str(model_cfg.torch_dtype).replace("torch.", ""), torch.bfloat16)
 
 
-def make_attention_backend(name: str, pool: KVPool) -> AttentionBackend:
+def make_attention_backend(
+    name: str, pool: KVPool, num_heads: int | None = None
+) -> AttentionBackend:
     """The backend ``name`` ("cpu", "triton", "torch"), or for "auto": Triton on CUDA, the C
-    kernel on the CPU where it takes the pool, else the reference backend ("torch")."""
+    kernel on the CPU where it takes the pool, else the reference backend ("torch").
+    ``num_heads``: the model's query heads (the C kernel measures its path for them)."""
     if name == "auto":
         from radixrt.attention.cpu_backend import unavailable_reason
 
@@ -61,7 +64,7 @@ def make_attention_backend(name: str, pool: KVPool) -> AttentionBackend:
     if name == "cpu":
         from radixrt.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend(pool)
+        return CpuAttentionBackend(pool, num_heads)
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 
@@ -108,7 +111,10 @@ class ModelRunner:
             self.max_context + config.page_size,
             self.device,
         )
-        self.attn_backend = make_attention_backend(config.attention_backend, self.pool)
+        self.attn_backend = make_attention_backend(
+            config.attention_backend, self.pool, model_cfg.num_heads
+        )
+        logger.info("attention: %s", self.attn_backend.describe())
         # Huge pages for the weights, the KV pool and the heap the activations reuse, where the
         # weights outgrow the caches (a test-sized model would only pay the collapse).
         self.huge_pages = (

@@ -75,6 +75,8 @@ class Launcher:
             if linears:  # which path each weight shape runs (stderr: stdout has the ready line)
                 shapes = ", ".join(f"{shape}: {path}" for shape, path in linears.items())
                 print(f"radixrt: linear kernels: {shapes}", file=sys.stderr, flush=True)
+            if "attention" in info:
+                print(f"radixrt: attention: {info['attention']}", file=sys.stderr, flush=True)
             print(
                 f"radixrt ready on {where} (model {info['model_name']}, "
                 f"{info['kv_slots']} KV slots)",

@@ -78,6 +78,7 @@ class SchedulerProcess:
             "dtype": eng.config.dtype,
             "kernels": eng.runner.kernels.describe(),
             "attention_backend": eng.runner.attn_backend.name,
+            "attention": eng.runner.attn_backend.describe(),
         }
 
     def loop(self) -> None:

@@ -31,11 +31,14 @@
  * Per item, by what the CPU has (the build is -march=native):
  * - attend_item_amx: bf16, items of >= AMX_MIN_ROWS query rows (a shared
  *   prefix, an extend), with AMX tile products;
- * - attend_item_bf16: the other bf16 items of a call that runs AMX, with
- *   AVX512-BF16 dot products and the keys as vector lanes (a private tail has
- *   only G query rows);
+ * - attend_item_bf16: the other bf16 items where the caller asks for dot
+ *   products (bf16_dots) and the build has AVX512-BF16, with vdpbf16ps and the
+ *   keys as vector lanes (a private tail has only G query rows);
  * - attend_item: float32, and bf16 otherwise (converted to float32),
  *   query rows as vector lanes, written with GCC vector extensions.
+ * Which of the last two runs bf16 faster depends on the CPU (vdpbf16ps has
+ * half FMA's throughput on some, twice its flops on others): the caller
+ * measures and says (radixrt.model.calibrate).
  */
 #include <math.h>
 #include <stdint.h>
@@ -583,6 +586,15 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
 }
 #endif
 
+/* 1 if radixrt_attention's bf16_dots takes effect in this build (AVX512-BF16), else 0. */
+int radixrt_attention_dots_available(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
 /* Returns 0, or -1 when a size is out of range (nothing is written then).
  *
  * q [T, H, D] (the query tokens; token rows q_stride elements apart, heads contiguous) and out
@@ -594,8 +606,11 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
  * part_acc [T, 2, H, D], part_m and part_l [T, 2, H]: float32 scratch (touched only for tokens
  * with two parts).
  * new_k, new_v [n_new, KH, D] (token rows new_stride elements apart, heads contiguous): written
- * to rows new_slots [n_new] of k_buf, v_buf first. */
+ * to rows new_slots [n_new] of k_buf, v_buf first.
+ * bf16_dots: bf16 items that AMX does not take run on AVX512-BF16 dot products (where the build
+ * has them) instead of being widened to float32 for FMA. */
 int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf, void *out, int is_bf16,
+                      int bf16_dots,
                       int64_t t, int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
                       const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
                       const int64_t *seg_member_start, const int64_t *seg_part,
@@ -616,16 +631,11 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
     const int64_t g = call.g;
 #ifdef HAVE_AMX
     const int use_amx = is_bf16 && amx_permitted();
-    /* The AVX512-BF16 dot products serve the small items of an AMX call; without AMX, bf16
-     * items are widened to float32 for FMA, which runs twice the dot products' flops where
-     * vdpbf16ps has half FMA's throughput (the CPUs with AVX512-BF16 and no AMX). */
-    const int dot_bf16 = use_amx;
     const int64_t qb = use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
 #else
     const int64_t qb = QB;
-    const int dot_bf16 = 0;
 #endif
-    (void)dot_bf16; /* read only where the build has AVX512-BF16 */
+    (void)bf16_dots; /* read only where the build has AVX512-BF16 */
     /* Work items: per segment, KH × ceil(members·G / qb). */
     int64_t items = 0;
     for (int64_t s = 0; s < num_segments; s++) {
@@ -670,7 +680,7 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
             }
 #endif
 #ifdef __AVX512BF16__
-            if (is_bf16 && dot_bf16) {
+            if (is_bf16 && bf16_dots) {
                 attend_item_bf16(&call, &it);
                 continue;
             }

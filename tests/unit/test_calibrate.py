@@ -1,5 +1,6 @@
 """The linear calibration: the fastest path per weight shape and class of calls, measured once
-per machine and kept on disk; ByRows, which runs one path up to a row count and another above."""
+per machine and kept on disk; ByRows, which runs one path up to a row count and another above;
+the attention kernel's bf16 path, measured and kept the same way."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import json
 import pytest
 import torch
 
+from radixrt.attention.cpu_backend import CpuAttentionBackend
+from radixrt.cache.kv_pool import KVPool
 from radixrt.model import calibrate
 from radixrt.model.calibrate import PATHS, Calibrator, Choice
 from radixrt.model.linear_methods import ByRows, PackedKernels, PackedLinear, TorchFP32Linear
 from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels import cpu_attention, cpu_library, cpu_linear
 
 
 @pytest.fixture
@@ -130,3 +133,42 @@ def test_a_second_layout_must_pay_for_itself() -> None:
     assert calibrate._best_large(seconds, "fma") == "torch_fp32"
     assert calibrate._best_large(seconds, "onednn") == "torch_fp32"
     assert calibrate._best_large({"onednn": 1.0, "torch": 0.95}, "onednn") == "onednn"
+
+
+@pytest.mark.parametrize("dots_faster", [True, False])
+def test_attention_takes_the_faster_bf16_path_and_keeps_it(
+    lib, monkeypatch, tmp_path, dots_faster: bool
+) -> None:
+    if not cpu_attention.dots_available(lib):
+        pytest.skip("this build has no AVX512-BF16 dot products")
+    calls = []
+
+    def time_attention(lib, kv_heads, group, head_dim):
+        calls.append((kv_heads, group, head_dim))
+        return {"dots": 1.0 if dots_faster else 2.0, "fma": 1.5}
+
+    monkeypatch.setattr(calibrate, "time_attention", time_attention)
+    assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64) is dots_faster
+    assert calls == [(3, 3, 64)]
+    again = Calibrator(lib, str(tmp_path))  # read back from the file
+    assert again.attention_dots(3, 3, 64) is dots_faster and len(calls) == 1
+    again.attention_dots(2, 4, 64)  # another shape is measured on its own
+    assert calls[-1] == (2, 4, 64)
+
+
+def test_a_real_attention_calibration_times_both_paths(lib) -> None:
+    seconds = calibrate.time_attention(lib, 2, 3, 64)
+    assert set(seconds) == {"dots", "fma"} and all(0 < s < 10 for s in seconds.values())
+
+
+def test_the_backend_runs_the_measured_attention_path(lib, monkeypatch) -> None:
+    monkeypatch.setattr(
+        Calibrator, "attention_dots", lambda self, kh, g, d: (kh, g, d) == (2, 3, 64)
+    )
+    pool = KVPool(64, 1, 2, 64, torch.bfloat16, 2, 32)
+    backend = CpuAttentionBackend(pool, num_heads=6)
+    assert backend.bf16_dots is cpu_attention.dots_available(lib)
+    assert backend.describe() == ("cpu (bf16: dot products)" if backend.bf16_dots else "cpu")
+    assert CpuAttentionBackend(pool, num_heads=6, bf16_dots=False).bf16_dots is False
+    fp32 = KVPool(64, 1, 2, 64, torch.float32, 2, 32)
+    assert CpuAttentionBackend(fp32, num_heads=6, bf16_dots=True).bf16_dots is False

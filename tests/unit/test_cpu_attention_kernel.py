@@ -45,15 +45,16 @@ def _pool(kh: int, d: int, spec: list[tuple[int, int | None]], dtype: torch.dtyp
     return pool
 
 
-def _backend(pool: KVPool, use_kernel: bool | None):
-    """True: the C kernel's backend; False: the reference backend; None: as "auto" picks."""
+def _backend(pool: KVPool, use_kernel: bool | None, dots: bool | None = None):
+    """True: the C kernel's backend (``dots``: its bf16 path, None: the measured one); False:
+    the reference backend; None: as "auto" picks."""
     if use_kernel is None:
         return make_attention_backend("auto", pool)
-    return CpuAttentionBackend(pool) if use_kernel else TorchAttentionBackend(pool)
+    return CpuAttentionBackend(pool, bf16_dots=dots) if use_kernel else TorchAttentionBackend(pool)
 
 
 def _decode(
-    pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool
+    pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool, dots: bool | None = None
 ) -> tuple[torch.Tensor, ...]:
     b, d = len(seq_lens), pool.head_dim
     rows = torch.arange(b)
@@ -69,7 +70,7 @@ def _decode(
         seq_lens,
         [1] * b,
     )
-    backend = _backend(pool, use_kernel)
+    backend = _backend(pool, use_kernel, dots)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, d**-0.5)
     ref = []
@@ -84,7 +85,12 @@ def _decode(
 
 
 def _extend(
-    pool: KVPool, seq_lens: list[int], ext_lens: list[int], h: int, use_kernel: bool
+    pool: KVPool,
+    seq_lens: list[int],
+    ext_lens: list[int],
+    h: int,
+    use_kernel: bool,
+    dots: bool | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Each request's last ext_lens tokens are new; the rest is its cached prefix."""
     d, t = pool.head_dim, sum(ext_lens)
@@ -103,7 +109,7 @@ def _extend(
         seq_lens,
         ext_lens,
     )
-    backend = _backend(pool, use_kernel)
+    backend = _backend(pool, use_kernel, dots)
     backend.init_forward_metadata(batch)
     out = backend.forward(q, k, v, 0, batch, d**-0.5)
     ref, pos, g = [], 0, h // pool.kv_heads
@@ -120,6 +126,8 @@ def _extend(
     return out, torch.cat(ref), batch.attn_metadata
 
 
+# dtype, tolerance, the bf16 path (float32 FMA or AVX512-BF16 dot products, where built)
+PATHS = [(torch.float32, 1e-5, None), (torch.bfloat16, 2e-2, False), (torch.bfloat16, 2e-2, True)]
 SPEC = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (50, 2), (73, 0), (1 + PREFIX, 0)]
 # Extend: (seq_len, prefix id) and new tokens; a prompt without prefix, one new token after a
 # prefix, 37 new tokens (111 query rows per KV head at G 3: blocks of 32 rows ending mid-block).
@@ -127,41 +135,47 @@ EXTEND = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1)]
 EXTEND_LENS = [17, 5, 33, 1, 37]
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
 @pytest.mark.parametrize("kh,h,d", [(2, 6, 64), (4, 4, 32), (1, 8, 128), (3, 9, 96)])
-def test_kernel_matches_reference(dtype: torch.dtype, tol: float, kh: int, h: int, d: int) -> None:
+def test_kernel_matches_reference(
+    dtype: torch.dtype, tol: float, dots: bool | None, kh: int, h: int, d: int
+) -> None:
     # Groups 0 (4 requests, one of them the prefix + 1 token) and 1 (2 requests), a request
     # without prefix and one alone with its prefix: all through the kernel, in one call.
     pool = _pool(kh, d, SPEC, dtype)
-    out, ref, meta = _decode(pool, [s for s, _ in SPEC], h, use_kernel=True)
+    out, ref, meta = _decode(pool, [s for s, _ in SPEC], h, use_kernel=True, dots=dots)
     assert isinstance(meta, cpu_kernel.Segments)
     assert meta.part.numel() == 2 + len(SPEC)  # two shared prefixes + every request's own keys
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_kernel_large_group_and_single_request(dtype: torch.dtype, tol: float) -> None:
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
+def test_kernel_large_group_and_single_request(
+    dtype: torch.dtype, tol: float, dots: bool | None
+) -> None:
     # 13 requests × 3 query heads per KV head = 39 rows: a block of 32 query rows (two AMX row
     # tiles in bf16) and one of 7; shared prefix and tails of 70+ keys: odd block ends.
     spec = [(PREFIX + 1 + 3 * i, 0) for i in range(13)]
     spec[0] = (PREFIX + 1 + 90, 0)
     pool = _pool(2, 64, spec, dtype)
-    out, ref, meta = _decode(pool, [s for s, _ in spec], 6, use_kernel=True)
+    out, ref, meta = _decode(pool, [s for s, _ in spec], 6, use_kernel=True, dots=dots)
     assert meta.num_parts.tolist() == [2] * 13
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
     pool = _pool(2, 64, [(3, None)], dtype)  # one request, three keys
-    out, ref, _ = _decode(pool, [3], 6, use_kernel=True)
+    out, ref, _ = _decode(pool, [3], 6, use_kernel=True, dots=dots)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
 @pytest.mark.parametrize("kh,h,d", [(3, 9, 64), (1, 8, 128), (4, 4, 32)])
 def test_extend_kernel_matches_reference(
-    dtype: torch.dtype, tol: float, kh: int, h: int, d: int
+    dtype: torch.dtype, tol: float, dots: bool | None, kh: int, h: int, d: int
 ) -> None:
     pool = _pool(kh, d, EXTEND, dtype)
-    out, ref, meta = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, h, use_kernel=True)
+    out, ref, meta = _extend(
+        pool, [s for s, _ in EXTEND], EXTEND_LENS, h, use_kernel=True, dots=dots
+    )
     assert isinstance(meta, cpu_kernel.Segments) and meta.causal.tolist() == [1] * len(EXTEND)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
@@ -210,6 +224,18 @@ def test_build_failure_is_reported_and_falls_back(monkeypatch, tmp_path) -> None
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def _same_in_both_builds(lib, q: torch.Tensor, pool: KVPool, seg) -> None:
+    """lib's results, on either bf16 path, equal this machine's build's (within bf16)."""
+    want = cpu_kernel.attention(
+        cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125
+    )
+    for dots in (False, True):
+        got = cpu_kernel.attention(
+            lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125, bf16_dots=dots
+        )
+        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
 def test_kernel_builds_for_cpus_without_amx_or_avx512(
     flags: list[str], monkeypatch, tmp_path
@@ -223,20 +249,12 @@ def test_kernel_builds_for_cpus_without_amx_or_avx512(
     *_, seg = _decode(pool, seq_lens, 6, use_kernel=True)  # the batch's segments
     torch.manual_seed(2)
     q = torch.randn(len(SPEC), 6, 64).bfloat16()
-    want = cpu_kernel.attention(
-        cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125
-    )
-    got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    _same_in_both_builds(lib, q, pool, seg)
     # extend: causal segments (masked per row in every path)
     pool = _pool(3, 64, EXTEND, torch.bfloat16)
     *_, seg = _extend(pool, [s for s, _ in EXTEND], EXTEND_LENS, 9, use_kernel=True)
     q = torch.randn(sum(EXTEND_LENS), 9, 64).bfloat16()
-    want = cpu_kernel.attention(
-        cpu_library.load(cache_dir()), q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125
-    )
-    got = cpu_kernel.attention(lib, q, pool.k_buffers[0], pool.v_buffers[0], seg, 0.125)
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    _same_in_both_builds(lib, q, pool, seg)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
