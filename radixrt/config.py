@@ -120,6 +120,11 @@ class EngineConfig:
     enable_torch_compile: bool = setting(
         False, "compile the model's forward with torch.compile (slower start, faster steps)"
     )
+    constrained_json_disable_any_whitespace: bool = setting(
+        False,
+        "JSON-schema outputs are compact (', ' and ': ' between elements) instead of allowing "
+        "any whitespace there",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)

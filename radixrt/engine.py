@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from radixrt.config import EngineConfig
+from radixrt.grammar import GrammarCompiler, GrammarError
 from radixrt.model.loader import ModelConfig, resolve_model_path
 from radixrt.model.runner import ModelRunner
 from radixrt.output import make_output
@@ -60,7 +61,15 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.model_config)
-        self.scheduler = Scheduler(self.config, self.runner, self._decode, self.runner.max_context)
+        self.grammars = GrammarCompiler(
+            self.tokenizer,
+            self.model_config.vocab_size,
+            list(self.model_config.eos_token_ids),
+            any_whitespace=not self.config.constrained_json_disable_any_whitespace,
+        )
+        self.scheduler = Scheduler(
+            self.config, self.runner, self._decode, self.runner.max_context, self.grammars
+        )
         self._rids = itertools.count()
 
     # ----------------------------------------------------------------- API
@@ -145,6 +154,8 @@ class Engine:
             raise RuntimeError("flush_cache needs an idle engine (no request waiting or running)")
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.grammars.close()
         self.scheduler = None
         self.runner = None
 
@@ -204,7 +215,8 @@ class Engine:
     def _raise_if_failed(reqs: list[Req]) -> None:
         failed = [r for r in reqs if r.finish_reason == "error"]
         if failed:
-            raise RuntimeError(
+            error = GrammarError if failed[0].error_code == "invalid_grammar" else RuntimeError
+            raise error(
                 f"request {failed[0].rid} failed ({len(failed)} of {len(reqs)} "
                 f"in this call): {failed[0].error}"
             )

@@ -35,6 +35,7 @@ class ErrorCode:
     UNKNOWN_MESSAGE = "unknown_message"  # a message type the receiver does not handle
     VERSION_MISMATCH = "version_mismatch"
     INVALID_REQUEST = "invalid_request"  # bad sampling params, prompt fields, ids
+    INVALID_GRAMMAR = "invalid_grammar"  # a json_schema, regex or ebnf that does not parse
     PROMPT_TOO_LONG = "prompt_too_long"
     UNKNOWN_RID = "unknown_rid"
     DUPLICATE_RID = "duplicate_rid"

@@ -31,6 +31,12 @@ Contract:
 - Logprobs: when any row asks for them, ``SampleOutput.logprobs[i]`` is
   ``log_softmax(logits[i].float())[token_i]`` (the model's distribution at
   temperature 1, unfiltered) for every row; otherwise it is ``None``.
+- Constraints: at most one of ``json_schema`` (a dict or JSON text; kept as JSON text),
+  ``regex`` and ``ebnf`` (strings) per request; the output then follows that grammar
+  (``radixrt.grammar``: a grammar that does not parse raises ``GrammarError``, a
+  ``ValueError``). Each step the disallowed tokens' logits are set to -inf before every
+  other step above, so greedy, sampled and seeded rows all decode within the grammar, and
+  logprobs are those of the constrained logits.
 - Top logprobs: ``top_logprobs`` (an int in ``[0, MAX_TOP_LOGPROBS]``; > 0 needs
   ``logprobs=True``) asks for that many most likely tokens per position. When
   any row asks, ``SampleOutput.top_logprobs`` is ``(ids, logprobs)``, int64 and
@@ -42,12 +48,14 @@ Contract:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from radixrt import grammar
 from radixrt_kernels import cpu_library, cpu_ops
 
 _SEED_MIN = -(2**63)
@@ -84,6 +92,9 @@ class SamplingParams:
     logprobs: bool = False
     cache_salt: str | None = None
     top_logprobs: int = 0
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -91,6 +102,32 @@ class SamplingParams:
         self.stop = _norm_stop(self.stop)
         self.stop_token_ids = _norm_stop_token_ids(self.stop_token_ids)
         self._check_flags()
+        self._check_constraint()
+
+    def _check_constraint(self) -> None:
+        if isinstance(self.json_schema, (dict, bool)):
+            self.json_schema = json.dumps(self.json_schema)
+        given = [k for k in grammar.KINDS if getattr(self, k) is not None]
+        for kind in given:
+            if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+                want = "None, a dict or a JSON string" if kind == "json_schema" else "None or a str"
+                raise _bad(kind, getattr(self, kind), f"{want} (not empty)")
+        if len(given) > 1:
+            raise ValueError(
+                f"SamplingParams.{given[1]}: give at most one of json_schema, regex and ebnf "
+                f"(got {' and '.join(given)})"
+            )
+        c = grammar.constraint(self)
+        if c is not None:
+            try:
+                grammar.check(c)
+            except grammar.GrammarError as e:
+                raise grammar.GrammarError(f"SamplingParams.{c.kind}: {e}") from None
+
+    @property
+    def constraint(self) -> grammar.Constraint | None:
+        """The output's grammar constraint, or None."""
+        return grammar.constraint(self)
 
     def _check_lengths(self) -> None:
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:

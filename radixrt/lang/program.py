@@ -75,23 +75,31 @@ def gen(
     min_p: float = 0.0,
     ignore_eos: bool = False,
     seed: int | None = None,
+    regex: str | None = None,
+    json_schema: str | dict[str, Any] | None = None,
+    ebnf: str | None = None,
     **extra,
 ) -> Gen:
-    """Generate (greedy by default) and store the text under ``name``."""
-    return Gen(
-        name,
-        dict(
-            max_new_tokens=max_tokens,
-            stop=stop,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
-            ignore_eos=ignore_eos,
-            seed=seed,
-            **extra,
-        ),
+    """Generate (greedy by default) and store the text under ``name``. ``regex``,
+    ``json_schema`` or ``ebnf`` (at most one) constrains the text to that grammar; a bad one
+    raises ``radixrt.grammar.GrammarError`` here."""
+    params = dict(
+        max_new_tokens=max_tokens,
+        stop=stop,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        min_p=min_p,
+        ignore_eos=ignore_eos,
+        seed=seed,
+        regex=regex,
+        json_schema=json_schema,
+        ebnf=ebnf,
+        **extra,
     )
+    if regex is not None or json_schema is not None or ebnf is not None:
+        SamplingParams(**params)  # the constraint is checked when the program is written
+    return Gen(name, params)
 
 
 def select(name: str | None = None, choices: list[str] = ()) -> Select:

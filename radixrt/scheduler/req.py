@@ -16,6 +16,7 @@ import enum
 import torch
 
 from radixrt.cache.radix_cache import TreeNode
+from radixrt.grammar import Matcher
 from radixrt.sampling import SamplingParams
 
 
@@ -56,6 +57,10 @@ class Req:
         self.first_token_at: float | None = None  # time.monotonic() when output_ids[0] was sampled
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason == "error"
+        self.error_code: str | None = None  # an ErrorCode for it (None: internal)
+        # Structured outputs: the request's place in its grammar (None: unconstrained, or its
+        # grammar is still compiling). Retraction keeps output_ids, so it keeps the matcher.
+        self.matcher: Matcher | None = None
         self.cached_tokens = 0  # tokens hit in the tree at first admission
         self.admitted = False
         self.num_retractions = 0

@@ -19,6 +19,12 @@ one request's step (e.g. its stop-string check) fails only that request;
 one from the batched sampler fails the requests it was sampling for.
 Either way the failed requests' earlier, good KV goes to the tree as on abort.
 
+Structured outputs: a request with a constraint waits in ``GrammarWait`` until its grammar
+is compiled (off this loop), then queues as any other; one whose grammar fails finishes with
+"error" (``error_code`` "invalid_grammar"). Each step, the constrained rows' disallowed tokens
+are masked before sampling (the other rows are not touched), the sampled token advances the
+request's matcher, and a grammar that terminates finishes the request with "stop".
+
 The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
 it in-process; the server runs the same loop behind sockets.
 """
@@ -35,8 +41,10 @@ import torch
 from radixrt.attention.base import ForwardMode
 from radixrt.cache.radix_cache import common_prefix_len
 from radixrt.config import EngineConfig
+from radixrt.grammar import GrammarCompiler, mask_logits
 from radixrt.sampling import Sampler, topk_logprobs
 from radixrt.scheduler.batch import ScheduledBatch
+from radixrt.scheduler.grammars import GrammarWait
 from radixrt.scheduler.kv import KVManager
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.req import Req, ReqState
@@ -44,11 +52,17 @@ from radixrt.scheduler.req import Req, ReqState
 # A waiting request sharing at least this many more tokens with a request admitted
 # in the same round than it hits in the tree waits one round (in-batch prefix caching).
 DEDUP_MIN_TOKENS = 32
+GRAMMAR_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to compile
 
 
 class Scheduler:
     def __init__(
-        self, config: EngineConfig, runner, decode_fn: Callable[[list[int]], str], max_context: int
+        self,
+        config: EngineConfig,
+        runner,
+        decode_fn: Callable[[list[int]], str],
+        max_context: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
@@ -59,6 +73,7 @@ class Scheduler:
         )
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
+        self.compiling = GrammarWait(grammars)  # constrained requests until their grammar is ready
         self.decoding: list[Req] = []
         self.chunked: Req | None = None
         self.stats: Counter[str] = Counter()
@@ -70,7 +85,10 @@ class Scheduler:
     def add_request(self, req: Req) -> None:
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt_ids)
-        self.waiting.append(req)  # max_new_tokens == 0: prefill (and cache) only
+        if req.params.constraint is not None and req.matcher is None:
+            self.compiling.add(req)
+        else:
+            self.waiting.append(req)  # max_new_tokens == 0: prefill (and cache) only
 
     def abort(self, rid: str) -> Req:
         """Finish request ``rid`` with reason "abort"; raises KeyError if unknown."""
@@ -78,6 +96,9 @@ class Scheduler:
             if req.rid == rid:
                 self.waiting.remove(req)
                 return self._finish(req, "abort")
+        req = self.compiling.remove(rid)
+        if req is not None:
+            return self._finish(req, "abort")
         req = self.kv.running.get(rid)
         if req is None:
             raise KeyError(f"unknown request id {rid!r}")
@@ -87,7 +108,7 @@ class Scheduler:
 
     @property
     def idle(self) -> bool:
-        return not (self.waiting or self.decoding or self.chunked)
+        return not (self.waiting or self.decoding or self.chunked or self.compiling)
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; False (and nothing dropped) unless idle with no KV held."""
@@ -105,21 +126,33 @@ class Scheduler:
 
     def step(self) -> list[Req]:
         """Run one forward; return the requests that finished in it."""
+        failed = self._take_compiled()
         batch = self.schedule_prefill() or self.schedule_decode()
         if batch is None:
-            return []
+            if self.compiling and not failed:
+                self.compiling.wait(GRAMMAR_POLL_S)
+            return failed
         start = time.perf_counter()
         try:
             logits = self._forward(batch)
         except Exception as e:  # fail the batch, keep serving the rest
-            return self._fail_batch(batch, e)
+            return failed + self._fail_batch(batch, e)
         elapsed = time.perf_counter() - start
         self.stats["forward_s"] += elapsed
         self.stats[
             "decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"
         ] += elapsed
         self.forward_failures = 0
-        return self.process_output(batch, logits)
+        return failed + self.process_output(batch, logits)
+
+    def _take_compiled(self) -> list[Req]:
+        """Queue the requests whose grammar is ready; finish (and return) those whose grammar
+        failed."""
+        if not self.compiling:
+            return []
+        ready, failed = self.compiling.take()
+        self.waiting.extend(ready)
+        return [self._fail(req, why) for req, why in failed]
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token."""
@@ -277,10 +310,10 @@ class Scheduler:
             return finished
         try:
             every = len(rows) == logits.shape[0]  # a decode step: no copy of [B, vocab] logits
+            logits = logits if every else logits[rows]
+            self._mask_constrained(to_sample, logits)
             out = self.sampler.sample(
-                logits if every else logits[rows],
-                [r.params for r in to_sample],
-                [r.generator for r in to_sample],
+                logits, [r.params for r in to_sample], [r.generator for r in to_sample]
             )
         except Exception as e:  # their KV is computed and good; only this step's tokens are lost
             return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
@@ -298,6 +331,8 @@ class Scheduler:
                 req.output_top_logprobs.append((top[0][j][:k], top[1][j][:k]))
             self.stats["output_tokens"] += 1
             try:
+                if req.matcher is not None and not req.matcher.accept(token_ids[j]):
+                    raise RuntimeError(f"its grammar does not take token {token_ids[j]}")
                 reason = self._finish_reason(req)
             except Exception as e:  # this request's fault only
                 finished.append(self._fail(req, f"finishing a step failed: {e!r}"))
@@ -308,9 +343,19 @@ class Scheduler:
                 self.decoding.append(req)
         return finished
 
+    def _mask_constrained(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        """Mask the tokens each constrained request's grammar does not allow next (logits
+        [len(reqs), V]: row j is reqs[j]'s)."""
+        rows = [j for j, r in enumerate(reqs) if r.matcher is not None]
+        if rows:
+            start = time.perf_counter()
+            mask_logits(logits, rows, [reqs[j].matcher for j in rows])
+            self.stats["grammar_mask_s"] += time.perf_counter() - start
+            self.stats["grammar_masked_rows"] += len(rows)
+
     def _finish_reason(self, req: Req) -> str | None:
         token = req.output_ids[-1]
-        if token in req.stop_ids:
+        if token in req.stop_ids or (req.matcher is not None and req.matcher.terminated):
             return "stop"
         if req.params.stop and self._hit_stop_string(req):
             return "stop"

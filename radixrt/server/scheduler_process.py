@@ -193,7 +193,9 @@ class SchedulerProcess:
             if req.finish_reason == "error":
                 errors.append(
                     RidError(
-                        rid=req.rid, code=ErrorCode.INTERNAL, message=req.error or "internal error"
+                        rid=req.rid,
+                        code=req.error_code or ErrorCode.INTERNAL,
+                        message=req.error or "internal error",
                     )
                 )
             else:

@@ -56,6 +56,7 @@ import msgspec
 import zmq
 
 from radixrt.config import ServerConfig
+from radixrt.grammar import GrammarError
 from radixrt.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -400,6 +401,8 @@ class TokenizerManager:
         self.check_admission(identity, msg.req_id)
         try:
             sp = SamplingParams.from_dict(msg.sampling_params or {})
+        except GrammarError as e:
+            raise RequestError(ErrorCode.INVALID_GRAMMAR, str(e)) from None
         except (ValueError, TypeError) as e:
             raise RequestError(ErrorCode.INVALID_REQUEST, f"invalid sampling params: {e}") from None
         sp = self.limit_new_tokens(sp, "max_new_tokens" in (msg.sampling_params or {}))

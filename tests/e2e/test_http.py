@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 
 import httpx
+import jsonschema
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_harness import Server, assert_idle_kv
 
-from radixrt.client import Client
+from radixrt.client import Client, ServerError
 from radixrt.testing import tiny_model_path
 
 KEY, OTHER_KEY = "k-one", "k-two"
@@ -44,6 +46,7 @@ def server():
         "tiny",
         "--debug-faults",
         "stop_check",
+        "--constrained-json-disable-any-whitespace",
     )
     yield srv
     srv.stop()
@@ -722,3 +725,133 @@ def test_sigterm_drain_over_http():
         assert srv.proc.wait(60) == 0
     finally:
         srv.stop()
+
+
+# ---------------------------------------------------------- structured outputs
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["colour", "n"],
+}
+
+
+def test_chat_response_format_json_schema_and_json_object(oai):
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    for temperature in (0.0, 1.0):
+        r = oai.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=48,
+            temperature=temperature,
+            seed=5,
+            response_format=fmt,
+            n=2,
+        )
+        for choice in r.choices:
+            assert choice.finish_reason == "stop", choice.message.content
+            jsonschema.validate(json.loads(choice.message.content), PERSON)
+    r = oai.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=48, response_format={"type": "json_object"}
+    )
+    text = r.choices[0].message.content
+    assert text.startswith("{")
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(text), dict)
+
+
+def test_regex_and_ebnf_extra_fields_on_chat_and_completions(oai):
+    date = r"\d{4}-\d{2}-\d{2}"
+    r = oai.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=20, extra_body={"regex": date}
+    )
+    assert re.fullmatch(date, r.choices[0].message.content)
+    r = oai.completions.create(
+        model="tiny",
+        prompt="Answer:",
+        max_tokens=20,
+        temperature=1.0,
+        seed=3,
+        extra_body={"ebnf": 'root ::= ("yes" | "no") "!"'},
+    )
+    assert r.choices[0].text in ("yes!", "no!") and r.choices[0].finish_reason == "stop"
+    r = oai.completions.create(
+        model="tiny",
+        prompt="JSON:",
+        max_tokens=48,
+        extra_body={"response_format": {"type": "json_schema", "json_schema": {"schema": PERSON}}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+
+
+def test_generate_and_the_zmq_client_take_constraints(http, zmq_client):
+    body = {
+        "text": "Q:",
+        "sampling_params": {"max_new_tokens": 48, "json_schema": json.dumps(PERSON)},
+    }
+    r = http.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    jsonschema.validate(json.loads(r.json()["text"]), PERSON)
+    body["sampling_params"] = {"max_new_tokens": 20, "regex": "(cat|dog)s?"}
+    assert re.fullmatch("(cat|dog)s?", http.post("/generate", json=body).json()["text"])
+    from radixrt import SamplingParams
+
+    out = zmq_client.generate(
+        "Q:", sampling_params=SamplingParams(max_new_tokens=20, regex="[0-9]{3}")
+    )
+    assert re.fullmatch("[0-9]{3}", out.text) and out.finish_reason == "stop"
+    with pytest.raises(ServerError) as e:
+        zmq_client.generate("Q:", sampling_params={"max_new_tokens": 4, "regex": "(unclosed"})
+    assert e.value.code == "invalid_grammar" and "regex" in str(e.value)
+
+
+def test_bad_constraints_are_400_naming_the_problem(http):
+    chat = {"model": "tiny", "messages": CHAT, "max_tokens": 4}
+    err = assert_error(
+        http.post("/v1/chat/completions", json={**chat, "regex": "[a-"}), 400, "invalid_grammar"
+    )
+    assert err["param"] == "regex" and "Unclosed" in err["message"]
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    err = assert_error(
+        http.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
+        400,
+        "invalid_grammar",
+    )
+    assert err["param"] == "json_schema" and "nope" in err["message"]
+    assert_error(
+        http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "ebnf": "root ::= x"}),
+        400,
+        "invalid_grammar",
+    )
+    no_schema = {"type": "json_schema", "json_schema": {"name": "x"}}
+    assert (
+        "json_schema.schema"
+        in assert_error(
+            http.post("/v1/chat/completions", json={**chat, "response_format": no_schema}),
+            400,
+            "invalid_request",
+        )["message"]
+    )
+    assert (
+        "'yaml'"
+        in assert_error(
+            http.post("/v1/chat/completions", json={**chat, "response_format": {"type": "yaml"}}),
+            400,
+            "invalid_request",
+        )["message"]
+    )
+    assert (
+        "at most one"
+        in assert_error(
+            http.post("/v1/chat/completions", json={**chat, "regex": "a", "ebnf": 'root ::= "a"'}),
+            400,
+            "invalid_request",
+        )["message"]
+    )
+    body = {"text": "x", "sampling_params": {"max_new_tokens": 2, "json_schema": "{oops"}}
+    assert_error(http.post("/generate", json=body), 400, "invalid_grammar")
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+    assert r.status_code == 200  # and the server serves on

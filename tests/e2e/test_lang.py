@@ -183,6 +183,46 @@ def test_errors(backend):
         qa.run(question="Hi?", backend=backend)["missing"]
 
 
+RECORD = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+}
+DATE = r"\d{4}-\d{2}-\d{2}"
+
+
+@rl.function
+def extract(s, text):
+    s += rl.user(f"Extract the person from: {text}")
+    s += rl.assistant(rl.gen("record", max_tokens=200, json_schema=RECORD))
+    s += "Born on: "
+    s += rl.gen("date", max_tokens=16, regex=DATE)
+    forks = s.fork(2)
+    for f in forks:
+        f += " Mood: "
+        f += rl.gen("mood", max_tokens=8, regex="(calm|busy)", temperature=1.0)
+    forks.join()
+    s.meta["moods"] = [f["mood"] for f in forks]
+
+
+def test_a_program_extracts_fields_with_json_schema_and_regex(backend):
+    import json
+    import re
+
+    import jsonschema
+
+    state = extract.run(text="Ada, 36, born 1815-12-10", backend=backend)
+    assert state.error is None, state.error
+    jsonschema.validate(json.loads(state["record"]), RECORD)
+    assert re.fullmatch(DATE, state["date"])
+    assert all(m in ("calm", "busy") for m in state.meta["moods"])
+    with pytest.raises(ValueError, match="SamplingParams.regex: invalid regex"):
+        rl.gen("x", regex="[unclosed")
+
+
 def test_backend_down_raises():
     down = rl.RuntimeEndpoint(f"tcp://127.0.0.1:{_free_port()}", connect_timeout=1.0)
     with pytest.raises(TimeoutError):

@@ -49,3 +49,31 @@ def test_default_model_greedy_matches_transformers(engine_factory):
     again = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in again] == [o.token_ids for o in outs]
     assert all(o.cached_tokens == o.prompt_tokens - 1 for o in again)
+
+
+def test_default_model_json_schemas_and_regexes(engine_factory):
+    """Structured outputs on the default model (bf16, as served): every output is complete and
+    valid, greedy and sampled."""
+    import json
+    import re
+
+    import jsonschema
+    from test_structured import REGEXES, SCHEMAS
+
+    eng = engine_factory(None, dtype="auto", max_total_tokens=8192)
+    ask = "Reply with a JSON object for a person: their name, age and city."
+    chat = eng.tokenizer.apply_chat_template(
+        [{"role": "user", "content": ask}], tokenize=False, add_generation_prompt=True
+    )
+    for name in ("nested", "enum", "string_pattern", "ref", "number_ranges"):
+        params = [
+            SamplingParams(max_new_tokens=160, temperature=0.0, json_schema=SCHEMAS[name]),
+            SamplingParams(max_new_tokens=160, temperature=0.9, seed=4, json_schema=SCHEMAS[name]),
+        ]
+        for out in eng.generate([chat, chat], params):
+            assert out.finish_reason == "stop", (name, out.text)
+            jsonschema.validate(json.loads(out.text), SCHEMAS[name])
+    for name in ("date", "phone"):
+        sp = SamplingParams(max_new_tokens=24, temperature=0.7, seed=9, regex=REGEXES[name])
+        out = eng.generate("The date and the phone number:", sp)[0]
+        assert re.fullmatch(REGEXES[name], out.text), out.text

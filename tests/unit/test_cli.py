@@ -41,6 +41,10 @@ FLAG_VALUES = {
     "eviction_policy": (["--eviction-policy", "lfu"], "lfu"),
     "device": (["--device", "cpu"], "cpu"),
     "enable_torch_compile": (["--enable-torch-compile"], True),
+    "constrained_json_disable_any_whitespace": (
+        ["--constrained-json-disable-any-whitespace"],
+        True,
+    ),
     "host": (["--host", "0.0.0.0"], "0.0.0.0"),
     "port": (["--port", "1234"], 1234),
     "http_port": (["--http-port", "0"], 0),

@@ -21,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from radixrt.grammar import GrammarError
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
@@ -195,12 +196,14 @@ class HttpFront:
             sp = SamplingParams(**fields)
         except (ValueError, TypeError) as e:
             message = str(e)
-            param = message.split(" ", 1)[0].removeprefix("SamplingParams.")
+            param = message.split(" ", 1)[0].removeprefix("SamplingParams.").rstrip(":")
             param = SAMPLING_NAMES.get(param, param)
             raise api.ApiError(
                 400,
                 message.replace("SamplingParams.max_new_tokens", "max_tokens"),
-                ErrorCode.INVALID_REQUEST,
+                ErrorCode.INVALID_GRAMMAR
+                if isinstance(e, GrammarError)
+                else ErrorCode.INVALID_REQUEST,
                 param if param.isidentifier() else None,
             ) from None
         return self.tm.limit_new_tokens(sp, given)

@@ -78,6 +78,7 @@ class OpenAIApi:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt,
+            **api.constraint_fields(body),
         )
         return self.front.make_params(fields, given=max_tokens is not None)
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from radixrt import grammar
 from radixrt.protocol import ErrorCode
 
 ERROR_TYPES = {
@@ -39,6 +40,7 @@ ERROR_TYPES = {
 STATUS_OF_CODE = {
     ErrorCode.MALFORMED: 400,
     ErrorCode.INVALID_REQUEST: 400,
+    ErrorCode.INVALID_GRAMMAR: 400,
     ErrorCode.PROMPT_TOO_LONG: 400,
     ErrorCode.LIMIT_EXCEEDED: 400,
     ErrorCode.UNKNOWN_RID: 404,
@@ -80,8 +82,42 @@ class StreamOptions(_Strict):
 
 
 class ResponseFormat(_Strict):
+    """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
+    "strict", "description"}}``."""
+
     type: str
     json_schema: dict[str, Any] | None = None
+
+
+def constraint_fields(body: Any) -> dict[str, Any]:
+    """The SamplingParams constraint fields of a chat or completions body (response_format,
+    regex, ebnf); 400 for a response_format radixrt does not know."""
+    fields: dict[str, Any] = {}
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        fields["json_schema"] = grammar.JSON_OBJECT
+    elif fmt is not None and fmt.type == "json_schema":
+        spec = fmt.json_schema
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ApiError(
+                400,
+                "response_format of type 'json_schema' needs json_schema.schema (an object)",
+                ErrorCode.INVALID_REQUEST,
+                "response_format",
+            )
+        fields["json_schema"] = spec["schema"]
+    elif fmt is not None and fmt.type != "text":
+        raise ApiError(
+            400,
+            f"response_format type {fmt.type!r} is not supported "
+            "('text', 'json_object' or 'json_schema')",
+            ErrorCode.INVALID_REQUEST,
+            "response_format",
+        )
+    for name in ("regex", "ebnf"):
+        if getattr(body, name) is not None:
+            fields[name] = getattr(body, name)
+    return fields
 
 
 class ChatMessage(_Strict):
@@ -111,6 +147,10 @@ class _Sampling(_Strict, kw_only=True):
     cache_salt: str | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured outputs: OpenAI's response_format, and SGLang's regex and ebnf
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # accepted at their neutral values only
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -126,7 +166,6 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -191,14 +230,6 @@ def check_neutral(body: _Sampling) -> None:
             f"best_of={body.best_of} is not supported (only best_of == n)",
             ErrorCode.INVALID_REQUEST,
             "best_of",
-        )
-    fmt = getattr(body, "response_format", None)
-    if fmt is not None and fmt.type != "text":
-        raise ApiError(
-            400,
-            f"response_format type {fmt.type!r} is not supported (only 'text')",
-            ErrorCode.INVALID_REQUEST,
-            "response_format",
         )
     choice = getattr(body, "tool_choice", None)
     if choice not in (None, "none", "auto"):

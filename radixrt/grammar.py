@@ -1,0 +1,187 @@
+"""Structured outputs: a request's constraint as an xgrammar grammar, and the token masks it gives.
+
+A request constrains its output with at most one of ``SamplingParams.json_schema``, ``regex``
+and ``ebnf`` (``constraint(params)``: a ``Constraint`` or None).
+
+- ``check(constraint)`` parses the grammar without a tokenizer (cheap, cached) and raises
+  ``GrammarError`` naming what is wrong: ``SamplingParams`` calls it, so a bad schema, regex
+  or grammar is refused where the request is made.
+- ``GrammarCompiler(tokenizer, vocab_size, stop_ids)`` compiles a constraint for the model's
+  vocabulary on its own threads (``submit`` returns a ``Future``), once per constraint: a
+  bounded LRU (``MAX_CACHED``) keeps the compiled grammars, so a repeated constraint's future is
+  already done when its request arrives.
+- ``Matcher(compiled)`` follows one request's output: ``fill`` writes the bitmask of the tokens
+  the grammar allows next, ``accept`` advances by the sampled token, ``terminated`` says the
+  grammar is complete and its stop token was taken.
+- ``mask_logits(logits, rows, matchers)`` sets the disallowed tokens of those rows of
+  ``logits`` to -inf, the other rows untouched.
+
+JSON schemas are compiled with any whitespace between elements, at most ``MAX_WHITESPACE``
+characters in a run (a model cannot stall in whitespace), or with ``any_whitespace`` False
+compact (", " and ": " between elements, as ``json.dumps`` writes); and in xgrammar's strict
+mode (no properties beyond the schema's). ``response_format`` ``json_object`` is the schema
+``JSON_OBJECT``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, NamedTuple
+
+import torch
+
+KINDS = ("json_schema", "regex", "ebnf")
+JSON_OBJECT = '{"type": "object", "additionalProperties": true}'
+MAX_WHITESPACE = 16
+MAX_CACHED = 256  # compiled grammars kept per compiler
+COMPILE_THREADS = 2
+
+
+class GrammarError(ValueError):
+    """A constraint that is not a valid JSON schema, regex or EBNF grammar."""
+
+
+class Constraint(NamedTuple):
+    kind: str  # one of KINDS
+    text: str  # the schema (JSON text), regex or EBNF grammar
+
+
+def constraint(params: Any) -> Constraint | None:
+    """The constraint of a SamplingParams (None: unconstrained)."""
+    for kind in KINDS:
+        text = getattr(params, kind, None)
+        if text is not None:
+            return Constraint(kind, text)
+    return None
+
+
+_XGR_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")  # "[time] file.cc:NN: " of xgrammar's errors
+
+
+def _message(e: Exception) -> str:
+    return _XGR_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # a dependency; a broken install says so
+        raise GrammarError(f"structured outputs need the xgrammar package ({e})") from None
+    return xgrammar
+
+
+def _grammar(c: Constraint, any_whitespace: bool = True):
+    """The xgrammar Grammar of a constraint (raises GrammarError)."""
+    xgr = _xgrammar()
+    try:
+        if c.kind == "json_schema":
+            return xgr.Grammar.from_json_schema(
+                c.text,
+                any_whitespace=any_whitespace,
+                max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None,
+                strict_mode=True,
+            )
+        if c.kind == "regex":
+            return xgr.Grammar.from_regex(c.text)
+        return xgr.Grammar.from_ebnf(c.text)
+    except Exception as e:  # xgrammar raises RuntimeError (and others) with the parser's words
+        what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[c.kind]
+        raise GrammarError(f"invalid {what}: {_message(e)}") from None
+
+
+@functools.lru_cache(maxsize=MAX_CACHED)
+def check(c: Constraint) -> None:
+    """Raise GrammarError unless the constraint parses (cached per constraint)."""
+    if c.kind == "json_schema":
+        try:
+            schema = json.loads(c.text)
+        except ValueError as e:
+            raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise GrammarError(f"invalid JSON schema: an object or a bool, got {c.text[:80]!r}")
+    _grammar(c)
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer and vocabulary, off the caller's thread."""
+
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_ids: list[int], any_whitespace: bool = True
+    ) -> None:
+        self.tokenizer, self.vocab_size, self.stop_ids = tokenizer, vocab_size, list(stop_ids)
+        self.any_whitespace = any_whitespace
+        self.pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="radixrt-grammar")
+        self.cache: OrderedDict[Constraint, Future] = OrderedDict()
+        self.lock = threading.Lock()  # the cache's
+        self._init_lock = threading.Lock()  # the compiler's first use
+        self._compiler = None  # made on the pool's first job (reading the vocabulary takes time)
+
+    def submit(self, c: Constraint) -> Future:
+        """A future of the compiled grammar (an exception: GrammarError); a cached one at once."""
+        with self.lock:
+            fut = self.cache.get(c)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                self.cache.move_to_end(c)
+                return fut
+            fut = self.pool.submit(self._compile, c)
+            self.cache[c] = fut
+            while len(self.cache) > MAX_CACHED:
+                self.cache.popitem(last=False)
+            return fut
+
+    def _compile(self, c: Constraint):
+        grammar = _grammar(c, self.any_whitespace)
+        with self._init_lock:
+            if self._compiler is None:
+                xgr = _xgrammar()
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        try:
+            return self._compiler.compile_grammar(grammar)
+        except Exception as e:
+            raise GrammarError(f"could not compile the {c.kind}: {_message(e)}") from None
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class Matcher:
+    """One request's place in its grammar."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.matcher = _xgrammar().GrammarMatcher(compiled)
+
+    def accept(self, token: int) -> bool:
+        """Advance by the sampled token; False if the grammar does not allow it."""
+        return self.matcher.accept_token(token)
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+@functools.cache
+def _batch_matcher():
+    return _xgrammar().BatchGrammarMatcher()  # fills the rows' bitmasks on its own threads
+
+
+def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
+    """Set logits[rows[i], t] to -inf for every token t that matchers[i] does not allow next
+    (logits [B, V] float32, in place; the other rows are not touched)."""
+    xgr = _xgrammar()
+    bsz, vocab = logits.shape
+    bitmask = xgr.allocate_token_bitmask(bsz, vocab)
+    _batch_matcher().batch_fill_next_token_bitmask(
+        [m.matcher for m in matchers], bitmask, indices=rows
+    )
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        xgr.apply_token_bitmask_inplace(
+            logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows
+        )
