@@ -35,6 +35,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from radixrt_kernels import cpu_library, cpu_ops
+
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT = '{"type": "object", "additionalProperties": true}'
 MAX_WHITESPACE = 16
@@ -174,14 +176,20 @@ def _batch_matcher():
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that matchers[i] does not allow next
-    (logits [B, V] float32, in place; the other rows are not touched)."""
+    (logits [B, V] float32, in place; the other rows are not touched). The bitmask is applied by
+    the CPU kernels' library where the process has it (``cpu_ops.apply_token_bitmask``), else
+    by xgrammar's ``apply_token_bitmask_inplace``."""
     xgr = _xgrammar()
     bsz, vocab = logits.shape
     bitmask = xgr.allocate_token_bitmask(bsz, vocab)
     _batch_matcher().batch_fill_next_token_bitmask(
         [m.matcher for m in matchers], bitmask, indices=rows
     )
+    lib = cpu_library.loaded()
     with torch.inference_mode():  # the forward's logits are inference tensors
-        xgr.apply_token_bitmask_inplace(
-            logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows
-        )
+        if lib is not None and logits.is_cpu and logits.dtype == torch.float32:
+            cpu_ops.apply_token_bitmask(lib, logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+        else:
+            xgr.apply_token_bitmask_inplace(
+                logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows
+            )

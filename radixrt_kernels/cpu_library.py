@@ -69,6 +69,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "radixrt_argmax": [_ptr, _i64, _i64, _i64, _int, _ptr, _int],
+    "radixrt_apply_token_bitmask": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _int],
     "radixrt_linear": [
         _ptr,
         _i64,

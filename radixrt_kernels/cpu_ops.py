@@ -153,3 +153,38 @@ def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
         "argmax",
     )
     return out
+
+
+def apply_token_bitmask(
+    lib: ctypes.CDLL, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
+) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t of bitmask[rows[i]] is 0 (logits [B, V]
+    float32 with unit column stride; bitmask int32 [B, ceil(V / 32)], xgrammar's layout; rows
+    int64). The other rows are not touched."""
+    b, vocab = logits.shape
+    if not (
+        logits.dtype == torch.float32
+        and logits.stride(1) == 1
+        and bitmask.dtype == torch.int32
+        and bitmask.is_contiguous()
+        and bitmask.shape[0] >= b
+        and rows.dtype == torch.int64
+        and rows.is_contiguous()
+        and (rows.numel() == 0 or 0 <= int(rows.min()) and int(rows.max()) < b)
+    ):
+        raise ValueError(
+            "apply_token_bitmask: float32 logits [B, V], int32 bitmask [B, W], int64 rows < B"
+        )
+    _check(
+        lib.radixrt_apply_token_bitmask(
+            logits.data_ptr(),
+            logits.stride(0),
+            bitmask.data_ptr(),
+            bitmask.shape[1],
+            rows.data_ptr(),
+            rows.numel(),
+            vocab,
+            torch.get_num_threads(),
+        ),
+        "apply_token_bitmask",
+    )

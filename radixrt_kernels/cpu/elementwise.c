@@ -234,3 +234,30 @@ int radixrt_argmax(const void *x, int64_t rows, int64_t n, int64_t row_stride, i
     }
     return 0;
 }
+
+/* Token masks (structured outputs): logits[rows[i], t] = -inf for every token t < vocab whose
+ * bit is 0 in bitmask row rows[i] (int32 words, bit t % 32 of word t / 32, words per row
+ * apart); logits float32, rows row_stride elements apart. Other rows are not touched. */
+int radixrt_apply_token_bitmask(float *logits, int64_t row_stride, const int32_t *bitmask, int64_t words,
+                                const int64_t *rows, int64_t n_rows, int64_t vocab, int num_threads) {
+    if (vocab <= 0 || words * 32 < vocab || row_stride < vocab) return -1;
+#pragma omp parallel for num_threads(num_threads) if (n_rows * vocab >= PARALLEL_MIN)
+    for (int64_t i = 0; i < n_rows; i++) {
+        float *row = logits + rows[i] * row_stride;
+        const uint32_t *bits = (const uint32_t *)bitmask + rows[i] * words;
+        for (int64_t w = 0; w * 32 < vocab; w++) {
+            uint32_t blocked = ~bits[w];
+            if (blocked == 0) continue;
+            const int64_t base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (blocked == 0xffffffffu && end == base + 32) {
+                for (int b = 0; b < 32; b++) row[base + b] = -INFINITY;
+                continue;
+            }
+            for (; blocked; blocked &= blocked - 1) {
+                const int64_t t = base + __builtin_ctz(blocked);
+                if (t < end) row[t] = -INFINITY;
+            }
+        }
+    }
+    return 0;
+}

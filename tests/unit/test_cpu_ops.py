@@ -150,3 +150,24 @@ def test_ops_built_without_avx512_agree(lib, monkeypatch, tmp_path) -> None:
         cpu_ops.rope_(other, qk1, pos, cos, sin), cpu_ops.rope_(lib, qk2, pos, cos, sin)
     )
     assert torch.equal(cpu_ops.argmax(other, x), cpu_ops.argmax(lib, x))
+
+
+@pytest.mark.parametrize("vocab", [31, 64, 1000, 49157])
+def test_token_bitmask_matches_xgrammars_apply(lib, vocab: int) -> None:
+    """Words wholly blocked, wholly allowed and mixed; a vocabulary that ends inside a word; only
+    the given rows touched."""
+    xgr = pytest.importorskip("xgrammar")
+    gen = torch.Generator().manual_seed(vocab)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (6, -(-vocab // 32)), generator=gen).int()
+    bitmask[:, ::4] = 0  # nothing allowed
+    bitmask[:, 1::4] = -1  # everything allowed
+    logits = torch.randn(6, vocab, generator=gen)
+    rows = [0, 2, 5]
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
+    got = logits.clone()
+    cpu_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor(rows))
+    assert torch.equal(got, want)
+    assert torch.equal(got[[1, 3, 4]], logits[[1, 3, 4]])
+    with pytest.raises(ValueError, match="apply_token_bitmask"):
+        cpu_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor([6]))
