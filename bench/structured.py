@@ -154,7 +154,7 @@ def main() -> None:
             if best[way] is None or got[0] < best[way][0]:
                 best[way] = got
     t_c, outs_c, stats_c = best["constrained"]
-    t_u, outs_u, _ = best["unconstrained"]
+    t_u, outs_u, stats_u = best["unconstrained"]
     assert [len(o.token_ids) for o in outs_u] == lengths
     assert [len(o.token_ids) for o in outs_c] == lengths
     tokens = sum(lengths)
@@ -172,6 +172,10 @@ def main() -> None:
             "per_row_s": stats_c.get("grammar_mask_s", 0.0)
             / max(1, stats_c.get("grammar_masked_rows", 1)),
             "steps": steps,
+        },
+        "forward_s": {
+            way: {k: st.get(k, 0.0) for k in ("prefill_forward_s", "decode_forward_s")}
+            for way, st in (("constrained", stats_c), ("unconstrained", stats_u))
         },
         "compile": compiles,
         "admission": admission_cost(eng),
@@ -197,6 +201,11 @@ def main() -> None:
         f"{a['cached_grammar_s'] * 1e6:.1f} us per request"
     )
     print(f"valid JSON: {valid} of {len(outs_c)} (finish reasons {result['finish_reasons']})")
+    for way, f in result["forward_s"].items():
+        print(
+            f"{way}: prefill forwards {f['prefill_forward_s']:.2f} s, decode forwards "
+            f"{f['decode_forward_s']:.2f} s"
+        )
 
 
 if __name__ == "__main__":

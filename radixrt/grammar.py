@@ -169,11 +169,6 @@ class Matcher:
         return self.matcher.is_terminated()
 
 
-@functools.cache
-def _batch_matcher():
-    return _xgrammar().BatchGrammarMatcher()  # fills the rows' bitmasks on its own threads
-
-
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that matchers[i] does not allow next
     (logits [B, V] float32, in place; the other rows are not touched). The bitmask is applied by
@@ -182,9 +177,8 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) 
     xgr = _xgrammar()
     bsz, vocab = logits.shape
     bitmask = xgr.allocate_token_bitmask(bsz, vocab)
-    _batch_matcher().batch_fill_next_token_bitmask(
-        [m.matcher for m in matchers], bitmask, indices=rows
-    )
+    for row, m in zip(rows, matchers):  # on this thread: a pool's threads would compete with
+        m.matcher.fill_next_token_bitmask(bitmask, row)  # the forward's for the cores
     lib = cpu_library.loaded()
     with torch.inference_mode():  # the forward's logits are inference tensors
         if lib is not None and logits.is_cpu and logits.dtype == torch.float32:
