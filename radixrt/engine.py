@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 
 from radixrt.config import EngineConfig
-from radixrt.grammar import GrammarCompiler, GrammarError
+from radixrt.grammar import GrammarCompiler, GrammarError, preload
 from radixrt.model.loader import ModelConfig, resolve_model_path
 from radixrt.model.runner import ModelRunner
 from radixrt.output import make_output
@@ -61,6 +61,7 @@ class Engine:
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.runner = ModelRunner(self.config, self.model_path, self.model_config)
+        preload()
         self.grammars = GrammarCompiler(
             self.tokenizer,
             self.model_config.vocab_size,

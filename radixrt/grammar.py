@@ -10,11 +10,11 @@ and ``ebnf`` (``constraint(params)``: a ``Constraint`` or None).
   vocabulary on its own threads (``submit`` returns a ``Future``), once per constraint: a
   bounded LRU (``MAX_CACHED``) keeps the compiled grammars, so a repeated constraint's future is
   already done when its request arrives.
-- ``Matcher(compiled)`` follows one request's output: ``fill`` writes the bitmask of the tokens
-  the grammar allows next, ``accept`` advances by the sampled token, ``terminated`` says the
-  grammar is complete and its stop token was taken.
-- ``mask_logits(logits, rows, matchers)`` sets the disallowed tokens of those rows of
-  ``logits`` to -inf, the other rows untouched.
+- ``Matcher(compiled)`` follows one request's output: ``accept`` advances by the sampled
+  token, ``terminated`` says the grammar is complete and its stop token was taken.
+- ``mask_logits(logits, rows, matchers)`` fills each matcher's bitmask of the tokens its
+  grammar allows next and sets the others' logits in those rows to -inf, the other rows
+  untouched.
 
 JSON schemas are compiled with any whitespace between elements, at most ``MAX_WHITESPACE``
 characters in a run (a model cannot stall in whitespace), or with ``any_whitespace`` False
@@ -75,6 +75,21 @@ def _xgrammar():
     except ImportError as e:  # a dependency; a broken install says so
         raise GrammarError(f"structured outputs need the xgrammar package ({e})") from None
     return xgrammar
+
+
+def preload() -> threading.Thread:
+    """Import xgrammar on a thread of its own (a second or so), so that the first constrained
+    request does not stall its process's loop while it imports."""
+
+    def load() -> None:
+        try:
+            _xgrammar()
+        except GrammarError:  # reported when a request needs it
+            pass
+
+    thread = threading.Thread(target=load, name="radixrt-grammar-import", daemon=True)
+    thread.start()
+    return thread
 
 
 def _grammar(c: Constraint, any_whitespace: bool = True):

@@ -55,6 +55,7 @@ import time
 import msgspec
 import zmq
 
+from radixrt import grammar
 from radixrt.config import ServerConfig
 from radixrt.grammar import GrammarError
 from radixrt.protocol import (
@@ -175,6 +176,7 @@ class TokenizerManager:
         self.args = args
         self.server: ServerConfig = args["server"]
         self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"])
+        grammar.preload()  # requests with a json_schema, regex or ebnf are parsed here
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.router.setsockopt(zmq.SNDHWM, 0)

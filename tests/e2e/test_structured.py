@@ -283,3 +283,10 @@ def test_a_cached_grammar_is_ready_at_admission_and_abort_works_while_compiling(
     assert engine.scheduler.abort(req.rid).finish_reason == "abort"
     assert not engine.scheduler.compiling and engine.scheduler.idle
     release.set()
+
+
+def test_json_object_takes_any_object_and_nothing_else(engine) -> None:
+    compiled = engine.grammars.submit(grammar.Constraint("json_schema", grammar.JSON_OBJECT))
+    for text, ok in (('{"a": 1, "b": [true, null]}', True), ("{}", True), ("[1]", False)):
+        m = grammar.Matcher(compiled.result(timeout=30)).matcher
+        assert (m.accept_string(text) and m.is_completed()) is ok, text
