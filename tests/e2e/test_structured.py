@@ -135,6 +135,7 @@ def test_compact_json_has_no_free_whitespace() -> None:
         value = json.loads(o.text)
         jsonschema.validate(value, schema)
         assert o.text == json.dumps(value), o.text  # ", " and ": " only
+    eng.check_memory()
     eng.shutdown()
 
 
