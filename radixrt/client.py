@@ -31,6 +31,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -42,6 +43,7 @@ from radixrt.protocol import (
     GenerateOutput,
     GenerateRequest,
     Hello,
+    KVSnapshot,
     ReplyBatch,
     StreamChunk,
     decode,
@@ -66,7 +68,13 @@ def _params_dict(sp: SamplingParams | dict | None) -> dict | None:
 
 
 def _generate_request(
-    req_id: str, prompt, sampling_params, input_ids, messages, stream: bool
+    req_id: str,
+    prompt,
+    sampling_params,
+    input_ids,
+    messages,
+    stream: bool,
+    routing_key: str | None = None,
 ) -> GenerateRequest:
     return GenerateRequest(
         req_id=req_id,
@@ -75,6 +83,7 @@ def _generate_request(
         messages=list(messages) if messages is not None else None,
         sampling_params=_params_dict(sampling_params),
         stream=stream,
+        routing_key=routing_key,
     )
 
 
@@ -180,9 +189,11 @@ class Client:
         stream: bool = False,
         rid: str | None = None,
         timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> GenerateOutput | Stream:
+        """``routing_key``: requests sharing one go to the same data-parallel replica."""
         req = _generate_request(
-            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream
+            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream, routing_key
         )
         q = self._send(req)
         if stream:
@@ -197,6 +208,7 @@ class Client:
         input_ids: Sequence[Sequence[int]] | None = None,
         messages: Sequence[list[dict]] | None = None,
         timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> list[GenerateOutput]:
         """All requests go out at once; outputs come back in order."""
         sent = []
@@ -208,6 +220,7 @@ class Client:
                 item.get("input_ids"),
                 item.get("messages"),
                 False,
+                routing_key,
             )
             sent.append((req.req_id, self._send(req)))
         deadline = self._deadline(timeout)
@@ -220,20 +233,23 @@ class Client:
         timeout: float | None = None,
         *,
         cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> list[tuple[float, int]]:
         """(summed log-likelihood, token count) of each continuation after ``prefix_ids``.
 
         The prefix is prefilled (and cached, under ``cache_salt``) first; the
         continuations then go out together as prefill-only requests scoring from
-        ``len(prefix_ids)``.
+        ``len(prefix_ids)``, all to the prefix's replica (under ``routing_key``, or a
+        fresh one).
         """
         prefix = list(map(int, prefix_ids))
         conts = [list(map(int, c)) for c in continuations]
         sp = {"max_new_tokens": 0, "cache_salt": cache_salt}
-        self.generate(input_ids=prefix, sampling_params=sp, timeout=timeout)
+        key = routing_key or f"score-{uuid.uuid4().hex}"
+        self.generate(input_ids=prefix, sampling_params=sp, timeout=timeout, routing_key=key)
         sent = []
         for c in conts:
-            req = _generate_request(self._ids(), None, sp, prefix + c, None, False)
+            req = _generate_request(self._ids(), None, sp, prefix + c, None, False, key)
             req.logprob_start_len = len(prefix)
             sent.append((req.req_id, self._send(req)))
         deadline = self._deadline(timeout)
@@ -251,6 +267,11 @@ class Client:
 
     def health(self) -> bool:
         return bool(self._control("health").get("ok"))
+
+    def kv_snapshot(self, replica: int = 0) -> KVSnapshot:
+        """Replica ``replica``'s whole radix tree, consistent with its KV event ``seq``."""
+        msg = ControlRequest(req_id=self._ids(), kind="kv_snapshot", replica=replica)
+        return msgspec.convert(self._call(msg).data["snapshot"], KVSnapshot)
 
     def close(self) -> None:
         if self._closed:
@@ -420,11 +441,12 @@ class AsyncClient:
         stream: bool = False,
         rid: str | None = None,
         timeout: float | None = None,
+        routing_key: str | None = None,
     ) -> GenerateOutput | AsyncStream:
         """A GenerateOutput; with ``stream=True`` an ``AsyncStream`` to ``async for`` over."""
         await self.connect()
         req = _generate_request(
-            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream
+            rid or self._ids(), prompt, sampling_params, input_ids, messages, stream, routing_key
         )
         q = await self._send(req)
         timeout = self.timeout if timeout is None else timeout
@@ -445,11 +467,15 @@ class AsyncClient:
         *,
         input_ids: Sequence[Sequence[int]] | None = None,
         messages: Sequence[list[dict]] | None = None,
+        routing_key: str | None = None,
     ) -> list[GenerateOutput]:
         items = _batch_items(prompts, input_ids, messages)
         return list(
             await asyncio.gather(
-                *(self.generate(sampling_params=sampling_params, **item) for item in items)
+                *(
+                    self.generate(sampling_params=sampling_params, routing_key=routing_key, **item)
+                    for item in items
+                )
             )
         )
 

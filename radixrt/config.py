@@ -32,6 +32,7 @@ EVICTION_POLICIES = ("lru", "lfu")
 DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" picks one GPU
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 
 
 def setting(
@@ -205,6 +206,37 @@ class ServerConfig:
     debug_faults: str | None = setting(
         None, "test-only fault injection (radixrt.server.faults)", unset="none", hidden=True
     )
+    dp_size: int = setting(
+        1, "data-parallel replicas: scheduler processes, each with its own model, KV pool and tree"
+    )
+    threads_per_replica: int | None = setting(
+        None, "CPU threads of each replica's scheduler", unset="the CPUs divided by dp_size"
+    )
+    dp_restart: bool = setting(
+        False, "restart a replica whose process dies (else the rest serve on without it)"
+    )
+    load_balance_method: str = setting(
+        "cache_aware",
+        "how the front picks a replica: the longest cached prefix (from each replica's KV "
+        "events) unless out of balance, round_robin, or shortest_queue (fewest waiting tokens)",
+        choices=LOAD_BALANCE_METHODS,
+    )
+    cache_threshold: float = setting(
+        0.5,
+        "cache_aware: the share of a prompt a replica must hold cached to win on the cache; "
+        "below it the least loaded replica gets the request",
+    )
+    balance_abs_threshold: int = setting(
+        4096,
+        "cache_aware: out of balance when the most loaded replica waits on this many more "
+        "prompt tokens than the least loaded ...",
+    )
+    balance_rel_threshold: float = setting(2.0, "... and on more than this many times as many")
+    kv_events_endpoint: str | None = setting(
+        None,
+        "also publish every replica's KV events on this ZeroMQ PUB address (e.g. tcp://*:5557)",
+        unset="none",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -236,6 +268,33 @@ class ServerConfig:
             raise ValueError(f"api_key must hold at least one key, got {self.api_key!r}")
         if self.isolate_by_api_key and not self.api_keys:
             raise ValueError("isolate_by_api_key needs an api_key")
+        self._check_data_parallel()
+
+    def _check_data_parallel(self) -> None:
+        _check_positive("dp_size", self.dp_size)
+        _check_positive("balance_abs_threshold", self.balance_abs_threshold)
+        if self.threads_per_replica is not None:
+            _check_positive("threads_per_replica", self.threads_per_replica)
+        if not 0.0 <= self.cache_threshold <= 1.0:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold}")
+        if self.balance_rel_threshold < 1.0:
+            raise ValueError(
+                f"balance_rel_threshold must be >= 1, got {self.balance_rel_threshold}"
+            )
+        _check_optional_text("kv_events_endpoint", self.kv_events_endpoint)
+
+    @property
+    def kv_events(self) -> bool:
+        """Whether replicas publish KV events: the front routes from them, or an outside
+        consumer subscribes."""
+        return self.dp_size > 1 or self.kv_events_endpoint is not None
+
+    @property
+    def replica_threads(self) -> int:
+        """CPU threads each replica's scheduler runs with."""
+        if self.threads_per_replica is not None:
+            return self.threads_per_replica
+        return max(1, len(os.sched_getaffinity(0)) // self.dp_size)
 
     @property
     def api_keys(self) -> tuple[bytes, ...]:

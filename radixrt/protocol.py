@@ -46,6 +46,8 @@ class ErrorCode:
     TOO_LARGE = "too_large"  # a message over the server's byte limit
     LIMIT_EXCEEDED = "limit_exceeded"  # max_new_tokens or in-flight requests over a limit
     SHUTTING_DOWN = "shutting_down"  # the server is draining; no new requests
+    REPLICA_FAILED = "replica_failed"  # the replica running the request exited
+    UNAVAILABLE = "unavailable"  # no replica is serving
 
 
 class GenerateOutput(msgspec.Struct, kw_only=True):
@@ -90,6 +92,9 @@ class GenerateRequest(_Msg, tag="generate"):
     stream: bool = False
     logprob_start_len: int | None = None  # score the prompt from this token on
     api_key: str | None = None  # required when the server has --api-key
+    # Requests with the same key go to one data-parallel replica while any is in flight
+    # (a program's forks, a batch sharing a prefix).
+    routing_key: str | None = None
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -99,11 +104,13 @@ class AbortRequest(_Msg, tag="abort"):
 
 
 class ControlRequest(_Msg, tag="control"):
-    """``kind``: "server_info" | "flush_cache" | "health"."""
+    """``kind``: "server_info" | "flush_cache" | "health" | "kv_snapshot" (the tree of
+    ``replica`` as a ``KVSnapshot``, in ``data["snapshot"]``)."""
 
     req_id: str
     kind: str
     api_key: str | None = None  # required when the server has --api-key
+    replica: int = 0  # kv_snapshot: which data-parallel replica
 
 
 # ------------------------------------------------------- server → client
@@ -196,6 +203,7 @@ class BatchTokenOut(_Msg, tag="batch_tokens"):
     """Scheduler → Detokenizer: the new tokens of one step."""
 
     items: list[TokenDelta]
+    replica: int = 0
 
 
 class TextDelta(msgspec.Struct, kw_only=True):
@@ -230,6 +238,7 @@ class SchedulerReady(_Msg, tag="scheduler_ready"):
     """Scheduler → (Detokenizer) → TokenizerManager, first message: model limits."""
 
     info: dict[str, Any]
+    replica: int = 0
 
 
 class ProcessReady(_Msg, tag="ready"):
@@ -254,6 +263,15 @@ class ProcessFailed(_Msg, tag="failed"):
     error: str
 
 
+class ReplicaDown(_Msg, tag="replica_down"):
+    """Launcher → Detokenizer → TokenizerManager: a replica's scheduler process exited; its
+    requests fail, and it leaves the routing until a restarted one reports ready."""
+
+    replica: int
+    exitcode: int | None = None
+    restarting: bool = False
+
+
 Message = (
     Hello
     | GenerateRequest
@@ -275,6 +293,7 @@ Message = (
     | ProcessReady
     | Drained
     | ProcessFailed
+    | ReplicaDown
 )
 MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
 

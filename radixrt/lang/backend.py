@@ -3,7 +3,9 @@
 Both speak token ids (so a fork's children extend exactly the ids of their
 parent and hit its cached prefix) and offer the same four calls:
 ``generate``, ``generate_stream`` (text deltas, then the output), ``cache_prefix``
-(prefill-only request: the ids enter the radix tree) and ``score``.
+(prefill-only request: the ids enter the radix tree) and ``score``. Each takes a
+``routing_key``: a server with several data-parallel replicas sends the requests
+sharing one to the same replica (an in-process engine has one, and ignores it).
 A program run's ``cache_salt`` travels in ``sp.cache_salt`` for ``generate``
 and as the ``cache_salt`` argument of ``cache_prefix`` and ``score``; every
 request a call sends carries it, so the run only shares KV within its salt.
@@ -35,19 +37,30 @@ class Backend:
     def ensure_ready(self) -> None:
         """Raise if the backend cannot serve (e.g. the server is down)."""
 
-    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+    def generate(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> GenerateOutput:
         raise NotImplementedError
 
-    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
-        out = self.generate(ids, sp)
+    def generate_stream(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> Iterator[str | GenerateOutput]:
+        out = self.generate(ids, sp, routing_key)
         yield out.text
         yield out
 
-    def cache_prefix(self, ids: list[int], cache_salt: str | None = None) -> GenerateOutput:
-        return self.generate(ids, SamplingParams(max_new_tokens=0, cache_salt=cache_salt))
+    def cache_prefix(
+        self, ids: list[int], cache_salt: str | None = None, routing_key: str | None = None
+    ) -> GenerateOutput:
+        sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
+        return self.generate(ids, sp, routing_key)
 
     def score(
-        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+        self,
+        prefix: list[int],
+        continuations: list[list[int]],
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> list[tuple[float, int]]:
         raise NotImplementedError
 
@@ -132,10 +145,14 @@ class EngineBackend(Backend):
                 del live[req.rid]
                 fut.set_result(self.engine.make_output(req))
 
-    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+    def generate(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> GenerateOutput:
         return self._submit(ids, sp).result()
 
-    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
+    def generate_stream(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> Iterator[str | GenerateOutput]:
         deltas: queue.Queue = queue.Queue()
         fut = self._submit(ids, sp, deltas=deltas)
         while not (fut.done() and deltas.empty()):
@@ -146,7 +163,11 @@ class EngineBackend(Backend):
         yield fut.result()
 
     def score(
-        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+        self,
+        prefix: list[int],
+        continuations: list[list[int]],
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> list[tuple[float, int]]:
         self.cache_prefix(prefix, cache_salt)
         sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
@@ -206,14 +227,21 @@ class RuntimeEndpoint(Backend):
     def ensure_ready(self) -> None:
         self.client  # noqa: B018 -- connects (handshake) or raises
 
-    def generate(self, ids: list[int], sp: SamplingParams) -> GenerateOutput:
+    def generate(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> GenerateOutput:
         self.request_log.append(list(ids))
-        return self.client.generate(input_ids=ids, sampling_params=sp)
+        return self.client.generate(input_ids=ids, sampling_params=sp, routing_key=routing_key)
 
-    def generate_stream(self, ids: list[int], sp: SamplingParams) -> Iterator[str | GenerateOutput]:
+    def generate_stream(
+        self, ids: list[int], sp: SamplingParams, routing_key: str | None = None
+    ) -> Iterator[str | GenerateOutput]:
         self.request_log.append(list(ids))
         text, token_ids, last = [], [], None
-        for chunk in self.client.generate(input_ids=ids, sampling_params=sp, stream=True):
+        chunks = self.client.generate(
+            input_ids=ids, sampling_params=sp, stream=True, routing_key=routing_key
+        )
+        for chunk in chunks:
             if chunk.text:
                 text.append(chunk.text)
                 yield chunk.text
@@ -229,11 +257,17 @@ class RuntimeEndpoint(Backend):
         )
 
     def score(
-        self, prefix: list[int], continuations: list[list[int]], cache_salt: str | None = None
+        self,
+        prefix: list[int],
+        continuations: list[list[int]],
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> list[tuple[float, int]]:
         self.request_log.append(list(prefix))
         self.request_log.extend(prefix + c for c in continuations)
-        return self.client.score(prefix, continuations, cache_salt=cache_salt)
+        return self.client.score(
+            prefix, continuations, cache_salt=cache_salt, routing_key=routing_key
+        )
 
     def close(self) -> None:
         if self._client is not None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -165,9 +166,12 @@ class ProgramState:
         ids: list[int] | None = None,
         stream_q: queue.Queue | None = None,
         cache_salt: str | None = None,
+        routing_key: str | None = None,
     ) -> None:
         self.backend = backend
         self.cache_salt = cache_salt  # sent with every request of this state and its forks
+        # one replica for the run and its forks (their prefixes are cached there)
+        self.routing_key = routing_key or f"run-{uuid.uuid4().hex}"
         self.tokenizer = backend.tokenizer
         self.chat = ChatFormat(self.tokenizer)
         self.ids: list[int] = list(ids) if ids is not None else self._bos()
@@ -210,10 +214,12 @@ class ProgramState:
     def fork(self, n: int) -> ForkGroup:
         """n states continuing from this one; the shared prefix is cached once first."""
         if len(self.ids) > 1:
-            self.backend.cache_prefix(self.ids, cache_salt=self.cache_salt)
+            self.backend.cache_prefix(self.ids, self.cache_salt, self.routing_key)
         children = []
         for _ in range(n):
-            child = ProgramState(self.backend, self.ids, cache_salt=self.cache_salt)
+            child = ProgramState(
+                self.backend, self.ids, cache_salt=self.cache_salt, routing_key=self.routing_key
+            )
             child._text, child._messages = list(self._text), [dict(m) for m in self._messages]
             child.variables, child._role = dict(self.variables), self._role
             children.append(child)
@@ -288,10 +294,10 @@ class ProgramState:
     def _gen(self, expr: Gen) -> None:
         sp = SamplingParams(**{"cache_salt": self.cache_salt, **expr.params})
         if self._stream_q is None:
-            out = self.backend.generate(self.ids, sp)
+            out = self.backend.generate(self.ids, sp, self.routing_key)
         else:
             out = None
-            for item in self.backend.generate_stream(self.ids, sp):
+            for item in self.backend.generate_stream(self.ids, sp, self.routing_key):
                 if isinstance(item, str):
                     self._emit(expr.name, item)
                 else:
@@ -322,7 +328,7 @@ class ProgramState:
 
     def _select(self, expr: Select) -> None:
         conts = [self.tokenizer.encode(c, add_special_tokens=False) for c in expr.choices]
-        scores = self.backend.score(self.ids, conts, cache_salt=self.cache_salt)
+        scores = self.backend.score(self.ids, conts, self.cache_salt, self.routing_key)
         normalized = [lp / max(n, 1) for lp, n in scores]
         best = max(range(len(conts)), key=lambda i: normalized[i])
         self._append_text(expr.choices[best], conts[best], expr.name)
@@ -365,11 +371,18 @@ class Program:
         return self.run(*args, **kwargs)
 
     def run(
-        self, *args, backend=None, stream: bool = False, cache_salt: str | None = None, **kwargs
+        self,
+        *args,
+        backend=None,
+        stream: bool = False,
+        cache_salt: str | None = None,
+        routing_key: str | None = None,
+        **kwargs,
     ) -> ProgramState:
         """Run once; errors inside the program end up in ``state.error``.
 
         ``cache_salt``: the prefix-cache namespace of every request of the run.
+        ``routing_key``: the run's requests (a fresh key when None) go to one replica.
         """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
@@ -379,7 +392,10 @@ class Program:
         SamplingParams(cache_salt=cache_salt)  # a bad salt raises here, not inside the program
         backend.ensure_ready()
         state = ProgramState(
-            backend, stream_q=queue.Queue() if stream else None, cache_salt=cache_salt
+            backend,
+            stream_q=queue.Queue() if stream else None,
+            cache_salt=cache_salt,
+            routing_key=routing_key,
         )
         if stream:
             threading.Thread(target=self._execute, args=(state, args, kwargs), daemon=True).start()
@@ -409,7 +425,9 @@ class Program:
 
         ``cache_salt`` applies to every run; a kwargs dict's own ``cache_salt``
         key overrides it for that run. The common prefix is cached once per
-        salt that two or more runs use.
+        salt that two or more runs use, and then every run goes to the replica
+        holding it (one routing key for the batch); without one, each run is
+        routed on its own.
         """
         backend = backend or _DEFAULT_BACKEND
         if backend is None:
@@ -420,10 +438,12 @@ class Program:
         batch_kwargs = [{"cache_salt": cache_salt, **kw} for kw in batch_kwargs]
         salts = Counter(kw["cache_salt"] for kw in batch_kwargs)
         prefix = self._common_prefix(backend, [_program_kwargs(kw) for kw in batch_kwargs])
-        if len(prefix) > 1:
+        if len(prefix) > 1 and max(salts.values()) > 1:
+            key = f"batch-{uuid.uuid4().hex}"
+            batch_kwargs = [{"routing_key": key, **kw} for kw in batch_kwargs]
             for salt, n in salts.items():
                 if n > 1:
-                    backend.cache_prefix(prefix, cache_salt=salt)
+                    backend.cache_prefix(prefix, salt, key)
         bar = None
         if progress_bar:
             from tqdm import tqdm
@@ -467,7 +487,7 @@ class Program:
 
 def _program_kwargs(kw: dict) -> dict:
     """A run's kwargs without the ones ``run`` itself takes."""
-    return {k: v for k, v in kw.items() if k != "cache_salt"}
+    return {k: v for k, v in kw.items() if k not in ("cache_salt", "routing_key")}
 
 
 class _TraceDone(Exception):

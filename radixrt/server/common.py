@@ -83,3 +83,16 @@ def report_ready(ready: zmq.Socket, role: str, info: dict | None = None) -> None
     gc.collect()
     gc.freeze()
     ready.send(encode(ProcessReady(role=role, pid=os.getpid(), info=info or {})))
+
+
+def replica_name(replica: int) -> str:
+    """The process name of a replica's scheduler: "scheduler" for the first, as with one."""
+    return "scheduler" if replica == 0 else f"scheduler_{replica}"
+
+
+def replica_index(name: str) -> int | None:
+    """The replica a process name belongs to; None for the other processes."""
+    if name == "scheduler":
+        return 0
+    head, _, tail = name.partition("_")
+    return int(tail) if head == "scheduler" and tail.isdigit() else None

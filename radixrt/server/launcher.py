@@ -1,4 +1,8 @@
-"""``radixrt launch``: start the three server processes and supervise them.
+"""``radixrt launch``: start the server processes and supervise them.
+
+The processes: the TokenizerManager (the front), the Detokenizer, and one
+Scheduler per data-parallel replica (``dp_size``; replica i pinned to its own
+block of CPUs, or GPU i).
 
 Children are started with the "spawn" method (torch and fork do not mix) and
 get one dict each: the ipc addresses, the launcher's pid and the
@@ -11,7 +15,10 @@ ready line, then watches:
   seconds, aborts what is left, and reports ``Drained``; the launcher then
   stops everything and exits 0 after a clean drain, 1 when requests had to
   be aborted. A second SIGTERM, or SIGINT, stops everything at once (exit 0).
-- A child that dies stops the rest (exit 1).
+- A replica that dies is announced (``ReplicaDown``, through the Detokenizer,
+  so the front fails its requests and stops routing to it) and restarted with
+  ``dp_restart``; without it the rest serve on, and the launcher says so.
+  When no replica is left, or another child dies, everything stops (exit 1).
 
 Children die with the launcher (PR_SET_PDEATHSIG and a parent-pid check).
 """
@@ -30,8 +37,8 @@ import time
 import zmq
 
 from radixrt.config import EngineConfig, ServerConfig
-from radixrt.protocol import Drained, ProcessFailed, ProcessReady, decode
-from radixrt.server.common import POLL_MS
+from radixrt.protocol import Drained, ProcessFailed, ProcessReady, ReplicaDown, decode, encode
+from radixrt.server.common import POLL_MS, replica_index, replica_name
 
 READY_TIMEOUT_S = 600
 STOP_GRACE_S = 3.0
@@ -44,7 +51,7 @@ class Launcher:
         self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
         self.addrs = {
             name: f"ipc://{self.tmpdir}/{name}"
-            for name in ("scheduler_addr", "detokenizer_addr", "tokenizer_addr", "ready_addr")
+            for name in ("detokenizer_addr", "tokenizer_addr", "ready_addr")
         }
         self.ctx = zmq.Context()
         self.ready = self.ctx.socket(zmq.PULL)
@@ -56,6 +63,9 @@ class Launcher:
         self.drain_signal = False  # a first SIGTERM once ready: drain
         self.draining_since: float | None = None
         self.drain_announced = False
+        self.to_detok: zmq.Socket | None = None
+        self.failed_start: set[int] = set()  # replicas not restarted again
+        self.mp = multiprocessing.get_context("spawn")
 
     def run(self) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -95,26 +105,57 @@ class Launcher:
 
     def start(self) -> None:
         from radixrt.server.detokenizer import run_detokenizer
-        from radixrt.server.scheduler_process import run_scheduler_process
         from radixrt.server.tokenizer_manager import run_tokenizer_manager
 
-        mp = multiprocessing.get_context("spawn")
-        base = {**self.addrs, "parent_pid": os.getpid(), "server": self.server}
-        self._spawn(
-            mp,
-            "scheduler",
-            run_scheduler_process,
-            {**base, "engine": dataclasses.asdict(self.config)},
-        )
+        for i in range(self.server.dp_size):
+            self.spawn_replica(i)
         from radixrt.model.loader import resolve_model_path
 
-        base["model_path"] = resolve_model_path(self.config.model)
-        self._spawn(mp, "detokenizer", run_detokenizer, base)
+        base = {**self.base_args(), "model_path": resolve_model_path(self.config.model)}
+        self._spawn("detokenizer", run_detokenizer, base)
         pids = {name: p.pid for name, p in self.procs.items()}
-        self._spawn(mp, "tokenizer_manager", run_tokenizer_manager, {**base, "pids": pids})
+        self._spawn("tokenizer_manager", run_tokenizer_manager, {**base, "pids": pids})
+        self.to_detok = self.ctx.socket(zmq.PUSH)  # ReplicaDown notices
+        self.to_detok.setsockopt(zmq.LINGER, 0)
+        self.to_detok.connect(self.addrs["detokenizer_addr"])
 
-    def _spawn(self, mp, name: str, target, args: dict) -> None:
-        proc = mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
+    def base_args(self) -> dict:
+        n = self.server.dp_size
+        return {
+            **self.addrs,
+            "parent_pid": os.getpid(),
+            "server": self.server,
+            "scheduler_addrs": [self.replica_addr("scheduler", i) for i in range(n)],
+            "kv_event_addrs": [self.replica_addr("kv_events", i) for i in range(n)]
+            if self.server.kv_events
+            else [],
+        }
+
+    def replica_addr(self, name: str, replica: int) -> str:
+        return f"ipc://{self.tmpdir}/{name}_{replica}"
+
+    def spawn_replica(self, replica: int) -> None:
+        """Start replica ``replica``'s scheduler process (also to restart one)."""
+        from radixrt.server.scheduler_process import run_scheduler_process
+
+        engine = dataclasses.replace(
+            self.config, device=replica_device(self.config.device, replica, self.server.dp_size)
+        )
+        args = {
+            **self.base_args(),
+            "engine": dataclasses.asdict(engine),
+            "replica": replica,
+            "scheduler_addr": self.replica_addr("scheduler", replica),
+            "kv_events_addr": self.replica_addr("kv_events", replica)
+            if self.server.kv_events
+            else None,
+            "threads": self.server.replica_threads,
+            "cpus": replica_cpus(replica, self.server),
+        }
+        self._spawn(replica_name(replica), run_scheduler_process, args)
+
+    def _spawn(self, name: str, target, args: dict) -> None:
+        proc = self.mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
         proc.start()
         self.procs[name] = proc
 
@@ -163,18 +204,15 @@ class Launcher:
                 print("radixrt: error: the drain did not finish; stopping", file=sys.stderr)
                 return 1
             dead = self.dead_child()
-            if dead is not None:
-                print(
-                    f"radixrt: error: the {dead} process exited "
-                    f"(code {self.procs[dead].exitcode}); shutting down",
-                    file=sys.stderr,
-                )
+            if dead is not None and not self.replica_died(dead):
                 return 1
             if self.ready.poll(POLL_MS):  # signals set flags; seen within a second
                 msg = decode(self.ready.recv())
                 if isinstance(msg, ProcessFailed):
                     print(f"radixrt: error: {msg.role} failed:\n{msg.error}", file=sys.stderr)
-                    return 1
+                    if replica_index(msg.role) is None:
+                        return 1
+                    self.failed_start.add(replica_index(msg.role))
                 if isinstance(msg, Drained):
                     if msg.aborted:
                         print(
@@ -185,6 +223,43 @@ class Launcher:
                     print("radixrt: drained; stopping", file=sys.stderr, flush=True)
                     return 0
         return 0
+
+    def replica_died(self, name: str) -> bool:
+        """Handle a dead child: a replica is restarted (``dp_restart``) or left out while others
+        serve; True when the server goes on."""
+        code = self.procs[name].exitcode
+        replica = replica_index(name)
+        alive = [n for n, p in self.procs.items() if replica_index(n) is not None and p.is_alive()]
+        restart = (
+            replica is not None
+            and self.server.dp_restart
+            and self.draining_since is None
+            and replica not in self.failed_start
+        )
+        if replica is None or not (alive or restart):
+            print(
+                f"radixrt: error: the {name} process exited (code {code}); shutting down",
+                file=sys.stderr,
+            )
+            return False
+        self.to_detok.send(encode(ReplicaDown(replica=replica, exitcode=code, restarting=restart)))
+        del self.procs[name]
+        n = self.server.dp_size
+        if restart:
+            print(
+                f"radixrt: error: replica {replica} exited (code {code}); restarting it",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.spawn_replica(replica)
+        else:
+            print(
+                f"radixrt: error: replica {replica} exited (code {code}); serving on "
+                f"{len(alive)} of {n} replicas",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
 
     def start_drain(self) -> None:
         self.draining_since = time.monotonic()
@@ -201,5 +276,32 @@ class Launcher:
                 proc.kill()
                 proc.join(1.0)
         self.ready.close(0)
+        if self.to_detok is not None:
+            self.to_detok.close(0)
         self.ctx.term()
         shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def replica_device(device: str, replica: int, dp_size: int) -> str:
+    """Replica i's device: with several replicas on GPUs, GPU i (counted from a given cuda:N)."""
+    if dp_size == 1 or device == "cpu":
+        return device
+    kind, _, index = device.partition(":")
+    if kind == "auto":
+        import torch
+
+        if not torch.cuda.is_available():
+            return device
+    return f"cuda:{int(index or 0) + replica}"
+
+
+def replica_cpus(replica: int, server: ServerConfig) -> list[int] | None:
+    """The CPUs replica i is pinned to (a block of ``replica_threads`` each); None with one
+    replica, or when the blocks would not fit the CPUs this process may use."""
+    if server.dp_size == 1:
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    t = server.replica_threads
+    if t * server.dp_size > len(cpus):
+        return None
+    return cpus[replica * t : (replica + 1) * t]

@@ -8,7 +8,10 @@ Two sources, read where they already are:
   scrape (``SchedulerCollector``): hit rate, evicted tokens, KV slots free /
   evictable / protected, running and waiting requests. Nothing on the decode
   path waits for a scrape beyond answering that one control message between
-  two steps.
+  two steps. Each is given for the whole server (no labels) and for each
+  data-parallel replica (label ``replica``), beside the front's view of each
+  replica: whether it serves, the requests routed to it, the prompt tokens
+  waiting there and the tokens its mirrored tree holds.
 
 Every name starts with ``radixrt:``, as SGLang's start with ``sglang:``.
 """
@@ -97,17 +100,49 @@ SCHEDULER_GAUGES = {
 }
 
 
+# the front's view of each replica: key of ``ReplicaView`` -> (metric name, help, is a counter)
+REPLICA_METRICS = {
+    "up": ("radixrt:replica_up", "1 while the replica serves", False),
+    "routed": ("radixrt:routed_requests", "Requests the front sent to the replica", True),
+    "waiting_tokens": (
+        "radixrt:routing_waiting_tokens",
+        "Prompt tokens routed to the replica and not yet prefilled",
+        False,
+    ),
+    "mirror_tokens": (
+        "radixrt:mirror_cache_tokens",
+        "Tokens in the front's mirror of the replica's radix tree",
+        False,
+    ),
+}
+
+
 class SchedulerCollector:
-    """Yields the scheduler's figures from the ``server_info`` taken for this scrape."""
+    """Yields the scheduler's figures from the ``server_info`` taken for this scrape, in total
+    and per replica, and the front's ``replica_views`` (dicts with ``REPLICA_METRICS`` keys)."""
 
     def __init__(self) -> None:
         self.stats: dict = {}
+        self.replica_views: list[dict] = []
 
     def collect(self):
-        for key, (name, doc) in SCHEDULER_COUNTERS.items():
-            yield CounterMetricFamily(name, doc, value=float(self.stats.get(key, 0)))
-        for key, (name, doc) in SCHEDULER_GAUGES.items():
-            yield GaugeMetricFamily(name, doc, value=float(self.stats.get(key, 0)))
+        per_replica = self.stats.get("replicas", [])
+        tables = ((SCHEDULER_COUNTERS, CounterMetricFamily), (SCHEDULER_GAUGES, GaugeMetricFamily))
+        for table, family in tables:
+            for key, (name, doc) in table.items():
+                metric = family(name, doc, labels=["replica"])
+                total = metric.name + ("_total" if family is CounterMetricFamily else "")
+                metric.add_sample(total, {}, float(self.stats.get(key, 0)))
+                for r in per_replica:
+                    metric.add_metric([str(r.get("replica", 0))], float(r.get(key, 0)))
+                yield metric
+        for key, (name, doc, counter) in REPLICA_METRICS.items():
+            metric = (CounterMetricFamily if counter else GaugeMetricFamily)(
+                name, doc, labels=["replica"]
+            )
+            for view in self.replica_views:
+                metric.add_metric([str(view["replica"])], float(view[key]))
+            yield metric
 
 
 class ServerMetrics:
@@ -168,6 +203,7 @@ class ServerMetrics:
         self.generation_tokens.inc(generated)
         self.e2e.observe(latency)
 
-    def render(self, scheduler_stats: dict) -> bytes:
+    def render(self, scheduler_stats: dict, replica_views: list[dict] = ()) -> bytes:
         self.scheduler.stats = scheduler_stats
+        self.scheduler.replica_views = list(replica_views)
         return generate_latest(self.registry)

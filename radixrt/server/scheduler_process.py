@@ -15,6 +15,14 @@ step, or in the forward pass of its batch) is answered with
 errors out every request it still holds, says why on stderr and exits
 non-zero (the launcher then stops the server) instead of spinning.
 ``debug_faults`` arms test-only faults (``radixrt.server.faults``).
+
+Data parallelism: the process is replica ``args["replica"]`` (its outputs and
+ready report say which), runs ``args["threads"]`` compute threads pinned to
+``args["cpus"]``, and, given ``args["kv_events_addr"]``, publishes its radix
+tree's events there on a PUB socket: one ``KVEventBatch`` per loop turn that
+changed the tree, numbered 1, 2, ... A ``kv_snapshot`` control request first
+publishes what is pending, then answers with the whole tree as a
+``KVSnapshot`` of that sequence number.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import os
 import sys
 
+import msgspec
+import torch
 import zmq
 
 from radixrt.output import OutputTracker
@@ -32,6 +42,8 @@ from radixrt.protocol import (
     ControlRequest,
     ErrorCode,
     ErrorReply,
+    KVEventBatch,
+    KVSnapshot,
     RidError,
     SchedulerReady,
     TokenizedRequest,
@@ -41,7 +53,17 @@ from radixrt.protocol import (
 from radixrt.sampling import make_generator
 from radixrt.scheduler.req import Req
 from radixrt.server import faults
-from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+from radixrt.server.common import (
+    POLL_MS,
+    exit_if_orphaned,
+    pull,
+    push,
+    replica_name,
+    report_ready,
+    run_child,
+)
+
+EVENT_HWM = 10_000  # event batches queued per subscriber
 
 
 class RepeatedForwardFailure(RuntimeError):
@@ -53,6 +75,11 @@ class SchedulerProcess:
         from radixrt.engine import Engine
 
         self.args = args
+        self.replica = args.get("replica", 0)
+        if args.get("cpus"):
+            os.sched_setaffinity(0, args["cpus"])
+        if args.get("threads"):
+            torch.set_num_threads(args["threads"])
         self.engine = Engine(**args["engine"])
         self.scheduler = self.engine.scheduler
         server = args["server"]  # a radixrt.config.ServerConfig
@@ -64,6 +91,7 @@ class SchedulerProcess:
         self.recv = pull(ctx, args["scheduler_addr"])
         self.send = push(ctx, args["detokenizer_addr"])
         self.outputs = OutputTracker()  # every request this process still answers for
+        self.events = EventPublisher(ctx, args.get("kv_events_addr"), self.replica, self.scheduler)
 
     def info(self) -> dict:
         eng = self.engine
@@ -79,16 +107,21 @@ class SchedulerProcess:
             "kernels": eng.runner.kernels.describe(),
             "attention_backend": eng.runner.attn_backend.name,
             "attention": eng.runner.attn_backend.describe(),
+            "replica": self.replica,
+            "scheduler_pid": os.getpid(),
+            "threads": torch.get_num_threads(),
+            "device": str(eng.runner.device),
         }
 
     def loop(self) -> None:
-        self.send.send(encode(SchedulerReady(info=self.info())))
+        self.send.send(encode(SchedulerReady(info=self.info(), replica=self.replica)))
         while True:
             exit_if_orphaned(self.args)
             if self.recv.poll(POLL_MS if self.scheduler.idle else 0):
                 self.drain()
             if not self.scheduler.idle:
                 self.scheduler.step()
+            self.events.publish()
             self.emit()
             if self.scheduler.forward_failures >= self.max_forward_failures:
                 self.give_up()
@@ -156,7 +189,7 @@ class SchedulerProcess:
 
     def control(self, msg: ControlRequest) -> None:
         if msg.kind == "server_info":
-            data = {**self.info(), **self.scheduler.get_stats(), "scheduler_pid": os.getpid()}
+            data = {**self.info(), **self.scheduler.get_stats()}
         elif msg.kind == "flush_cache":
             if not self.scheduler.flush_cache():
                 self.send.send(
@@ -172,6 +205,8 @@ class SchedulerProcess:
             data = {"ok": True}
         elif msg.kind == "health":
             data = {"ok": True}
+        elif msg.kind == "kv_snapshot":
+            data = {"snapshot": msgspec.to_builtins(self.events.snapshot())}
         else:
             self.send.send(
                 encode(
@@ -201,15 +236,53 @@ class SchedulerProcess:
             else:
                 items.append(delta)
         if items:
-            self.send.send(encode(BatchTokenOut(items=items)))
+            self.send.send(encode(BatchTokenOut(items=items, replica=self.replica)))
         for err in errors:
             self.send.send(encode(err))
 
 
+class EventPublisher:
+    """The replica's KV events on a PUB socket (nothing without an address)."""
+
+    def __init__(self, ctx: zmq.Context, addr: str | None, replica: int, scheduler) -> None:
+        self.replica, self.tree, self.seq = replica, scheduler.kv.tree, 0
+        self.page_size = self.tree.page_size
+        self.sock = None
+        if addr is not None:
+            self.sock = ctx.socket(zmq.PUB)
+            self.sock.setsockopt(zmq.LINGER, 0)
+            self.sock.setsockopt(zmq.SNDHWM, EVENT_HWM)  # past it, subscribers see a gap
+            self.sock.bind(addr)
+            self.tree.start_recording()
+
+    def publish(self) -> None:
+        if self.sock is None:
+            return
+        events = self.tree.take_events()
+        if events:
+            self.seq += 1
+            batch = KVEventBatch(
+                replica=self.replica, seq=self.seq, events=events, page_size=self.page_size
+            )
+            self.sock.send(encode(batch))
+
+    def snapshot(self) -> KVSnapshot:
+        """The whole tree, after publishing what is pending (so it matches ``seq``)."""
+        self.publish()
+        return KVSnapshot(
+            replica=self.replica,
+            seq=self.seq,
+            events=self.tree.snapshot_events(),
+            page_size=self.page_size,
+        )
+
+
 def run_scheduler_process(args: dict) -> None:
+    role = replica_name(args.get("replica", 0))
+
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         proc = SchedulerProcess(args, ctx)
-        report_ready(ready, "scheduler", proc.info())
+        report_ready(ready, role, proc.info())
         proc.loop()
 
-    run_child("scheduler", args, main)
+    run_child(role, args, main)

@@ -73,7 +73,10 @@ from radixrt.protocol import (
     GenerateRequest,
     Hello,
     HelloReply,
+    KVEventBatch,
+    KVSnapshot,
     Ping,
+    ReplicaDown,
     ReplyBatch,
     RidError,
     SchedulerReady,
@@ -85,10 +88,20 @@ from radixrt.protocol import (
     encode,
 )
 from radixrt.sampling import SamplingParams
-from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+from radixrt.server.common import (
+    POLL_MS,
+    exit_if_orphaned,
+    pull,
+    push,
+    replica_name,
+    report_ready,
+    run_child,
+)
+from radixrt.server.controls import Gather, split_id, sub_id
 from radixrt.server.metrics import ServerMetrics
+from radixrt.server.routing import Replica, Router
 
-CONTROL_KINDS = ("server_info", "flush_cache", "health")
+CONTROL_KINDS = ("server_info", "flush_cache", "health", "kv_snapshot")
 SCHEDULER_START_TIMEOUT_S = 600
 PROBE_S = 2.0
 HARD_SIZE_FACTOR = 4  # ZMQ_MAXMSGSIZE = this × max_message_bytes
@@ -191,11 +204,13 @@ class TokenizerManager:
         self.router.bind(f"tcp://{self.server.host}:{self.server.port}")
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.from_detok = pull(ctx, args["tokenizer_addr"])
-        self.to_sched = push(ctx, args["scheduler_addr"])
+        self.replicas = [Replica(i, push(ctx, a)) for i, a in enumerate(args["scheduler_addrs"])]
+        self.router = Router(self.server, self.replicas)
+        self.events_in, self.events_out = kv_event_sockets(ctx, args, self.server)
         self.limits: dict = {}
         self.reqs: dict[str, ClientReq] = {}  # server rid -> state
         self.rids: dict[tuple[bytes, str], str] = {}  # (identity, req_id) -> rid
-        self.controls: dict[str, tuple[bytes, str, str]] = {}  # qid -> (identity, req_id, kind)
+        self.gathers: dict[str, Gather] = {}  # qid -> a control request awaiting replicas
         self.counter = itertools.count()
         self.in_flight: collections.Counter[bytes] = collections.Counter()  # identity -> requests
         self.next_probe = 0.0
@@ -207,22 +222,29 @@ class TokenizerManager:
         self.wake: asyncio.Event | None = None  # set to run pump() now
         self.metrics = ServerMetrics()
         self.http_open = 0  # HTTP responses not yet fully written
-        self.http_controls: dict[str, asyncio.Future] = {}
         port = self.server.http_port
         self.http_sock = http_socket(self.server.host, port) if port else None
 
     # ------------------------------------------------------------ loop
 
     def wait_for_scheduler(self) -> None:
+        """Wait until every replica reported its limits."""
         deadline = time.monotonic() + SCHEDULER_START_TIMEOUT_S
         while time.monotonic() < deadline:
             exit_if_orphaned(self.args)
             if self.from_detok.poll(POLL_MS):
                 msg = decode(self.from_detok.recv())
                 if isinstance(msg, SchedulerReady):
-                    self.limits = msg.info
-                    return
+                    self.on_replica_up(msg)
+                    if all(r.up for r in self.replicas):
+                        return
         raise TimeoutError("the scheduler did not report its limits")
+
+    def on_replica_up(self, msg: SchedulerReady) -> None:
+        replica = self.replicas[msg.replica]
+        replica.up, replica.info = True, msg.info
+        replica.mirror.reset()  # a fresh process: an empty tree, events from seq 1
+        self.limits = self.limits or msg.info
 
     def run(self) -> None:
         """Serve until the process is stopped: the sockets, and HTTP when it is on."""
@@ -245,7 +267,7 @@ class TokenizerManager:
     async def socket_loop(self) -> None:
         """Wake when a ZeroMQ socket has something (their FDs signal edges), or every POLL_MS."""
         loop = asyncio.get_running_loop()
-        socks = (self.from_detok, self.router, self.monitor)
+        socks = tuple(s for s in (self.from_detok, self.router, self.monitor, self.events_in) if s)
         wake = self.wake = asyncio.Event()
         loop.add_signal_handler(signal.SIGUSR1, self.on_drain_signal)
         for sock in socks:
@@ -264,6 +286,8 @@ class TokenizerManager:
     def pump(self) -> None:
         """Handle what the sockets hold, probe clients when due, advance a drain."""
         exit_if_orphaned(self.args)
+        if self.events_in is not None:  # first: the requests routed next see the trees as of now
+            self.drain(self.events_in, lambda frames: self.on_kv_events(frames[0]))
         self.drain(self.from_detok, lambda frames: self.on_backend(frames[0]))
         self.drain(self.router, self.on_client)
         if self.drain(self.monitor, lambda frames: None):
@@ -295,7 +319,7 @@ class TokenizerManager:
         elif now >= self.drain_deadline and not self.drain_aborted:
             self.drain_aborted = len(self.reqs)
             for rid in self.reqs:
-                self.to_sched.send(encode(AbortRid(rid=rid)))
+                self.to_replica(rid, AbortRid(rid=rid))
 
     @staticmethod
     def drain(sock: zmq.Socket, handle) -> int:
@@ -319,7 +343,7 @@ class TokenizerManager:
     def ping_clients(self) -> None:
         """Probe every client with work in flight; the ones that left get dropped."""
         identities = {st.identity for st in self.reqs.values() if st.sink is None} | {
-            c[0] for c in self.controls.values()
+            g.identity for g in self.gathers.values() if g.identity is not None
         }
         for identity in identities:
             self.reply(identity, Ping())
@@ -330,11 +354,9 @@ class TokenizerManager:
     def drop_client(self, identity: bytes) -> None:
         """The client is gone: abort its requests (frees their KV) and forget them."""
         for key in [k for k in self.rids if k[0] == identity]:
-            rid = self.rids[key]
-            self.forget(rid)
-            self.to_sched.send(encode(AbortRid(rid=rid)))
-        for qid in [q for q, c in self.controls.items() if c[0] == identity]:
-            del self.controls[qid]
+            self.abort_rid(self.rids[key])
+        for qid in [q for q, g in self.gathers.items() if g.identity == identity]:
+            del self.gathers[qid]
 
     # -------------------------------------------------- client messages
 
@@ -416,6 +438,7 @@ class TokenizerManager:
             api_key=msg.api_key,
             logprob_start_len=msg.logprob_start_len,
             stream=msg.stream,
+            routing_key=msg.routing_key,
         )
 
     def check_admission(self, identity: bytes, req_id: str, count: int = 1) -> None:
@@ -460,6 +483,7 @@ class TokenizerManager:
         stream: bool = False,
         sink: asyncio.Queue | None = None,
         index: int = 0,
+        routing_key: str | None = None,
     ) -> str:
         """Validate and send one request to the scheduler (after ``check_admission``); its rid."""
         if self.server.isolate_by_api_key:
@@ -473,11 +497,15 @@ class TokenizerManager:
                 f"logprob_start_len {start} is outside "
                 f"[1, {len(ids)}) for a {len(ids)}-token prompt",
             )
+        if not self.router.up:
+            raise RequestError(ErrorCode.UNAVAILABLE, "no replica is serving", status=503)
+        replica = self.router.choose(ids, sp.cache_salt, routing_key)
         rid = str(next(self.counter))
         self.rids[(identity, req_id)] = rid
         self.reqs[rid] = ClientReq(identity, req_id, stream, sink, index)
         self.in_flight[identity] += 1
-        self.to_sched.send(
+        self.router.routed(rid, replica, ids, sp.cache_salt)
+        replica.send(
             encode(
                 TokenizedRequest(
                     rid=rid,
@@ -490,19 +518,49 @@ class TokenizerManager:
         )
         return rid
 
+    def to_replica(self, rid: str, msg: msgspec.Struct) -> None:
+        """Send ``msg`` to the replica running ``rid`` (nothing if it is gone)."""
+        replica = self.router.replica_of(rid)
+        if replica is not None and replica.up:
+            replica.send(encode(msg))
+
     def abort_rid(self, rid: str) -> None:
         """Abort a request this process still tracks (an HTTP client went away); its KV is freed."""
-        if self.forget(rid) is not None:
-            self.to_sched.send(encode(AbortRid(rid=rid)))
+        replica = self.router.replica_of(rid)
+        if self.forget(rid) is not None and replica is not None and replica.up:
+            replica.send(encode(AbortRid(rid=rid)))
 
-    def control_async(self, kind: str) -> asyncio.Future:
-        """Send a control request to the scheduler; the future gets its ``data`` (or a
+    def control_async(self, kind: str, replica: int = 0) -> asyncio.Future:
+        """Send a control request to the replicas; the future gets the combined ``data`` (or a
         RequestError)."""
-        qid = f"h{next(self.counter)}"
         fut = asyncio.get_running_loop().create_future()
-        self.http_controls[qid] = fut
-        self.to_sched.send(encode(ControlRequest(req_id=qid, kind=kind)))
+
+        def deliver(result: dict | ErrorReply) -> None:
+            if not fut.done():
+                fut.set_result(
+                    RequestError(result.code, result.message)
+                    if isinstance(result, ErrorReply)
+                    else {**self.info(), **result}
+                    if kind == "server_info"
+                    else result
+                )
+
+        self.fan_out(kind, deliver, replica=replica)
         return fut
+
+    def fan_out(self, kind: str, deliver, identity: bytes | None = None, replica: int = 0) -> None:
+        """Send control request ``kind`` to every replica that is up (``kv_snapshot``: to
+        ``replica``); ``deliver`` gets the answer (see ``radixrt.server.controls``)."""
+        ups = {r.index for r in self.router.up}
+        targets = {replica} & ups if kind == "kv_snapshot" else ups
+        if not targets:
+            why = f"replica {replica} is not serving" if kind == "kv_snapshot" else "no replica"
+            code = ErrorCode.UNAVAILABLE
+            return deliver(ErrorReply(req_id="", code=code, message=f"{kind}: {why}"))
+        qid = f"q{next(self.counter)}"
+        self.gathers[qid] = Gather(kind, targets, deliver, identity)
+        for i in targets:
+            self.replicas[i].send(encode(ControlRequest(req_id=sub_id(qid, i), kind=kind)))
 
     def tokenize(self, msg: GenerateRequest) -> list[int]:
         given = [x is not None for x in (msg.prompt, msg.input_ids, msg.messages)]
@@ -556,7 +614,7 @@ class TokenizerManager:
         rid = self.rids.get((identity, msg.target))
         if rid is None:
             raise RequestError(ErrorCode.UNKNOWN_RID, f"no request {msg.target!r} in flight")
-        self.to_sched.send(encode(AbortRid(rid=rid)))
+        self.to_replica(rid, AbortRid(rid=rid))
         self.reply(identity, ControlReply(req_id=msg.req_id, data={"ok": True}))
 
     def control(self, identity: bytes, msg: ControlRequest) -> None:
@@ -564,15 +622,27 @@ class TokenizerManager:
             raise RequestError(
                 ErrorCode.UNKNOWN_MESSAGE, f"control kind must be one of {CONTROL_KINDS}"
             )
-        qid = f"q{next(self.counter)}"
-        self.controls[qid] = (identity, msg.req_id, msg.kind)
-        self.to_sched.send(encode(ControlRequest(req_id=qid, kind=msg.kind)))
+        if msg.kind == "kv_snapshot" and not 0 <= msg.replica < len(self.replicas):
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"replica {msg.replica} does not exist (dp_size {len(self.replicas)})",
+            )
+        req_id, kind = msg.req_id, msg.kind
+
+        def deliver(result: dict | ErrorReply) -> None:
+            if isinstance(result, ErrorReply):
+                return self.error(identity, req_id, result.code, result.message)
+            data = {**self.info(), **result} if kind == "server_info" else result
+            self.reply(identity, ControlReply(req_id=req_id, data=data))
+
+        self.fan_out(kind, deliver, identity, msg.replica)
 
     def info(self) -> dict:
         pids = {
             "launcher": os.getppid(),
             "tokenizer_manager": os.getpid(),
             **self.args.get("pids", {}),
+            **{replica_name(r.index): r.info["scheduler_pid"] for r in self.replicas if r.up},
         }
         names = (
             "max_prompt_tokens",
@@ -588,6 +658,9 @@ class TokenizerManager:
             "pids": pids,
             "in_flight": len(self.reqs),
             "draining": self.drain_requested,
+            "dp_size": len(self.replicas),
+            "replicas_up": [r.index for r in self.replicas if r.up],
+            "load_balance_method": self.server.load_balance_method,
         }
 
     # ------------------------------------------------- backend messages
@@ -597,17 +670,51 @@ class TokenizerManager:
         if isinstance(msg, BatchTextOut):
             self.on_text_batch(msg)
         elif isinstance(msg, RidError):
-            self.to_sched.send(encode(AbortRid(rid=msg.rid)))  # frees its KV if it still runs
-            st = self.forget(msg.rid)
-            if st is not None and st.sink is not None:
-                st.sink.put_nowait((st.index, RequestError(msg.code, msg.message)))
-            elif st is not None:
-                self.error(st.identity, st.req_id, msg.code, msg.message)
+            self.to_replica(msg.rid, AbortRid(rid=msg.rid))  # frees its KV if it still runs
+            self.fail(msg.rid, msg.code, msg.message)
         elif isinstance(msg, (ControlReply, ErrorReply)):
             self.on_control_reply(msg)
+        elif isinstance(msg, ReplicaDown):
+            self.on_replica_down(msg)
+        elif isinstance(msg, SchedulerReady):
+            self.on_replica_up(msg)
+
+    def fail(self, rid: str, code: str, message: str) -> None:
+        """Answer request ``rid`` with an error and forget it."""
+        st = self.forget(rid)
+        if st is not None and st.sink is not None:
+            st.sink.put_nowait((st.index, RequestError(code, message)))
+        elif st is not None:
+            self.error(st.identity, st.req_id, code, message)
+
+    def on_replica_down(self, msg: ReplicaDown) -> None:
+        """Fail the replica's requests, answer controls without it, route around it."""
+        why = f"replica {msg.replica} exited (code {msg.exitcode})"
+        for rid in self.router.down(msg.replica):
+            self.fail(rid, ErrorCode.REPLICA_FAILED, f"{why} while running this request")
+        for qid, gather in list(self.gathers.items()):
+            if gather.drop(msg.replica):
+                del self.gathers[qid]
+
+    def on_kv_events(self, data: bytes) -> None:
+        """A replica's event batch: into its mirror (a gap asks for a snapshot); forwarded to
+        the outside subscribers."""
+        if self.events_out is not None:
+            self.events_out.send(data)
+        batch = decode(data)
+        if not isinstance(batch, KVEventBatch) or not 0 <= batch.replica < len(self.replicas):
+            return
+        replica = self.replicas[batch.replica]
+        if replica.up and replica.mirror.on_batch(batch):
+            self.fan_out("kv_snapshot", lambda r: self.on_snapshot(replica, r), None, replica.index)
+
+    def on_snapshot(self, replica: Replica, result: dict | ErrorReply) -> None:
+        if isinstance(result, dict) and replica.up:
+            replica.mirror.on_snapshot(msgspec.convert(result["snapshot"], KVSnapshot))
 
     def forget(self, rid: str) -> ClientReq | None:
         st = self.reqs.pop(rid, None)
+        self.router.finished(rid)
         if st is not None:
             self.rids.pop((st.identity, st.req_id), None)
             self.in_flight[st.identity] -= 1
@@ -624,6 +731,7 @@ class TokenizerManager:
             st = self.reqs.get(item.rid)
             if st is None:  # client gone
                 continue
+            self.router.started(item.rid)
             self.observe(st, item, now)
             if st.sink is not None:
                 if item.finish_reason is not None:
@@ -697,23 +805,30 @@ class TokenizerManager:
         return GenerateReply(req_id=st.req_id, output=out)
 
     def on_control_reply(self, msg: ControlReply | ErrorReply) -> None:
-        fut = self.http_controls.pop(msg.req_id, None)
-        if fut is not None:
-            if not fut.done():
-                fut.set_result(
-                    RequestError(msg.code, msg.message)
-                    if isinstance(msg, ErrorReply)
-                    else {**self.info(), **msg.data}
-                )
-            return
-        target = self.controls.pop(msg.req_id, None)
-        if target is None:
-            return
-        identity, req_id, kind = target
-        if isinstance(msg, ErrorReply):
-            return self.error(identity, req_id, msg.code, msg.message)
-        data = {**self.info(), **msg.data} if kind == "server_info" else msg.data
-        self.reply(identity, ControlReply(req_id=req_id, data=data))
+        qid, replica = split_id(msg.req_id)
+        gather = self.gathers.get(qid)
+        if gather is not None and replica is not None and gather.reply(replica, msg):
+            del self.gathers[qid]
+
+
+def kv_event_sockets(
+    ctx: zmq.Context, args: dict, server: ServerConfig
+) -> tuple[zmq.Socket | None, zmq.Socket | None]:
+    """(a SUB connected to every replica's KV events, a PUB re-publishing them on
+    ``kv_events_endpoint``); None where not wanted."""
+    sub = pub = None
+    if args.get("kv_event_addrs"):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for addr in args["kv_event_addrs"]:
+            sub.connect(addr)
+    if server.kv_events_endpoint is not None:
+        pub = ctx.socket(zmq.PUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(server.kv_events_endpoint)
+    return sub, pub
 
 
 def run_tokenizer_manager(args: dict) -> None:

@@ -216,9 +216,21 @@ class HttpFront:
     # ------------------------------------------------------------ health
 
     async def health(self, request: Request) -> Response:
+        """200 with no body while every replica serves; 200 with a JSON detail when some are
+        down; 503 while draining or when none serves."""
         if self.tm.drain_requested:
             return error_response(
                 api.ApiError(503, "the server is shutting down", ErrorCode.SHUTTING_DOWN)
+            )
+        replicas = self.tm.replicas
+        up = [r.index for r in replicas if r.up]
+        if not up:
+            return error_response(api.ApiError(503, "no replica is serving", ErrorCode.UNAVAILABLE))
+        if len(up) < len(replicas):
+            down = [r.index for r in replicas if not r.up]
+            detail = f"serving on {len(up)} of {len(replicas)} replicas; down: {down}"
+            return json_response(
+                {"status": "degraded", "detail": detail, "replicas_up": up, "replicas_down": down}
             )
         return Response(b"", status_code=200)
 
@@ -227,7 +239,17 @@ class HttpFront:
             stats = await self.control("server_info")
         except (api.ApiError, RequestError):
             stats = {}
-        return Response(self.tm.metrics.render(stats), media_type=METRICS_CONTENT_TYPE)
+        views = [
+            {
+                "replica": r.index,
+                "up": r.up,
+                "routed": r.routed,
+                "waiting_tokens": r.waiting_tokens,
+                "mirror_tokens": r.mirror.tree.num_tokens,
+            }
+            for r in self.tm.replicas
+        ]
+        return Response(self.tm.metrics.render(stats, views), media_type=METRICS_CONTENT_TYPE)
 
     async def models(self, request: Request, key: str | None) -> Response:
         card = api.ModelCard(
@@ -256,13 +278,17 @@ class HttpFront:
 
     async def server_info(self, request: Request, key: str | None) -> Response:
         data = await self.control("server_info")
-        state = {
-            **data,
-            "avg_spec_accept_length": None,
-            "last_gen_throughput": data.get("output_tokens", 0) / data["decode_forward_s"]
-            if data.get("decode_forward_s")
-            else 0.0,
-        }
+        states = [
+            {
+                **{k: v for k, v in data.items() if k != "replicas"},
+                **replica,
+                "avg_spec_accept_length": None,
+                "last_gen_throughput": replica.get("output_tokens", 0) / replica["decode_forward_s"]
+                if replica.get("decode_forward_s")
+                else 0.0,
+            }
+            for replica in data.get("replicas") or [data]
+        ]
         args = {
             k: v
             for k, v in dataclasses.asdict(self.tm.server).items()
@@ -273,7 +299,7 @@ class HttpFront:
                 **args,
                 "model_path": data["model"],
                 "served_model_name": self.model_name,
-                "internal_states": [state],
+                "internal_states": states,
                 "version": "radixrt",
             }
         )

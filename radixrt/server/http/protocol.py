@@ -51,6 +51,8 @@ STATUS_OF_CODE = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.TOO_LARGE: 413,
     ErrorCode.SHUTTING_DOWN: 503,
+    ErrorCode.REPLICA_FAILED: 503,
+    ErrorCode.UNAVAILABLE: 503,
     ErrorCode.UNKNOWN_MESSAGE: 404,
     ErrorCode.VERSION_MISMATCH: 400,
 }
