@@ -17,6 +17,10 @@ Contract:
   ``req_id == ""`` and is ignored). Errors are ``ErrorReply`` with one of the
   ``ErrorCode`` constants; an error about a frame that could not be decoded
   has ``req_id == ""``.
+- Each scheduler replica may publish its radix tree's changes as numbered
+  ``KVEventBatch``es (``KVStored``/``KVSplit``/``KVRemoved``/``KVCleared``) and
+  answer a resync with a ``KVSnapshot``; ``radixrt.cache.mirror`` rebuilds the
+  tree from them.
 """
 
 from __future__ import annotations
@@ -272,6 +276,72 @@ class ReplicaDown(_Msg, tag="replica_down"):
     restarting: bool = False
 
 
+# ----------------------------------------------------------- KV events
+# A scheduler replica's radix tree, as a stream of changes (radixrt.cache.mirror
+# rebuilds it). Node ids are the replica tree's own; the root is node 0. With
+# page_size > 1 every token run below is a whole number of pages.
+
+
+class _KVEvent(msgspec.Struct, tag_field="type", kw_only=True, omit_defaults=True):
+    pass
+
+
+class KVStored(_KVEvent, tag="stored"):
+    """A new node ``node`` under ``parent`` holding ``token_ids`` (a namespace node: no tokens,
+    ``cache_salt`` set, parent the root). With page_size > 1, whole pages."""
+
+    node: int
+    parent: int
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class KVSplit(_KVEvent, tag="split"):
+    """``node``'s edge split after ``at`` tokens (whole pages): the first ``at`` become new node
+    ``upper``, child of ``node``'s old parent and parent of ``node``."""
+
+    node: int
+    upper: int
+    at: int
+
+
+class KVRemoved(_KVEvent, tag="removed"):
+    """Nodes evicted, in order, each a leaf when removed (a namespace right after its last
+    child)."""
+
+    nodes: list[int]
+
+
+class KVCleared(_KVEvent, tag="cleared"):
+    """The whole tree emptied (reset / flush_cache); node ids restart (the root stays 0)."""
+
+
+KVEvent = KVStored | KVSplit | KVRemoved | KVCleared
+
+
+class KVEventBatch(_Msg, tag="kv_events"):
+    """Scheduler replica → subscribers: the events of one scheduler step, in order.
+
+    ``seq`` is 1, 2, 3, ... per publisher process; a subscriber that sees a gap resyncs from a
+    ``KVSnapshot``. With ``page_size`` > 1 every token run is whole pages.
+    """
+
+    replica: int
+    seq: int
+    events: list[KVEvent]
+    page_size: int = 1
+
+
+class KVSnapshot(_Msg, tag="kv_snapshot"):
+    """The whole tree as KVStored events, parents before children, consistent with batch ``seq``
+    (every batch <= seq applied, none after). With ``page_size`` > 1 every run is whole pages."""
+
+    replica: int
+    seq: int
+    events: list[KVStored]
+    page_size: int = 1
+
+
 Message = (
     Hello
     | GenerateRequest
@@ -294,6 +364,8 @@ Message = (
     | Drained
     | ProcessFailed
     | ReplicaDown
+    | KVEventBatch
+    | KVSnapshot
 )
 MESSAGE_TAGS = frozenset(t.__struct_config__.tag for t in Message.__args__)
 

@@ -1,4 +1,4 @@
-"""KV memory: the slot allocator, the K/V pool and the radix tree."""
+"""KV memory: the slot allocator, the K/V pool, the radix tree and its event-built mirror."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import torch
 
 from radixrt.cache.allocator import KVSlotAllocator
 from radixrt.cache.kv_pool import KVPool
+from radixrt.cache.mirror import MirrorError, MirrorTree, ReplicaMirror
 from radixrt.cache.radix_cache import (
     MatchResult,
     NamespaceNode,
@@ -19,9 +20,12 @@ __all__ = [
     "KVSlotAllocator",
     "KVPool",
     "MatchResult",
+    "MirrorError",
+    "MirrorTree",
     "NamespaceNode",
     "PeekResult",
     "RadixCache",
+    "ReplicaMirror",
     "TokenBuffer",
     "TreeNode",
     "check_slot_partition",

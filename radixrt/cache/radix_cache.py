@@ -35,6 +35,17 @@ Contract:
   requests with different salts never share a slot, and the same salt (or
   none) shares exactly as without salts. The eviction order is global
   (LRU/LFU across all namespaces).
+- Events (``record_events=True``): every change to the tree's content or
+  shape appends one ``radixrt.protocol`` KV event, in the order the changes
+  happen: a new leaf or namespace node → ``KVStored`` (a namespace before its
+  first leaf); a split (by ``match_prefix`` or ``insert``) → ``KVSplit``; each
+  ``evict`` call that frees anything → one ``KVRemoved`` (leaves in removal
+  order, a dropped namespace right after its last child); ``reset`` →
+  ``KVCleared``. A lookup that changes no shape (a full hit, ``peek_prefix``)
+  records nothing; access times and locks are not events. Replaying
+  ``take_events()`` onto a ``MirrorTree`` (``radixrt.cache.mirror``) rebuilds
+  this tree's content and shape with its node ids; ``snapshot_events()`` is
+  the current tree as ``KVStored`` events, recording on or off.
 
 Keys are compared as runs, never token by token in Python: a lookup packs
 the request's tokens once, in C (only as far as the edges it follows reach),
@@ -59,6 +70,7 @@ import torch
 from sortedcontainers import SortedList
 
 from radixrt.cache.allocator import KVSlotAllocator
+from radixrt.protocol import KVCleared, KVEvent, KVRemoved, KVSplit, KVStored
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 _TOKEN_BYTES = 8  # a packed key holds each token id as one native int64
@@ -215,8 +227,13 @@ class RadixCache:
     """Prefix tree over token ids; values are KV slot indices."""
 
     def __init__(
-        self, allocator: KVSlotAllocator, page_size: int = 1, eviction_policy: str = "lru"
+        self,
+        allocator: KVSlotAllocator,
+        page_size: int = 1,
+        eviction_policy: str = "lru",
+        record_events: bool = False,
     ) -> None:
+        """``record_events``: keep the KV events of every change for ``take_events``."""
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be 'lru' or 'lfu', got {eviction_policy!r}")
         if page_size != allocator.page_size:
@@ -225,6 +242,7 @@ class RadixCache:
         self.page_size = page_size
         self.eviction_policy = eviction_policy
         self._head_struct = struct.Struct(f"{page_size}q")  # a node's first page
+        self._events: list[KVEvent] | None = [] if record_events else None
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -350,6 +368,7 @@ class RadixCache:
         a namespace left childless is dropped.
         """
         evictable, freed, slots = self._evictable, 0, []
+        gone = None if self._events is None else []  # the removed ids, when recording
         while freed < num_tokens and evictable:
             node = evictable.pop(0)[-1]
             node.entry = None
@@ -358,15 +377,21 @@ class RadixCache:
             parent = node.parent
             del parent.children[node.head]
             node.parent = None
+            if gone is not None:
+                gone.append(node.id)
             if not parent.children:
                 if parent._key:
                     if parent.lock_ref == 0:
                         self._add_evictable(parent)
                 elif parent is not self.root:
                     self._drop_namespace(parent)
+                    if gone is not None:
+                        gone.append(parent.id)
         if slots:
             self.evictable_size -= freed
             self.allocator.free(np.concatenate(slots) if len(slots) > 1 else slots[0])
+            if gone is not None:
+                self._events.append(KVRemoved(nodes=gone))
         return freed
 
     def total_size(self) -> int:
@@ -387,6 +412,51 @@ class RadixCache:
             # In ascending order: the next allocations then get runs of consecutive slots.
             self.allocator.free(np.sort(np.concatenate(slots)))
         self._init_tree()
+        if self._events is not None:
+            self._events.append(KVCleared())
+
+    def start_recording(self) -> None:
+        """From now on, keep the KV events of every change (as ``record_events=True``); the
+        tree so far is ``snapshot_events()``."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events recorded since the last call, oldest first (always [] when not
+        recording)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def snapshot_events(self) -> list[KVStored]:
+        """The tree as it is now as ``KVStored`` events, parents before children.
+
+        It includes changes not yet taken by ``take_events``: to pair it with a published
+        sequence number, take and publish the pending events first.
+        """
+        events, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            events.append(self._stored_event(node))
+            stack.extend(node.children.values())
+        return events
+
+    def cached_sequences(self) -> set[tuple[str | None, tuple[int, ...]]]:
+        """Every (cache_salt, token ids from its root to a leaf) the tree holds: its content in
+        a canonical form, independent of where edges are split."""
+        sequences = set()
+        for node in self._nodes():
+            if node.children or node is self.root:
+                continue
+            runs = []
+            while node._key:
+                runs.append(node._key)
+                node = node.parent
+            salt = node.salt if isinstance(node, NamespaceNode) else None
+            tokens = np.frombuffer(b"".join(reversed(runs)), dtype=np.int64)
+            sequences.add((salt, tuple(tokens.tolist())))
+        return sequences
 
     def all_slots(self) -> torch.Tensor:
         """Every slot the tree holds (for memory checks)."""
@@ -477,7 +547,15 @@ class RadixCache:
             ns = NamespaceNode(self._next_id, salt, self.root)
             self._next_id += 1
             self.root.children[salt] = ns
+            if self._events is not None:
+                self._events.append(self._stored_event(ns))
         return ns
+
+    def _stored_event(self, node: TreeNode) -> KVStored:
+        """The ``KVStored`` event that creates ``node`` (under its current parent)."""
+        if isinstance(node, NamespaceNode):
+            return KVStored(node=node.id, parent=self.root.id, token_ids=[], cache_salt=node.salt)
+        return KVStored(node=node.id, parent=node.parent.id, token_ids=node.key)
 
     def _drop_namespace(self, ns: NamespaceNode) -> None:
         del self.root.children[ns.salt]
@@ -567,6 +645,8 @@ class RadixCache:
         child._np = child._np[n:]
         child.parent = upper
         upper.children[child.head] = child
+        if self._events is not None:
+            self._events.append(KVSplit(node=child.id, upper=upper.id, at=n))
         return upper
 
     def _unpack_head(self, key: bytes) -> int | tuple[int, ...]:
@@ -598,6 +678,8 @@ class RadixCache:
             node.children[head] = leaf
             self.evictable_size += len(key) // _TOKEN_BYTES
             self._add_evictable(leaf)
+            if self._events is not None:
+                self._events.append(self._stored_event(leaf))
         else:
             leaf = node
             if leaf.entry is not None:
