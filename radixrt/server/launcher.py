@@ -87,9 +87,10 @@ class Launcher:
                 print(f"radixrt: linear kernels: {shapes}", file=sys.stderr, flush=True)
             if "attention" in info:
                 print(f"radixrt: attention: {info['attention']}", file=sys.stderr, flush=True)
+            n = server.dp_size
+            slots = f"{n} replicas × {info['kv_slots']}" if n > 1 else f"{info['kv_slots']}"
             print(
-                f"radixrt ready on {where} (model {info['model_name']}, "
-                f"{info['kv_slots']} KV slots)",
+                f"radixrt ready on {where} (model {info['model_name']}, {slots} KV slots)",
                 flush=True,
             )
             return self.supervise()

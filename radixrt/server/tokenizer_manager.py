@@ -205,7 +205,7 @@ class TokenizerManager:
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.from_detok = pull(ctx, args["tokenizer_addr"])
         self.replicas = [Replica(i, push(ctx, a)) for i, a in enumerate(args["scheduler_addrs"])]
-        self.router = Router(self.server, self.replicas)
+        self.routing = Router(self.server, self.replicas)
         self.events_in, self.events_out = kv_event_sockets(ctx, args, self.server)
         self.limits: dict = {}
         self.reqs: dict[str, ClientReq] = {}  # server rid -> state
@@ -497,14 +497,14 @@ class TokenizerManager:
                 f"logprob_start_len {start} is outside "
                 f"[1, {len(ids)}) for a {len(ids)}-token prompt",
             )
-        if not self.router.up:
+        if not self.routing.up:
             raise RequestError(ErrorCode.UNAVAILABLE, "no replica is serving", status=503)
-        replica = self.router.choose(ids, sp.cache_salt, routing_key)
+        replica = self.routing.choose(ids, sp.cache_salt, routing_key)
         rid = str(next(self.counter))
         self.rids[(identity, req_id)] = rid
         self.reqs[rid] = ClientReq(identity, req_id, stream, sink, index)
         self.in_flight[identity] += 1
-        self.router.routed(rid, replica, ids, sp.cache_salt)
+        self.routing.routed(rid, replica, ids, sp.cache_salt)
         replica.send(
             encode(
                 TokenizedRequest(
@@ -520,13 +520,13 @@ class TokenizerManager:
 
     def to_replica(self, rid: str, msg: msgspec.Struct) -> None:
         """Send ``msg`` to the replica running ``rid`` (nothing if it is gone)."""
-        replica = self.router.replica_of(rid)
+        replica = self.routing.replica_of(rid)
         if replica is not None and replica.up:
             replica.send(encode(msg))
 
     def abort_rid(self, rid: str) -> None:
         """Abort a request this process still tracks (an HTTP client went away); its KV is freed."""
-        replica = self.router.replica_of(rid)
+        replica = self.routing.replica_of(rid)
         if self.forget(rid) is not None and replica is not None and replica.up:
             replica.send(encode(AbortRid(rid=rid)))
 
@@ -551,7 +551,7 @@ class TokenizerManager:
     def fan_out(self, kind: str, deliver, identity: bytes | None = None, replica: int = 0) -> None:
         """Send control request ``kind`` to every replica that is up (``kv_snapshot``: to
         ``replica``); ``deliver`` gets the answer (see ``radixrt.server.controls``)."""
-        ups = {r.index for r in self.router.up}
+        ups = {r.index for r in self.routing.up}
         targets = {replica} & ups if kind == "kv_snapshot" else ups
         if not targets:
             why = f"replica {replica} is not serving" if kind == "kv_snapshot" else "no replica"
@@ -690,7 +690,7 @@ class TokenizerManager:
     def on_replica_down(self, msg: ReplicaDown) -> None:
         """Fail the replica's requests, answer controls without it, route around it."""
         why = f"replica {msg.replica} exited (code {msg.exitcode})"
-        for rid in self.router.down(msg.replica):
+        for rid in self.routing.down(msg.replica):
             self.fail(rid, ErrorCode.REPLICA_FAILED, f"{why} while running this request")
         for qid, gather in list(self.gathers.items()):
             if gather.drop(msg.replica):
@@ -714,7 +714,7 @@ class TokenizerManager:
 
     def forget(self, rid: str) -> ClientReq | None:
         st = self.reqs.pop(rid, None)
-        self.router.finished(rid)
+        self.routing.finished(rid)
         if st is not None:
             self.rids.pop((st.identity, st.req_id), None)
             self.in_flight[st.identity] -= 1
@@ -731,7 +731,7 @@ class TokenizerManager:
             st = self.reqs.get(item.rid)
             if st is None:  # client gone
                 continue
-            self.router.started(item.rid)
+            self.routing.started(item.rid)
             self.observe(st, item, now)
             if st.sink is not None:
                 if item.finish_reason is not None:

@@ -5,18 +5,19 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import threading
 import time
 
 import httpx
 import pytest
 import zmq
-from server_harness import Server, assert_idle_kv, wait_idle
+from server_harness import Server, assert_idle_kv, free_port, wait_idle
 
 from radixrt.cache.mirror import ReplicaMirror
 from radixrt.client import Client, ServerError
 from radixrt.protocol import ErrorCode, KVEventBatch, decode
+from radixrt.sampling import SamplingParams
+from radixrt.testing import tiny_model_path
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 4}
 GROUPS, ROUNDS, PREFIX, SUFFIX = 5, 4, 96, 8  # an odd group count: round_robin cannot align
@@ -32,35 +33,72 @@ def shared_prefix_rounds(vocab: int, seed: int = 0) -> list[list[list[int]]]:
     ]
 
 
+def hit_rate(outs) -> float:
+    return sum(o.cached_tokens for o in outs) / sum(o.prompt_tokens for o in outs)
+
+
 def run_rounds(server: Server, rounds) -> tuple[list, float]:
     """Each round's prompts sent at once; (outputs, the fleet's hit rate)."""
     outs = []
     with Client(server.address, timeout=120) as c:
+        c.flush_cache()
         for prompts in rounds:
             outs += c.generate_batch(input_ids=prompts, sampling_params=GREEDY)
         assert_idle_kv(c)
-    hit = sum(o.cached_tokens for o in outs) / sum(o.prompt_tokens for o in outs)
-    return outs, hit
+    return outs, hit_rate(outs)
+
+
+def start_servers(*argvs: tuple[str, ...]) -> list[Server]:
+    """Servers started side by side (each a `radixrt launch` subprocess)."""
+    out: list = [None] * len(argvs)
+
+    def start(i: int) -> None:
+        out[i] = Server(*argvs[i])
+
+    threads = [threading.Thread(target=start, args=(i,)) for i in range(len(argvs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
 
 
 @pytest.fixture(scope="module")
-def fleets():
-    """One replica, and two replicas routed cache_aware and round_robin (one thread each)."""
-    servers = {
-        "single": Server("--threads-per-replica", "1"),
-        "cache_aware": Server("--dp-size", "2"),
-        "round_robin": Server("--dp-size", "2", "--load-balance-method", "round_robin"),
-    }
-    yield servers
-    for srv in servers.values():
-        srv.stop()
+def events_endpoint() -> str:
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
-def test_two_replicas_route_from_the_trees(fleets):
-    with Client(fleets["single"].address) as c:
-        vocab = c.info["vocab_size"]
-    rounds = shared_prefix_rounds(vocab)
-    single, hit_single = run_rounds(fleets["single"], rounds)
+@pytest.fixture(scope="module")
+def fleets(events_endpoint):
+    """Two replicas routed cache_aware (publishing their KV events outside too) and two routed
+    round_robin, one thread each."""
+    aware, robin = start_servers(
+        ("--dp-size", "2", "--kv-events-endpoint", events_endpoint),
+        ("--dp-size", "2", "--load-balance-method", "round_robin"),
+    )
+    yield {"cache_aware": aware, "round_robin": robin}
+    aware.stop()
+    robin.stop()
+
+
+def test_two_replicas_route_from_the_trees(fleets, engine_factory):
+    import torch
+
+    eng = engine_factory(tiny_model_path("llama"))  # one replica, in this process
+    rounds = shared_prefix_rounds(eng.model_config.vocab_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each replica
+    try:
+        single = [
+            o
+            for prompts in rounds
+            for o in eng.generate(
+                input_ids=prompts, sampling_params=[SamplingParams(**GREEDY)] * len(prompts)
+            )
+        ]
+    finally:
+        torch.set_num_threads(threads)
+    hit_single = hit_rate(single)
     aware, hit_aware = run_rounds(fleets["cache_aware"], rounds)
     robin, hit_robin = run_rounds(fleets["round_robin"], rounds)
     print(
@@ -105,15 +143,8 @@ def test_metrics_and_server_info_per_replica(fleets):
     assert httpx.get(srv.http + "/health").status_code == 200
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_outside_subscriber_mirrors_every_replica():
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
-    srv = Server("--dp-size", "2", "--kv-events-endpoint", endpoint)
+def test_outside_subscriber_mirrors_every_replica(fleets, events_endpoint):
+    srv, endpoint = fleets["cache_aware"], events_endpoint
     ctx = zmq.Context()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -144,7 +175,6 @@ def test_outside_subscriber_mirrors_every_replica():
     finally:
         sub.close(0)
         ctx.term()
-        srv.stop()
 
 
 def load(address: str, n: int, results: list) -> None:
@@ -169,40 +199,55 @@ def load(address: str, n: int, results: list) -> None:
             t.join()
 
 
-@pytest.mark.parametrize("restart", [False, True])
-def test_a_replica_that_dies(restart):
-    extra = ("--dp-restart",) if restart else ()
-    srv = Server("--dp-size", "2", "--load-balance-method", "round_robin", *extra)
+def kill_replica_under_load(srv: Server, c: Client) -> int:
+    """SIGKILL replica 1 while 12 requests run on both; check every request was answered, the
+    ones on replica 1 with replica_failed; its old pid."""
+    victim = c.server_info()["pids"]["scheduler_1"]
+    results: list = []
+    loader = threading.Thread(target=load, args=(srv.address, 12, results))
+    loader.start()
+    wait_for(lambda: c.server_info()["replicas"][1]["running"] > 0)
+    os.kill(victim, signal.SIGKILL)
+    loader.join(120)
+    assert len(results) == 12  # every request answered
+    failed = [r for r in results if isinstance(r, ServerError)]
+    assert failed and all(e.code == ErrorCode.REPLICA_FAILED for e in failed), failed
+    assert len(failed) < 12  # the other replica's requests finished
+    assert srv.proc.poll() is None  # the server serves on
+    outs = c.generate_batch(["after the failure"] * 4, {"max_new_tokens": 4})
+    assert all(o.finish_reason == "length" for o in outs)
+    return victim
+
+
+def test_a_restarted_replica_rejoins():
+    srv = Server("--dp-size", "2", "--load-balance-method", "round_robin", "--dp-restart")
     try:
         with Client(srv.address, timeout=60) as c:
-            victim = c.server_info()["pids"]["scheduler_1"]
-            results: list = []
-            loader = threading.Thread(target=load, args=(srv.address, 12, results))
-            loader.start()
-            wait_for(lambda: c.server_info()["replicas"][1]["running"] > 0)
-            os.kill(victim, signal.SIGKILL)
-            loader.join(120)
-            assert len(results) == 12  # every request answered
-            failed = [r for r in results if isinstance(r, ServerError)]
-            assert failed and all(e.code == ErrorCode.REPLICA_FAILED for e in failed), failed
-            assert len(failed) < 12  # the other replica's requests finished
-            assert srv.proc.poll() is None  # the server serves on
-            outs = c.generate_batch(["after the failure"] * 4, {"max_new_tokens": 4})
+            victim = kill_replica_under_load(srv, c)
+            wait_for(lambda: c.server_info()["replicas_up"] == [0, 1])
+            assert c.server_info()["pids"]["scheduler_1"] != victim
+            assert httpx.get(srv.http + "/health").content == b""
+            outs = c.generate_batch(["back again"] * 4, {"max_new_tokens": 4})
             assert all(o.finish_reason == "length" for o in outs)
-            if restart:
-                wait_for(lambda: c.server_info()["replicas_up"] == [0, 1])
-                assert c.server_info()["pids"]["scheduler_1"] != victim
-                assert httpx.get(srv.http + "/health").content == b""
-            else:
-                health = httpx.get(srv.http + "/health")
-                assert health.status_code == 200 and health.json()["replicas_down"] == [1]
-                assert c.server_info()["replicas_up"] == [0]
-            info = assert_idle_kv(c)  # on the survivors (and the restarted one)
-            assert all(r["protected_tokens"] == 0 for r in info["replicas"])
+            info = assert_idle_kv(c)
+            assert [r["requests"] > 0 for r in info["replicas"]] == [True, True]
     finally:
         srv.stop()
-    said = "restarting it" if restart else "serving on 1 of 2 replicas"
-    assert said in srv.proc.stderr.read()
+    assert "restarting it" in srv.proc.stderr.read()
+
+
+def test_the_others_serve_on_without_a_dead_replica(fleets):
+    """The module's last test: it takes a replica of the round_robin fleet down for good."""
+    srv = fleets["round_robin"]
+    with Client(srv.address, timeout=60) as c:
+        kill_replica_under_load(srv, c)
+        health = httpx.get(srv.http + "/health")
+        assert health.status_code == 200 and health.json()["replicas_down"] == [1]
+        assert c.server_info()["replicas_up"] == [0]
+        info = assert_idle_kv(c)  # on the survivor
+        assert [r["replica"] for r in info["replicas"]] == [0]
+    srv.stop()
+    assert "serving on 1 of 2 replicas" in srv.proc.stderr.read()
 
 
 def wait_for(predicate, timeout: float = 60.0) -> None:

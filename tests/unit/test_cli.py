@@ -61,6 +61,14 @@ FLAG_VALUES = {
     "curve_keys": (["--curve-keys", "/keys"], "/keys"),
     "max_forward_failures": (["--max-forward-failures", "2"], 2),
     "debug_faults": (["--debug-faults", "forward"], "forward"),
+    "dp_size": (["--dp-size", "2"], 2),
+    "threads_per_replica": (["--threads-per-replica", "1"], 1),
+    "dp_restart": (["--dp-restart"], True),
+    "load_balance_method": (["--load-balance-method", "round_robin"], "round_robin"),
+    "cache_threshold": (["--cache-threshold", "0.25"], 0.25),
+    "balance_abs_threshold": (["--balance-abs-threshold", "64"], 64),
+    "balance_rel_threshold": (["--balance-rel-threshold", "1.5"], 1.5),
+    "kv_events_endpoint": (["--kv-events-endpoint", "tcp://*:5557"], "tcp://*:5557"),
 }
 
 
