@@ -412,6 +412,7 @@ class Scheduler:
             free_slots=self.kv.allocator.available,
             running=len(self.kv.running),
             waiting=len(self.waiting),
+            waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting),
         )
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0

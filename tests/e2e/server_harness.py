@@ -9,15 +9,18 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
+import httpx
 import pytest
 
 from radixrt.client import Client
 from radixrt.testing import process_tree, tiny_model_path
 
 READY_TIMEOUT_S = 120
+ROUTER_READY_TIMEOUT_S = 60
 
 
 def proc_alive(pid: int) -> bool:
@@ -134,3 +137,67 @@ def assert_idle_kv(client: Client, timeout: float = 30.0) -> dict:
     assert info["protected_tokens"] == 0, info
     assert info["free_slots"] + info["evictable_tokens"] == info["kv_slots"], info
     return info
+
+
+def start_sglang_router(
+    worker_urls: list[str], policy: str, port: int, *extra: str
+) -> subprocess.Popen:
+    """A `python -m sglang_router.launch_router` subprocess on 127.0.0.1:``port`` in front of
+    ``worker_urls``, returned once its ``/workers`` lists every one of them as healthy. Its
+    Prometheus exporter gets a free loopback port (its default, 29000 on every interface, would
+    collide between routers); its log goes to ``proc.log`` (a temporary file), quoted in the
+    failure if it never gets ready. Stop it with ``stop_process``."""
+    log = tempfile.TemporaryFile("w+")
+    cmd = [
+        sys.executable,
+        "-m",
+        "sglang_router.launch_router",
+        "--worker-urls",
+        *worker_urls,
+        "--policy",
+        policy,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(free_port()),
+        "--log-level",
+        "warn",
+        *extra,
+    ]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    if not _router_ready(proc, f"http://127.0.0.1:{port}", set(worker_urls)):
+        stop_process(proc)
+        log.seek(0)
+        pytest.fail(f"sglang-router did not get ready: {log.read()[-3000:]}")
+    return proc
+
+
+def _router_ready(proc: subprocess.Popen, url: str, workers: set[str]) -> bool:
+    """Poll the router's ``/workers`` until every worker is registered and healthy; False if
+    the router exits or ``ROUTER_READY_TIMEOUT_S`` passes first."""
+    deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            listed = httpx.get(f"{url}/workers", timeout=2).json()["workers"]
+            if {w["url"] for w in listed if w["is_healthy"]} >= workers:
+                return True
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after ``timeout`` seconds; waits for the exit."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

@@ -2,7 +2,8 @@
 
 ``HttpFront`` runs on the TokenizerManager's asyncio loop (uvicorn with
 Starlette); ``OpenAIApi`` and ``SGLangApi`` handle the generating endpoints.
-``/health`` and ``/metrics`` answer without an API key.
+``/health`` and ``/metrics`` answer without an API key. ``/get_load`` answers SGLang's
+router (``sglang-router``), which reads ``num_tokens`` from it for its ``power_of_two`` policy.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class HttpFront:
             Route("/get_server_info", self.authed(self.server_info), methods=["GET"]),
             Route("/server_info", self.authed(self.server_info), methods=["GET"]),
             Route("/flush_cache", self.authed(self.flush_cache), methods=["POST", "GET"]),
+            Route("/get_load", self.authed(self.get_load), methods=["GET"]),
         ]
         self.app = Starlette(
             routes=routes,
@@ -304,9 +306,29 @@ class HttpFront:
             }
         )
 
+    async def get_load(self, request: Request, key: str | None) -> Response:
+        return json_response(worker_loads(await self.control("server_info")))
+
     async def flush_cache(self, request: Request, key: str | None) -> Response:
         await self.control("flush_cache")
         return Response(b"Cache flushed.\n", status_code=200, media_type="text/plain")
+
+
+def worker_loads(info: dict) -> list[dict]:
+    """SGLang's ``/get_load`` body from a ``server_info`` answer: one entry per data-parallel
+    rank (radixrt runs one, rank 0) with ``num_reqs`` (running and waiting), ``num_waiting_reqs``
+    and ``num_tokens``: the KV slots running requests hold (neither free nor an evictable cached
+    prefix) plus the prompt tokens of the waiting requests, which they will need. Every
+    figure is an integer (the router drops a load it cannot read as one)."""
+    held = info["kv_slots"] - info["free_slots"] - info["evictable_tokens"]
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": int(info["running"] + info["waiting"]),
+            "num_waiting_reqs": int(info["waiting"]),
+            "num_tokens": int(held + info.get("waiting_tokens", 0)),
+        }
+    ]
 
 
 class _QuietServer(uvicorn.Server):

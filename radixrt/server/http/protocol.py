@@ -6,7 +6,11 @@ Contract:
   the field. OpenAI fields that radixrt cannot honour (penalties, logit
   bias, tools, response formats other than text) are accepted at their
   neutral values only; any other value is a 400 that says so
-  (``check_neutral``). Fields whose valid shapes msgspec cannot express as
+  (``check_neutral``). SGLang's own request fields, which its router
+  (``sglang-router``) writes into every body it forwards, are accepted the
+  same way: at their defaults, or where they change nothing here (logging
+  hints, reasoning separation without a reasoning parser).
+  Fields whose valid shapes msgspec cannot express as
   one union (a completion ``prompt``, SGLang's ``text``/``input_ids``)
   arrive as ``Any`` and are checked by the handlers.
 - Response bodies are structs too, encoded with one ``msgspec.json``
@@ -160,6 +164,8 @@ class _Sampling(_Strict, kw_only=True):
     logit_bias: dict[str, float] | None = None
     min_tokens: int | None = None
     best_of: int | None = None
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
@@ -181,6 +187,9 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # SGLang's reasoning split: nothing to split without a reasoning parser
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -203,20 +212,27 @@ class GenerateReqInput(_Strict):
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     return_text_in_logprobs: bool = False
+    model: str | None = None
+    # logging hints: accepted at any value, they change nothing in the answer
+    log_metrics: bool = True
+    no_logs: bool = False
+    # accepted at their neutral values only
+    return_hidden_states: bool = False
+    return_entropy: bool = False
+    return_bytes: bool = False
+    background: bool = False
 
 
-def check_neutral(body: _Sampling) -> None:
-    """400 for OpenAI fields set to something radixrt does not do."""
-    neutral = {
-        "frequency_penalty": (None, 0.0),
-        "presence_penalty": (None, 0.0),
-        "repetition_penalty": (None, 1.0),
-        "min_tokens": (None, 0),
-        "logit_bias": (None, {}),
-        "tools": (None, []),
-        "functions": (None, []),
-        "modalities": (None, ["text"]),
-    }
+GENERATE_NEUTRAL = {
+    "return_hidden_states": (False,),
+    "return_entropy": (False,),
+    "return_bytes": (False,),
+    "background": (False,),
+}
+
+
+def refuse_unsupported(body: Any, neutral: dict[str, tuple]) -> None:
+    """400 naming the first field of ``body`` whose value is not among its ``neutral`` ones."""
     for name, ok in neutral.items():
         value = getattr(body, name, None)
         if value not in ok:
@@ -226,6 +242,23 @@ def check_neutral(body: _Sampling) -> None:
                 ErrorCode.INVALID_REQUEST,
                 name,
             )
+
+
+def check_neutral(body: _Sampling) -> None:
+    """400 for OpenAI (and SGLang) fields set to something radixrt does not do."""
+    neutral = {
+        "frequency_penalty": (None, 0.0),
+        "presence_penalty": (None, 0.0),
+        "repetition_penalty": (None, 1.0),
+        "min_tokens": (None, 0),
+        "logit_bias": (None, {}),
+        "tools": (None, []),
+        "functions": (None, []),
+        "modalities": (None, ["text"]),
+        "no_stop_trim": (False,),
+        "return_hidden_states": (False,),
+    }
+    refuse_unsupported(body, neutral)
     if body.best_of not in (None, body.n):
         raise ApiError(
             400,

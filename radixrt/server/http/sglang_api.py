@@ -2,6 +2,8 @@
 ``sampling_params`` with SGLang's names, optional logprobs; streams carry the cumulative
 ``text`` and ``output_ids`` of each prompt, as SGLang's do; ``meta_info`` has
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and ``finish_reason``.
+The body may carry the fields SGLang's router adds (``model``, logging hints, SGLang's
+output options at their defaults); a ``model`` other than the served one is a 404.
 """
 
 from __future__ import annotations
@@ -125,6 +127,8 @@ class SGLangApi:
 
     async def generate(self, request: Request, key: str | None) -> Response:
         body = await self.front.read(request, api.GenerateReqInput)
+        self.front.check_model(body.model)
+        api.refuse_unsupported(body, api.GENERATE_NEUTRAL)
         prompts, batch = self.sglang_prompts(body)
         t0 = time.monotonic()
         result = await self.front.run_job(
