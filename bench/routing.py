@@ -85,6 +85,7 @@ class Router:
         self.http = f"http://127.0.0.1:{port}"
         cmd = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1"]
         cmd += ["--port", str(port), "--policy", policy, "--worker-urls", *workers]
+        cmd += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -126,10 +127,12 @@ def prefill_tokens(urls: list[str]) -> int:
     return total
 
 
-async def run_workload(args, front: str, workload: str, vocab: int) -> tuple[dict, list]:
+async def run_workload(
+    args, front: str, workload: str, vocab: int, model: str
+) -> tuple[dict, list]:
     sp = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "ignore_eos": True}
     a = argparse.Namespace(**{**vars(args), "backend": "openai-chat"})
-    async with serving.OpenAIBackend(front, args.timeout, chat=True) as client:
+    async with serving.OpenAIBackend(front, args.timeout, chat=True, model=model) as client:
         progress = serving.Progress(0, False)
         t0 = time.perf_counter()
         if workload == "multi-turn":
@@ -147,12 +150,13 @@ def bench_config(args, config: str) -> dict:
     front, procs, urls = start(args, config)
     out = {}
     try:
-        vocab = httpx.get(urls[0] + "/get_server_info").json()["internal_states"][0]["vocab_size"]
+        info = httpx.get(urls[0] + "/get_server_info").json()
+        vocab, model = info["internal_states"][0]["vocab_size"], info["served_model_name"]
         for workload in args.workloads:
             for url in urls:
                 httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
             before = prefill_tokens(urls)
-            summary, _ = asyncio.run(run_workload(args, front, workload, vocab))
+            summary, _ = asyncio.run(run_workload(args, front, workload, vocab, model))
             summary["prefill_tokens_computed"] = prefill_tokens(urls) - before
             out[workload] = summary
             print(f"{config:20s} {workload:13s} {row(summary)}", flush=True)

@@ -161,8 +161,16 @@ class OpenAIBackend:
     """The OpenAI-compatible HTTP API (``chat``: /v1/chat/completions, else /v1/completions), with
     SGLang's /flush_cache and /get_server_info for the rest."""
 
-    def __init__(self, server: str, timeout: float, chat: bool, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        server: str,
+        timeout: float,
+        chat: bool,
+        api_key: str | None = None,
+        model: str | None = None,
+    ) -> None:
         self.server, self.timeout = server.rstrip("/"), timeout
+        self.model = model  # sent as the body's "model" when given (SGLang's router needs one)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.chat = chat
         self.path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -199,6 +207,8 @@ class OpenAIBackend:
         }
         if stream:
             body["stream_options"] = {"include_usage": True}
+        if self.model is not None:
+            body["model"] = self.model
         if self.chat:
             if "messages" not in kwargs:
                 raise ValueError("--backend openai-chat sends messages (a workload made for it)")

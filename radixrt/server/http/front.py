@@ -316,19 +316,21 @@ class HttpFront:
 
 def worker_loads(info: dict) -> list[dict]:
     """SGLang's ``/get_load`` body from a ``server_info`` answer: one entry per data-parallel
-    rank (radixrt runs one, rank 0) with ``num_reqs`` (running and waiting), ``num_waiting_reqs``
-    and ``num_tokens``: the KV slots running requests hold (neither free nor an evictable cached
-    prefix) plus the prompt tokens of the waiting requests, which they will need. Every
-    figure is an integer (the router drops a load it cannot read as one)."""
+    replica that serves (``dp_rank``: its index) with ``num_reqs`` (running and waiting),
+    ``num_waiting_reqs`` and ``num_tokens``: the KV slots running requests hold (neither free
+    nor an evictable cached prefix) plus the prompt tokens of the waiting requests, which they
+    will need. Every figure is an integer (the router drops a load it cannot read as one)."""
+    return [replica_load(r) for r in info.get("replicas") or [info]]
+
+
+def replica_load(info: dict) -> dict:
     held = info["kv_slots"] - info["free_slots"] - info["evictable_tokens"]
-    return [
-        {
-            "dp_rank": 0,
-            "num_reqs": int(info["running"] + info["waiting"]),
-            "num_waiting_reqs": int(info["waiting"]),
-            "num_tokens": int(held + info.get("waiting_tokens", 0)),
-        }
-    ]
+    return {
+        "dp_rank": int(info.get("replica", 0)),
+        "num_reqs": int(info["running"] + info["waiting"]),
+        "num_waiting_reqs": int(info["waiting"]),
+        "num_tokens": int(held + info.get("waiting_tokens", 0)),
+    }
 
 
 class _QuietServer(uvicorn.Server):
