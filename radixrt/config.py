@@ -33,6 +33,7 @@ DEVICES = ("auto", "cpu", "cuda")  # "cuda:N" picks one GPU
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
+HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 
 
 def setting(
@@ -121,6 +122,32 @@ class EngineConfig:
     enable_torch_compile: bool = setting(
         False, "compile the model's forward with torch.compile (slower start, faster steps)"
     )
+    enable_hierarchical_cache: bool = setting(
+        False,
+        "keep KV the pool evicts in host memory (and, with --hicache-storage-dir, on disk) and "
+        "load it back on a hit instead of recomputing it",
+    )
+    hicache_ratio: float = setting(
+        2.0, "the host tier's size as a multiple of the KV pool's (unless --hicache-size)"
+    )
+    hicache_size: float = setting(
+        0.0, "the host tier's size in GB; 0: --hicache-ratio times the KV pool"
+    )
+    hicache_write_policy: str = setting(
+        "write_through",
+        "write_through: a request's KV goes down the tiers when it finishes; write_back: when "
+        "the pool (then the host tier) evicts it",
+        choices=HICACHE_WRITE_POLICIES,
+    )
+    hicache_storage_dir: str | None = setting(
+        None,
+        "the storage tier: a directory of KV files that outlives the server (needs "
+        "--enable-hierarchical-cache)",
+        unset="no storage tier",
+    )
+    hicache_storage_size: float = setting(
+        8.0, "the storage tier's limit in GB; the least recently used files go first"
+    )
     constrained_json_disable_any_whitespace: bool = setting(
         False,
         "JSON-schema outputs are compact (', ' and ': ' between elements) instead of allowing "
@@ -140,9 +167,22 @@ class EngineConfig:
             raise ValueError(f"max_total_tokens ({self.max_total_tokens}) must be at least 4 pages")
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
+        self._check_hierarchical_cache()
         kind, _, index = self.device.partition(":")
         if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+
+    def _check_hierarchical_cache(self) -> None:
+        _check_optional_text("hicache_storage_dir", self.hicache_storage_dir)
+        for name in ("hicache_ratio", "hicache_storage_size"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be a positive number, got {getattr(self, name)!r}")
+        if not self.hicache_size >= 0:
+            raise ValueError(f"hicache_size must be >= 0 GB, got {self.hicache_size!r}")
+        if self.hicache_storage_dir is not None and not self.enable_hierarchical_cache:
+            raise ValueError("hicache_storage_dir needs enable_hierarchical_cache")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache and disable_radix_cache exclude each other")
 
     @property
     def prefill_budget(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+from radixrt.cache.hicache import make_hierarchical_cache
 from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, GrammarError, preload
 from radixrt.model.loader import ModelConfig, resolve_model_path
@@ -68,8 +69,14 @@ class Engine:
             list(self.model_config.eos_token_ids),
             any_whitespace=not self.config.constrained_json_disable_any_whitespace,
         )
+        self.hicache = make_hierarchical_cache(self.config, self.runner.pool, self.model_path)
         self.scheduler = Scheduler(
-            self.config, self.runner, self._decode, self.runner.max_context, self.grammars
+            self.config,
+            self.runner,
+            self._decode,
+            self.runner.max_context,
+            self.grammars,
+            self.hicache,
         )
         self._rids = itertools.count()
 
@@ -155,8 +162,11 @@ class Engine:
             raise RuntimeError("flush_cache needs an idle engine (no request waiting or running)")
 
     def shutdown(self) -> None:
+        """Stop the engine's threads; the storage tier's queued writes are written first."""
         if self.scheduler is not None:
             self.grammars.close()
+            if self.hicache is not None:
+                self.hicache.close()
         self.scheduler = None
         self.runner = None
 

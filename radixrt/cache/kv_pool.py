@@ -41,6 +41,7 @@ class KVPool:
             kv = huge_page_zeros(shape, dtype)
         else:
             kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv = kv  # [2, num_layers, num_slots, kv_heads, head_dim]
         self.k_buffers, self.v_buffers = list(kv[0].unbind()), list(kv[1].unbind())
         self.req_to_token = torch.zeros(
             (max_running, max_context), dtype=torch.int64, device=self.device

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -232,8 +232,11 @@ class RadixCache:
         page_size: int = 1,
         eviction_policy: str = "lru",
         record_events: bool = False,
+        on_evict: Callable[[TreeNode], None] | None = None,
     ) -> None:
-        """``record_events``: keep the KV events of every change for ``take_events``."""
+        """``record_events``: keep the KV events of every change for ``take_events``;
+        ``on_evict(leaf)``: called with each leaf ``evict`` is about to drop, still in the tree
+        with its slots (the hierarchical cache copies its KV down)."""
         if eviction_policy not in ("lru", "lfu"):
             raise ValueError(f"eviction_policy must be 'lru' or 'lfu', got {eviction_policy!r}")
         if page_size != allocator.page_size:
@@ -243,6 +246,7 @@ class RadixCache:
         self.eviction_policy = eviction_policy
         self._head_struct = struct.Struct(f"{page_size}q")  # a node's first page
         self._events: list[KVEvent] | None = [] if record_events else None
+        self.on_evict = on_evict
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -372,6 +376,8 @@ class RadixCache:
         while freed < num_tokens and evictable:
             node = evictable.pop(0)[-1]
             node.entry = None
+            if self.on_evict is not None:
+                self.on_evict(node)
             slots.append(node._np)
             freed += len(node._key) // _TOKEN_BYTES
             parent = node.parent

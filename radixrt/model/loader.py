@@ -12,6 +12,7 @@ radixrt cache directory by :func:`default_model_path`.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -555,6 +556,25 @@ def iter_weights(
         with safe_open(str(file), framework="pt", device=device) as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
+
+
+_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def model_fingerprint(path: str | os.PathLike[str], *layout: object) -> bytes:
+    """16 bytes naming a model's KV: its config, weights and tokenizer files (their bytes)
+    and ``layout`` (the KV's dtype and shape, as the caller lays it out). Two models, or one
+    model laid out two ways, never share a fingerprint."""
+    p = Path(path).expanduser()
+    h = hashlib.blake2b(repr(layout).encode(), digest_size=16)
+    names = [n for n in _FINGERPRINT_FILES if (p / n).is_file()]
+    names += sorted(f.name for f in p.glob("*.safetensors"))
+    for name in names:
+        h.update(b"\0" + name.encode() + b"\0")
+        with open(p / name, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.digest()
 
 
 # --------------------------------------------------------------------------- #

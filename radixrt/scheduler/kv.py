@@ -10,6 +10,11 @@ salts never share KV. A running request's token ids are handed to the tree
 from an int64 ``TokenBuffer`` (converted once at admission, extended with
 the decoded tokens as they are cached), not as lists: the tree packs a
 list token by token on every call, an array with one memcpy.
+
+With a hierarchical cache (``radixrt.cache.hicache``), admission continues the device hit
+from the tiers below: the loaded run goes into new slots and into the tree (locked like any
+hit) before the request's prefill; a request leaving writes its blocks down
+(``write_through``), and the tree's evictions do (``write_back``).
 """
 
 from __future__ import annotations
@@ -18,16 +23,24 @@ import numpy as np
 import torch
 
 from radixrt.cache import KVPool, KVSlotAllocator, RadixCache, TokenBuffer, check_slot_partition
+from radixrt.cache.hicache import HierarchicalCache
 from radixrt.scheduler.req import Req
 
 
 class KVManager:
     def __init__(
-        self, pool: KVPool, page_size: int, disable_radix_cache: bool, eviction_policy: str = "lru"
+        self,
+        pool: KVPool,
+        page_size: int,
+        disable_radix_cache: bool,
+        eviction_policy: str = "lru",
+        hicache: HierarchicalCache | None = None,
     ) -> None:
         self.pool = pool
         self.allocator = KVSlotAllocator(pool.num_slots, page_size)
-        self.tree = RadixCache(self.allocator, page_size, eviction_policy)
+        self.hicache = None if disable_radix_cache else hicache
+        on_evict = None if self.hicache is None else self.hicache.evicted
+        self.tree = RadixCache(self.allocator, page_size, eviction_policy, on_evict=on_evict)
         self.disabled = disable_radix_cache
         self.running: dict[str, Req] = {}  # requests holding a row
         self.token_ids: dict[str, TokenBuffer] = {}  # rid -> ids of a running request (cache on)
@@ -65,8 +78,37 @@ class KVManager:
         self.tree.lock(req.last_node)
         if req.prefix_len:
             self.pool.req_to_token[row, : req.prefix_len] = match.kv_indices
+        req.loaded_tokens = (0, 0)
+        if self.hicache is not None and req.prefix_len < req.match_limit:
+            self._load_below(req, ids.array)
         self.running[req.rid] = req
         return True
+
+    def _load_below(self, req: Req, ids: np.ndarray) -> None:
+        """Continue req's device hit with what the lower tiers hold: load it into new slots,
+        insert it into the tree and lock it there instead of the device hit."""
+        start, row = req.prefix_len, req.row
+        last = int(self.pool.req_to_token[row, start - 1]) if start else -1
+
+        def alloc(n: int) -> torch.Tensor | None:
+            slots = self.allocator.alloc_extend(n, last)
+            if slots is None:
+                self.evict(n + self.page_size)  # the device hit is locked: never evicted here
+                slots = self.allocator.alloc_extend(n, last)
+            return slots
+
+        loaded = self.hicache.load_prefix(ids, start, req.match_limit, req.params.cache_salt, alloc)
+        if loaded is None:
+            return
+        table, salt = self.pool.req_to_token[row], req.params.cache_salt
+        table[start : loaded.end] = loaded.slots
+        inserted = self.tree.insert_prefix(ids[: loaded.end], table[: loaded.end], salt)
+        assert inserted.cached_len == start, "the tree changed under a load"
+        self.tree.lock(inserted.last_node)
+        self.tree.unlock(req.last_node)
+        req.last_node, req.prefix_len = inserted.last_node, loaded.end
+        req.kv_len = loaded.end
+        req.loaded_tokens = (loaded.host_tokens, loaded.storage_tokens)
 
     def alloc(self, req: Req, n: int) -> torch.Tensor | None:
         """n new slots continuing req's KV (evicting as needed); writes them into its row."""
@@ -121,8 +163,14 @@ class KVManager:
         return ids.array[:n]
 
     def release(self, req: Req) -> None:
-        """Req leaves the running set (finish, abort or retraction): its KV goes to the tree."""
+        """Req leaves the running set (finish, abort or retraction): its KV goes to the tree
+        (and, with ``write_through``, its full blocks to the tiers below)."""
         self.cache_computed(req)
+        if self.hicache is not None and req.prefix_len:
+            ids = self.token_ids[req.rid].array[: req.prefix_len]
+            self.hicache.write_through(
+                ids, self.pool.req_to_token[req.row, : req.prefix_len], req.params.cache_salt
+            )
         tail = self.pool.req_to_token[req.row, req.prefix_len : req.kv_len].clone()
         self.allocator.free(tail)
         self.tree.unlock(req.last_node)
@@ -136,8 +184,11 @@ class KVManager:
         return [table[r.row, r.prefix_len : r.kv_len] for r in self.running.values()]
 
     def check(self, idle: bool) -> None:
-        """Assert the slot partition (and, at idle, that nothing is protected)."""
+        """Assert the slot partition and each lower tier's bookkeeping (and, at idle, that
+        nothing is protected or pinned)."""
         check_slot_partition(self.allocator, self.tree, self.private_slots())
+        if self.hicache is not None:
+            self.hicache.check(idle)
         assert self.token_ids.keys() <= self.running.keys(), (
             "token ids kept for a request that left"
         )
@@ -152,6 +203,10 @@ class KVManager:
             )
 
     def flush(self) -> None:
+        """Drop the device tree and the host tier (storage keeps its files: it is the tier
+        that outlives the process)."""
         if self.running:
             raise RuntimeError(f"flush_cache with {len(self.running)} running requests")
         self.tree.reset()
+        if self.hicache is not None:
+            self.hicache.clear_host()

@@ -62,6 +62,7 @@ class Req:
         # grammar is still compiling). Retraction keeps output_ids, so it keeps the matcher.
         self.matcher: Matcher | None = None
         self.cached_tokens = 0  # tokens hit in the tree at first admission
+        self.cached_below = (0, 0)  # of those, loaded from the (host, storage) tier
         self.admitted = False
         self.num_retractions = 0
         self.reset_kv()
@@ -72,6 +73,7 @@ class Req:
         self.last_node: TreeNode | None = None
         self.prefix_len = 0
         self.kv_len = 0
+        self.loaded_tokens = (0, 0)  # of prefix_len, loaded from the (host, storage) tier
 
     @property
     def fill_ids(self) -> list[int]:

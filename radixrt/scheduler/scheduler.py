@@ -39,6 +39,7 @@ from collections.abc import Callable
 import torch
 
 from radixrt.attention.base import ForwardMode
+from radixrt.cache.hicache import HierarchicalCache
 from radixrt.cache.radix_cache import common_prefix_len
 from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, mask_logits
@@ -63,13 +64,18 @@ class Scheduler:
         decode_fn: Callable[[list[int]], str],
         max_context: int,
         grammars: GrammarCompiler | None = None,
+        hicache: HierarchicalCache | None = None,
     ) -> None:
         self.config = config
         self.runner = runner
         self.decode_fn = decode_fn
         self.max_context = max_context
         self.kv = KVManager(
-            runner.pool, config.page_size, config.disable_radix_cache, config.eviction_policy
+            runner.pool,
+            config.page_size,
+            config.disable_radix_cache,
+            config.eviction_policy,
+            hicache,
         )
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
@@ -216,6 +222,7 @@ class Scheduler:
         if not req.admitted:
             req.admitted = True
             req.cached_tokens = req.prefix_len
+            req.cached_below = req.loaded_tokens
             self.stats["cached_tokens"] += req.prefix_len
         req.state = ReqState.RUNNING
         return n
@@ -414,6 +421,8 @@ class Scheduler:
             waiting=len(self.waiting),
             waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting),
         )
+        if self.kv.hicache is not None:
+            s.update(self.kv.hicache.get_stats())
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         return s
