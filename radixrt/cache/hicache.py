@@ -299,27 +299,22 @@ class HierarchicalCache:
         self._put_host([keys[j] for j in new], data, to_storage=True)
 
     def _put_host(self, keys: list[bytes], data: torch.Tensor, to_storage: bool) -> None:
-        """Put blocks (``data[i]`` under ``keys[i]``) in the host tier, evicting its LRU blocks
-        (with ``write_back``, to storage); with write_through and ``to_storage``, also to storage.
-        Blocks that find no room (all pinned) are not kept."""
+        """Put blocks (``data[i]`` under ``keys[i]``) in the host tier, evicting its least
+        recently used unpinned blocks; with ``write_back`` an evicted block, or one that finds
+        no room, goes to storage; with ``write_through`` and ``to_storage`` every block does."""
         for victim in self.host.victims(len(keys)):
             if self.write_policy == "write_back":
                 self._put_storage(victim, self.host.buffer[self.host.index[victim]])
             self.host.remove(victim)
             self.stats["host_evicted_blocks"] += 1
-        rows = []
-        for i, key in enumerate(keys):
-            if not self.host.free:
-                break
-            rows.append((self.host.add(key), i))
-            self.stats["host_written_blocks"] += 1
-        if rows:
-            dst = torch.tensor([r for r, _ in rows], dtype=torch.int64)
-            src = data[[i for _, i in rows]] if len(rows) < len(keys) else data
-            self.host.buffer.index_copy_(0, dst, src.to(self.host.buffer.device))
-        if to_storage and self.write_policy == "write_through":
-            for i, key in enumerate(keys):
-                self._put_storage(key, data[i])
+        kept = min(len(keys), len(self.host.free))
+        if kept:
+            dst = torch.tensor([self.host.add(key) for key in keys[:kept]], dtype=torch.int64)
+            self.host.buffer.index_copy_(0, dst, data[:kept].to(self.host.buffer.device))
+            self.stats["host_written_blocks"] += kept
+        write_through = to_storage and self.write_policy == "write_through"
+        for i in range(0 if write_through else kept, len(keys)):
+            self._put_storage(keys[i], data[i])
 
     def _put_storage(self, key: bytes, data: torch.Tensor) -> None:
         if self.storage is not None and not self.storage.contains(key):
@@ -348,7 +343,9 @@ class HierarchicalCache:
             self.storage.check()
 
     def get_stats(self) -> dict[str, float]:
-        s = {f"hicache_{k}": v for k, v in self.stats.items()}
+        counters = ("host_hit_tokens", "storage_hit_tokens", "loaded_bytes", "load_s")
+        s = {f"hicache_{k}": self.stats[k] for k in counters}
+        s.update({f"hicache_{k}": v for k, v in self.stats.items()})
         s["hicache_host_blocks"] = len(self.host)
         s["hicache_host_capacity_blocks"] = self.host.num_blocks
         s["hicache_block_tokens"] = self.block

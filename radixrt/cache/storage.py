@@ -128,8 +128,14 @@ class StorageTier:
             )
 
     def get_stats(self) -> dict[str, float]:
+        counters = ("written_blocks", "read_blocks", "corrupt_blocks", "write_errors")
         with self._lock:
-            return {**self.stats, "blocks": len(self.index), "bytes": self.used}
+            return {
+                **{k: self.stats[k] for k in counters},
+                **self.stats,
+                "blocks": len(self.index),
+                "bytes": self.used,
+            }
 
     # ------------------------------------------------------------ files
 
