@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from radixrt.cache.kv_pool import KVPool
-from radixrt.cache.radix_cache import TreeNode
+from radixrt.cache.radix_cache import NamespaceNode, TreeNode
 from radixrt.cache.storage import StorageTier
 
 logger = logging.getLogger("radixrt.hicache")
@@ -274,7 +274,7 @@ class HierarchicalCache:
             runs.append(node._key)
             slot_runs.append(node._np)
             node = node.parent
-        salt = getattr(node, "salt", None)  # a NamespaceNode's, or the root's (none)
+        salt = node.salt if isinstance(node, NamespaceNode) else None
         tokens = np.frombuffer(b"".join(reversed(runs)), dtype=np.int64)
         slots = torch.from_numpy(np.concatenate(slot_runs[::-1]))
         self._write(tokens, slots, salt, len(tokens) - start)
