@@ -125,7 +125,7 @@ class EngineConfig:
     enable_hierarchical_cache: bool = setting(
         False,
         "keep KV the pool evicts in host memory (and, with --hicache-storage-dir, on disk) and "
-        "load it back on a hit instead of recomputing it",
+        "load it back on a hit instead of recomputing it (off with --disable-radix-cache)",
     )
     hicache_ratio: float = setting(
         2.0, "the host tier's size as a multiple of the KV pool's (unless --hicache-size)"
@@ -181,8 +181,6 @@ class EngineConfig:
             raise ValueError(f"hicache_size must be >= 0 GB, got {self.hicache_size!r}")
         if self.hicache_storage_dir is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_dir needs enable_hierarchical_cache")
-        if self.enable_hierarchical_cache and self.disable_radix_cache:
-            raise ValueError("enable_hierarchical_cache and disable_radix_cache exclude each other")
 
     @property
     def prefill_budget(self) -> int:

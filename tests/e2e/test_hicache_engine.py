@@ -151,5 +151,3 @@ def test_bad_settings_name_the_problem(tiny_llama, tmp_path):
         Engine(tiny_llama, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
     with pytest.raises(ValueError, match="hicache_ratio"):
         Engine(tiny_llama, enable_hierarchical_cache=True, hicache_ratio=0)
-    with pytest.raises(ValueError, match="exclude each other"):
-        Engine(tiny_llama, enable_hierarchical_cache=True, disable_radix_cache=True)
