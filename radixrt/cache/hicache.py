@@ -176,8 +176,8 @@ class HierarchicalCache:
         pinned from the lookup until their KV is in the pool.
         """
         b = self.block
-        first, last = start // b, min(limit, len(tokens)) // b  # blocks [first, last) are whole
-        if last <= first:
+        first, last = start // b, len(tokens) // b  # the whole blocks from the one holding start
+        if last <= first or limit <= start:
             return None
         keys = block_keys(tokens, last, b, salt)[first:]
         found = self._find(keys)
