@@ -7,8 +7,8 @@ in flight (the sync client runs a receiver thread that owns the socket).
 
 ``generate`` returns a ``GenerateOutput``, or with ``stream=True`` an iterator
 of ``StreamChunk`` (``text`` and ``token_ids`` deltas; the last chunk has
-``finish_reason``, ``prompt_tokens`` and ``cached_tokens``). The rid to pass
-to ``abort`` is ``output.rid`` / ``stream.rid`` (or choose it with ``rid=``).
+``finish_reason``, ``prompt_tokens``, ``cached_tokens`` and ``cached_tokens_details``).
+The rid to pass to ``abort`` is ``output.rid`` / ``stream.rid`` (or choose it with ``rid=``).
 Server errors raise ``ServerError`` (``.code`` is an ``ErrorCode``); a timeout
 raises ``TimeoutError`` and aborts the request on the server.
 

@@ -10,7 +10,9 @@ Contract:
   logprobs when ``params.logprobs`` and their top logprobs when ``params.top_logprobs``;
   the first delta (``n0 == 0``) also carries the stop strings, the time of the first
   token and a scoring request's prompt logprobs (its prompt is all computed by then);
-  only a finished request's delta has a finish reason.
+  only a finished request's delta has a finish reason. Every delta carries the prompt's
+  length, its cached tokens and how many of them were loaded from below the device
+  (``cached_below``; ``cached_tokens_details`` makes the dict outputs give).
 - ``OutputTracker`` knows, per tracked request, how many output tokens were sent. A
   streamed request has a delta due whenever it has new tokens; an unstreamed one has a
   single delta, holding everything, when it finishes. A finished request's delta is its
@@ -51,6 +53,7 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
         finish_reason=req.finish_reason if req.finished else None,
         prompt_tokens=len(req.prompt_ids),
         cached_tokens=req.cached_tokens,
+        cached_below=req.cached_below,
         stop=req.params.stop if first else None,
         first_token_at=(req.first_token_at or 0.0) if first else 0.0,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
@@ -72,12 +75,20 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
         token_ids=d.token_ids,
         prompt_tokens=d.prompt_tokens,
         cached_tokens=d.cached_tokens,
+        cached_tokens_details=cached_tokens_details(d.cached_tokens, d.cached_below),
         finish_reason=req.finish_reason or "abort",
         logprobs=d.logprobs,
         prompt_logprobs=d.prompt_logprobs,
         top_logprobs=d.top_logprobs,
         prompt_top_logprobs=d.prompt_top_logprobs,
     )
+
+
+def cached_tokens_details(cached_tokens: int, cached_below: tuple[int, int]) -> dict[str, int]:
+    """Where a request's cached tokens were found: ``cached_below`` (host, storage) of them
+    were loaded from the hierarchical cache's tiers, the rest were in the device's tree."""
+    host, storage = cached_below
+    return {"device": cached_tokens - host - storage, "host": host, "storage": storage}
 
 
 class OutputTracker:
@@ -209,6 +220,7 @@ class Detokenizer:
             finish_reason=item.finish_reason,
             prompt_tokens=item.prompt_tokens,
             cached_tokens=item.cached_tokens,
+            cached_below=item.cached_below,
             prompt_logprobs=item.prompt_logprobs,
             top_logprobs=item.top_logprobs,
             prompt_top_logprobs=item.prompt_top_logprobs,

@@ -63,6 +63,9 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     prompt_tokens: int
     cached_tokens: int
     finish_reason: str  # "stop" | "length" | "abort"
+    # Where cached_tokens were found: {"device": d, "host": h, "storage": s}, d + h + s ==
+    # cached_tokens (h, s: loaded from the hierarchical cache's tiers; 0 without it).
+    cached_tokens_details: dict[str, int] | None = None
     logprobs: list[float] | None = None
     # With logprob_start_len = k: log p(prompt[j] | prompt[:j]) for j in [k, prompt_tokens).
     prompt_logprobs: list[float] | None = None
@@ -136,6 +139,7 @@ class StreamChunk(_Msg, tag="chunk"):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] | None = None  # as GenerateOutput's
     # One (ids, logprobs) per token of token_ids, descending.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
 
@@ -195,6 +199,7 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_below: tuple[int, int] = (0, 0)  # of cached_tokens, loaded from the (host, storage) tier
     stop: list[str] | None = None  # set on a request's first delta
     prompt_logprobs: list[float] | None = None  # on the first delta of a scoring request
     # One (ids, logprobs) per token of token_ids, descending.
@@ -218,6 +223,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_below: tuple[int, int] = (0, 0)  # as TokenDelta's
     prompt_logprobs: list[float] | None = None
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None

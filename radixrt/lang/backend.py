@@ -253,6 +253,7 @@ class RuntimeEndpoint(Backend):
             token_ids=token_ids,
             prompt_tokens=last.prompt_tokens,
             cached_tokens=last.cached_tokens,
+            cached_tokens_details=last.cached_tokens_details,
             finish_reason=last.finish_reason,
         )
 

@@ -28,7 +28,8 @@ POLL_MS = 1000
 
 
 def setup_child(args: dict) -> None:
-    """Ignore SIGINT (the launcher owns shutdown) and die with the launcher."""
+    """Ignore SIGINT (the launcher owns shutdown), exit 0 at once on SIGTERM (the scheduler's
+    loop stops cleanly instead, once it runs) and die with the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     if sys.platform.startswith("linux"):

@@ -27,6 +27,7 @@ NOT_SUMMED = frozenset(
         "replica",
         "scheduler_pid",
         "hit_rate",
+        "hicache_block_tokens",
     }
 )
 
@@ -86,7 +87,10 @@ def combine(replies: dict[int, dict[str, Any]]) -> dict[str, Any]:
         return {"replicas": []}
     ordered = [replies[i] for i in sorted(replies)]
     out = dict(ordered[0])
-    for key, value in ordered[0].items():
+    for r in ordered[1:]:  # a counter a replica has not counted yet is missing from its data
+        for key, value in r.items():
+            out.setdefault(key, value)
+    for key, value in list(out.items()):
         if key in NOT_SUMMED or isinstance(value, bool) or not isinstance(value, int | float):
             continue
         out[key] = sum(r.get(key, 0) for r in ordered)

@@ -6,12 +6,15 @@ Two sources, read where they already are:
   tokens, and the TTFT, inter-token and end-to-end latency histograms;
 - the scheduler's ``server_info`` counters and gauges, fetched once per
   scrape (``SchedulerCollector``): hit rate, evicted tokens, KV slots free /
-  evictable / protected, running and waiting requests. Nothing on the decode
-  path waits for a scrape beyond answering that one control message between
-  two steps. Each is given for the whole server (no labels) and for each
-  data-parallel replica (label ``replica``), beside the front's view of each
-  replica: whether it serves, the requests routed to it, the prompt tokens
-  waiting there and the tokens its mirrored tree holds.
+  evictable / protected, running and waiting requests; with the hierarchical
+  cache (only then), the tokens and bytes loaded from its host and storage
+  tiers, the seconds loading took, the blocks each tier holds and the storage
+  tier's writes, reads and failures. Nothing on the decode path waits for a
+  scrape beyond answering that one control message between two steps. Each is
+  given for the whole server (no labels) and for each data-parallel replica
+  (label ``replica``), beside the front's view of each replica: whether it
+  serves, the requests routed to it, the prompt tokens waiting there and the
+  tokens its mirrored tree holds.
 
 Every name starts with ``radixrt:``, as SGLang's start with ``sglang:``.
 """
@@ -99,6 +102,61 @@ SCHEDULER_GAUGES = {
     "waiting": ("radixrt:num_waiting_reqs", "Requests waiting in the scheduler"),
 }
 
+# With the hierarchical cache (given only when the scheduler reports them): its host tier ...
+HICACHE_COUNTERS = {
+    "hicache_host_hit_tokens": (
+        "radixrt:hicache_host_hit_tokens",
+        "Prompt tokens loaded from the host tier instead of computed",
+    ),
+    "hicache_storage_hit_tokens": (
+        "radixrt:hicache_storage_hit_tokens",
+        "Prompt tokens loaded from the storage tier instead of computed",
+    ),
+    "hicache_loaded_bytes": (
+        "radixrt:hicache_loaded_bytes",
+        "KV bytes read from the host and storage tiers",
+    ),
+    "hicache_load_s": (
+        "radixrt:hicache_load_seconds",
+        "Seconds spent loading KV from the host and storage tiers",
+    ),
+}
+HICACHE_GAUGES = {
+    "hicache_host_blocks": ("radixrt:hicache_host_blocks", "KV blocks held in the host tier"),
+    "hicache_host_capacity_blocks": (
+        "radixrt:hicache_host_capacity_blocks",
+        "KV blocks the host tier can hold",
+    ),
+}
+# ... and its storage tier (with --hicache-storage-dir)
+STORAGE_COUNTERS = {
+    "hicache_storage_written_blocks": (
+        "radixrt:hicache_storage_written_blocks",
+        "KV blocks written to the storage tier",
+    ),
+    "hicache_storage_read_blocks": (
+        "radixrt:hicache_storage_read_blocks",
+        "KV blocks read from the storage tier",
+    ),
+    "hicache_storage_corrupt_blocks": (
+        "radixrt:hicache_storage_corrupt_blocks",
+        "Storage files that failed a check (recomputed and deleted)",
+    ),
+    "hicache_storage_write_errors": (
+        "radixrt:hicache_storage_write_errors",
+        "Storage writes that failed (the block was not stored)",
+    ),
+}
+STORAGE_GAUGES = {
+    "hicache_storage_blocks": ("radixrt:hicache_storage_blocks", "KV blocks in the storage tier"),
+    "hicache_storage_bytes": ("radixrt:hicache_storage_bytes", "Bytes of the storage tier's files"),
+}
+# each table pair, and the server_info key whose presence says the scheduler reports it
+SCHEDULER_TABLES = (
+    (None, SCHEDULER_COUNTERS, SCHEDULER_GAUGES),
+    ("hicache_host_capacity_blocks", HICACHE_COUNTERS, HICACHE_GAUGES),
+    ("hicache_storage_bytes", STORAGE_COUNTERS, STORAGE_GAUGES),
+)
 
 # the front's view of each replica: key of ``ReplicaView`` -> (metric name, help, is a counter)
 REPLICA_METRICS = {
@@ -126,22 +184,27 @@ class SchedulerCollector:
         self.replica_views: list[dict] = []
 
     def collect(self):
-        per_replica = self.stats.get("replicas", [])
-        tables = ((SCHEDULER_COUNTERS, CounterMetricFamily), (SCHEDULER_GAUGES, GaugeMetricFamily))
-        for table, family in tables:
-            for key, (name, doc) in table.items():
-                metric = family(name, doc, labels=["replica"])
-                total = metric.name + ("_total" if family is CounterMetricFamily else "")
-                metric.add_sample(total, {}, float(self.stats.get(key, 0)))
-                for r in per_replica:
-                    metric.add_metric([str(r.get("replica", 0))], float(r.get(key, 0)))
-                yield metric
+        for marker, counters, gauges in SCHEDULER_TABLES:
+            if marker is None or marker in self.stats:
+                yield from self.families(counters, CounterMetricFamily)
+                yield from self.families(gauges, GaugeMetricFamily)
         for key, (name, doc, counter) in REPLICA_METRICS.items():
             metric = (CounterMetricFamily if counter else GaugeMetricFamily)(
                 name, doc, labels=["replica"]
             )
             for view in self.replica_views:
                 metric.add_metric([str(view["replica"])], float(view[key]))
+            yield metric
+
+    def families(self, table: dict, family: type):
+        """One metric per ``table`` entry: the server's figure (no labels) and each replica's."""
+        per_replica = self.stats.get("replicas", [])
+        for key, (name, doc) in table.items():
+            metric = family(name, doc, labels=["replica"])
+            total = metric.name + ("_total" if family is CounterMetricFamily else "")
+            metric.add_sample(total, {}, float(self.stats.get(key, 0)))
+            for r in per_replica:
+                metric.add_metric([str(r.get("replica", 0))], float(r.get(key, 0)))
             yield metric
 
 

@@ -23,11 +23,20 @@ tree's events there on a PUB socket: one ``KVEventBatch`` per loop turn that
 changed the tree, numbered 1, 2, ... A ``kv_snapshot`` control request first
 publishes what is pending, then answers with the whole tree as a
 ``KVSnapshot`` of that sequence number.
+
+Stopping: SIGTERM (the launcher stopping the server) ends the loop between two
+turns, never inside a step; the Engine shuts down, so the storage tier writes
+every block it queued (with ``write_back``, the host tier's blocks too), and
+the process exits 0. The launcher kills it if that takes more than its stop
+grace (``radixrt.server.launcher.STOP_GRACE_S``). Before the loop starts, SIGTERM
+exits at once (``radixrt.server.common.setup_child``).
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 
 import msgspec
@@ -114,10 +123,15 @@ class SchedulerProcess:
         }
 
     def loop(self) -> None:
+        """Serve until SIGTERM, then stop cleanly (``stop``)."""
         self.send.send(encode(SchedulerReady(info=self.info(), replica=self.replica)))
-        while True:
+        sigterm = Sigterm()
+        poller = zmq.Poller()
+        poller.register(self.recv, zmq.POLLIN)
+        poller.register(sigterm.fileno(), zmq.POLLIN)
+        while not sigterm.received:
             exit_if_orphaned(self.args)
-            if self.recv.poll(POLL_MS if self.scheduler.idle else 0):
+            if self.recv in dict(poller.poll(POLL_MS if self.scheduler.idle else 0)):
                 self.drain()
             if not self.scheduler.idle:
                 self.scheduler.step()
@@ -125,6 +139,14 @@ class SchedulerProcess:
             self.emit()
             if self.scheduler.forward_failures >= self.max_forward_failures:
                 self.give_up()
+        self.stop()
+
+    def stop(self) -> None:
+        """Shut the engine down (its storage tier writes what it queued) and exit 0."""
+        self.engine.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
     def give_up(self) -> None:
         """Error out every request still held, say why on stderr, and raise (exit 1)."""
@@ -239,6 +261,25 @@ class SchedulerProcess:
             self.send.send(encode(BatchTokenOut(items=items, replica=self.replica)))
         for err in errors:
             self.send.send(encode(err))
+
+
+class Sigterm:
+    """SIGTERM sets ``received`` and makes ``fileno()`` readable, so a poll that includes it
+    wakes at once (``signal.set_wakeup_fd``). Create it in the main thread."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._read, self._write = socket.socketpair()
+        for sock in (self._read, self._write):
+            sock.setblocking(False)
+        signal.set_wakeup_fd(self._write.fileno())
+        signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received = True
+
+    def fileno(self) -> int:
+        return self._read.fileno()
 
 
 class EventPublisher:

@@ -58,6 +58,7 @@ import zmq
 from radixrt import grammar
 from radixrt.config import ServerConfig
 from radixrt.grammar import GrammarError
+from radixrt.output import cached_tokens_details
 from radixrt.protocol import (
     PROTOCOL_VERSION,
     AbortRequest,
@@ -782,6 +783,7 @@ class TokenizerManager:
                 finish_reason=item.finish_reason,
                 prompt_tokens=item.prompt_tokens,
                 cached_tokens=item.cached_tokens,
+                cached_tokens_details=cached_tokens_details(item.cached_tokens, item.cached_below),
                 top_logprobs=item.top_logprobs,
             )
         st.texts.append(item.text)
@@ -796,6 +798,7 @@ class TokenizerManager:
             token_ids=st.token_ids,
             prompt_tokens=item.prompt_tokens,
             cached_tokens=item.cached_tokens,
+            cached_tokens_details=cached_tokens_details(item.cached_tokens, item.cached_below),
             finish_reason=item.finish_reason,
             logprobs=st.logprobs,
             prompt_logprobs=item.prompt_logprobs,

@@ -69,6 +69,7 @@ class Choice:
         "finish_reason",
         "prompt_tokens",
         "cached_tokens",
+        "cached_below",
         "prompt_logprobs",
         "prompt_top_logprobs",
     )
@@ -80,6 +81,7 @@ class Choice:
         self.top_logprobs: list = []
         self.finish_reason: str | None = None
         self.prompt_tokens = self.cached_tokens = 0
+        self.cached_below = (0, 0)  # of cached_tokens, loaded from the (host, storage) tier
         self.prompt_logprobs: list[float] | None = None
         self.prompt_top_logprobs: list | None = None
 
@@ -90,6 +92,7 @@ class Choice:
         self.top_logprobs.extend(d.top_logprobs or ())
         self.finish_reason = d.finish_reason
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
+        self.cached_below = d.cached_below
         if d.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = (
                 d.prompt_logprobs,

@@ -1,7 +1,8 @@
 """SGLang's native ``POST /generate``: ``text`` or ``input_ids`` (one prompt or a list),
 ``sampling_params`` with SGLang's names, optional logprobs; streams carry the cumulative
 ``text`` and ``output_ids`` of each prompt, as SGLang's do; ``meta_info`` has
-``prompt_tokens``, ``completion_tokens``, ``cached_tokens`` and ``finish_reason``.
+``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``cached_tokens_details`` (how
+many of them were found on the device, in the host tier and in storage) and ``finish_reason``.
 The body may carry the fields SGLang's router adds (``model``, logging hints, SGLang's
 output options at their defaults); a ``model`` other than the served one is a 404.
 """
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixrt.output import cached_tokens_details
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.http import protocol as api
@@ -161,6 +163,7 @@ class SGLangApi:
             "prompt_tokens": len(p.ids),
             "completion_tokens": len(c.token_ids),
             "cached_tokens": c.cached_tokens,
+            "cached_tokens_details": cached_tokens_details(c.cached_tokens, c.cached_below),
             "e2e_latency": time.monotonic() - t0,
         }
         if body.return_logprob:
