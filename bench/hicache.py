@@ -37,7 +37,7 @@ Prints a Markdown table; writes bench/results/hicache.json (and .png with matplo
 
     python bench/hicache.py [--conversations 8] [--turns 10] [--pool-ratio 4] [--model DIR]
     python bench/hicache.py --model "$(python -c 'from radixrt.testing import tiny_model_path as
-        p; print(p("llama"))')" --dtype float32 --conversations 6 --turns 4 --system-len 32 \
+        p; print(p("llama"))')" --dtype float32 --conversations 6 --turns 4 --system-len 32
         --turn-len 24 --max-new-tokens 8
 
 Why ten turns by default: with every prefix evicted, recomputing the conversation at each of
