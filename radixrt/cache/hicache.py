@@ -229,9 +229,15 @@ class HierarchicalCache:
         slots = alloc(end - start)
         if slots is None:
             return None
-        # [n, 2, layers, block, heads, dim] -> [2, layers, n * block, heads, dim]
-        kv = torch.stack(blocks).movedim(0, 2).flatten(2, 3)[:, :, start - base : end - base]
-        self.pool.kv.index_copy_(2, slots.to(self.pool.kv.device), kv.to(self.pool.kv.device))
+        device_slots = slots.to(self.pool.kv.device)
+        for i, data in enumerate(blocks):  # each [2, layers, block, heads, dim]
+            lo, hi = max(start, base + i * self.block), min(end, base + (i + 1) * self.block)
+            at = lo - base - i * self.block
+            self.pool.kv.index_copy_(
+                2,
+                device_slots[lo - start : hi - start],
+                data[:, :, at : at + hi - lo].to(self.pool.kv.device),
+            )
         host = sum(
             min(end, base + (i + 1) * self.block) - max(start, base + i * self.block)
             for i, tier in enumerate(tiers)

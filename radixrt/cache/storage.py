@@ -2,7 +2,7 @@
 
 Layout: ``DIR/<model fingerprint, hex>/<block key, hex>.kv``, one file per block. A file is a
 header (``_HEADER``: magic, format version, the model fingerprint, the block's key, the
-payload's length and a blake2b checksum of header and payload) and the block's KV bytes.
+payload's length and a CRC-32 of header and payload) and the block's KV bytes.
 A reader checks every field: a file of another model, another key, the wrong length, a
 torn or truncated write or flipped bytes is a miss, deleted and logged once.
 
@@ -20,12 +20,12 @@ torn or truncated write or flipped bytes is a miss, deleted and logged once.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import queue
 import struct
 import threading
+import zlib
 from collections import Counter, OrderedDict
 from pathlib import Path
 
@@ -34,10 +34,10 @@ import torch
 logger = logging.getLogger("radixrt.hicache")
 
 _MAGIC = b"RRKV"
-_VERSION = 1
+_VERSION = 2
 # magic, version, fingerprint, key, payload length, checksum
-_HEADER = struct.Struct("<4sH16s16sQ16s")
-_CHECKED = _HEADER.size - 16  # the header's bytes before its checksum
+_HEADER = struct.Struct("<4sH16s16sQI")
+_CHECKED = _HEADER.size - 4  # the header's bytes before its checksum
 MAX_PENDING_BYTES = 256 << 20  # blocks queued for writing; past this, new ones are dropped
 _SUFFIX = ".kv"
 
@@ -87,12 +87,15 @@ class StorageTier:
             payload = self.pending.get(key)
             if key in self.index:
                 self.index.move_to_end(key)
-        if payload is None:
-            payload = self._read_file(key)
-            if payload is None:
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=self.dtype)
+        else:
+            raw = self._read_file(key)
+            if raw is None:
                 return None
+            data = torch.frombuffer(raw, dtype=self.dtype, offset=_HEADER.size)
         self.stats["read_blocks"] += 1
-        return torch.frombuffer(bytearray(payload), dtype=self.dtype)
+        return data
 
     def write(self, key: bytes, data: torch.Tensor) -> None:
         """Queue the block ``data`` (``block_bytes`` of KV; copied now) for writing."""
@@ -186,11 +189,16 @@ class StorageTier:
         except OSError:
             pass
 
-    def _read_file(self, key: bytes) -> bytes | None:
+    def _read_file(self, key: bytes) -> bytearray | None:
+        """The whole file of ``key`` (header and payload), checked; None if it fails."""
         path = self._path(key)
+        raw = bytearray(self.file_bytes + 1)  # one byte more: a longer file is wrong too
         try:
-            with open(path, "rb") as f:
-                raw = f.read()
+            n = 0
+            with open(path, "rb", buffering=0) as f, memoryview(raw) as view:
+                while n < len(raw) and (got := f.readinto(view[n:])):
+                    n += got
+            del raw[n:]
         except OSError as e:
             self._forget(key)
             if not isinstance(e, FileNotFoundError):
@@ -206,9 +214,9 @@ class StorageTier:
             except OSError:
                 pass
             return None
-        return raw[_HEADER.size :]
+        return raw
 
-    def _invalid(self, raw: bytes, key: bytes) -> str | None:
+    def _invalid(self, raw: bytearray, key: bytes) -> str | None:
         """Why ``raw`` is not this block's file, or None."""
         if len(raw) < _HEADER.size:
             return f"truncated ({len(raw)} bytes)"
@@ -243,8 +251,8 @@ class StorageTier:
     def _write_file(self, key: bytes, payload: bytes) -> None:
         with self._lock:
             self._make_room(self.file_bytes)
-        head = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, key, len(payload), bytes(16))
-        header = head[:_CHECKED] + _checksum(head[:_CHECKED], payload)
+        head = _HEADER.pack(_MAGIC, _VERSION, self.fingerprint, key, len(payload), 0)
+        header = head[:_CHECKED] + struct.pack("<I", _checksum(head[:_CHECKED], payload))
         path = self._path(key)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
@@ -289,7 +297,5 @@ class StorageTier:
             logger.warning("hicache storage: %s", message)
 
 
-def _checksum(header: bytes, payload: bytes | memoryview) -> bytes:
-    h = hashlib.blake2b(header, digest_size=16)
-    h.update(payload)
-    return h.digest()
+def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
+    return zlib.crc32(payload, zlib.crc32(header))
