@@ -131,7 +131,10 @@ class SchedulerProcess:
         poller.register(sigterm.fileno(), zmq.POLLIN)
         while not sigterm.received:
             exit_if_orphaned(self.args)
-            if self.recv in dict(poller.poll(POLL_MS if self.scheduler.idle else 0)):
+            ready = dict(poller.poll(POLL_MS if self.scheduler.idle else 0))
+            if sigterm.fileno() in ready:
+                sigterm.clear()  # the wake-up bytes of any handled signal
+            if self.recv in ready:
                 self.drain()
             if not self.scheduler.idle:
                 self.scheduler.step()
@@ -280,6 +283,14 @@ class Sigterm:
 
     def fileno(self) -> int:
         return self._read.fileno()
+
+    def clear(self) -> None:
+        """Read the wake-up bytes waiting (so the poll sleeps again)."""
+        try:
+            while self._read.recv(64):
+                pass
+        except BlockingIOError:
+            pass
 
 
 class EventPublisher:
