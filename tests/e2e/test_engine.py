@@ -147,7 +147,7 @@ def test_bf16_linear_paths_agree(kernel, tiny_llama, engine_factory):
     lib = cpu_library.load(cache_dir())
     if kernel in cpu_linear.KERNELS and not cpu_linear.kernel_available(lib, kernel):
         pytest.skip(f"the {kernel} linear kernel does not run here")
-    sp = SamplingParams(max_new_tokens=1, temperature=0, logprobs=True)
+    sp = SamplingParams(max_new_tokens=1, temperature=0, logprobs=True, top_logprobs=2)
     requests = [[(7 * i + 13 * j) % 500 + 20 for j in range(20 + 9 * i)] for i in range(4)]
     outs = {}
     for path in (kernel, "torch"):
@@ -155,8 +155,11 @@ def test_bf16_linear_paths_agree(kernel, tiny_llama, engine_factory):
         assert eng.runner.model.model.layers[0].self_attn.o_proj.method.name == path
         outs[path] = eng.generate(input_ids=requests, sampling_params=sp)
     for got, want in zip(outs[kernel], outs["torch"]):
-        assert got.token_ids == want.token_ids
         assert abs(got.logprobs[0] - want.logprobs[0]) < 0.25  # bf16 activations, layer by layer
+        if got.token_ids != want.token_ids:  # only a near tie may go the other way
+            (ids, logprobs) = want.top_logprobs[0]
+            assert set(got.top_logprobs[0][0]) == set(ids), (got.top_logprobs, want.top_logprobs)
+            assert logprobs[0] - logprobs[1] < 0.1, want.top_logprobs
 
 
 def test_disable_radix_cache_same_ids(tiny_llama, engine_factory):
