@@ -12,7 +12,9 @@ common prefix (as HiCache's storage keys do).
 - ``load_prefix`` (admission): after the device hit, the longest run of the prompt's next
   blocks held below (host first, then storage) is read into new device slots, and the caller
   inserts it into the tree; only the rest is computed. The host blocks of a load in flight
-  are pinned, so the eviction its own allocation may cause never reuses them.
+  are pinned, so the eviction its own allocation may cause never reuses them. ``prefetch``
+  (for a request left waiting by a step) has the storage tier read its blocks ahead, on a
+  thread, while the step's forward runs.
 - Writes (``write_policy``): ``write_through`` copies a finished (or retracted) request's
   full blocks down when it leaves (``write_through``), host and storage together;
   ``write_back`` copies the blocks of a node when the device tree evicts it (``evicted``),
@@ -192,6 +194,24 @@ class HierarchicalCache:
         finally:
             self.host.pins.subtract(pinned)
             self.host.pins = +self.host.pins  # drop the zero counts
+
+    def prefetch(self, tokens: np.ndarray, start: int, salt: str | None) -> None:
+        """Start reading from storage the blocks of ``tokens`` past the device hit ``start``
+        that the host tier lacks (a request that will be admitted later: its load then finds
+        them read). Stops at the first block held nowhere below."""
+        if self.storage is None:
+            return
+        b = self.block
+        first, last = start // b, len(tokens) // b
+        if last <= first:
+            return
+        wanted = []
+        for key in block_keys(tokens, last, b, salt)[first:]:
+            if key not in self.host:
+                if not self.storage.contains(key):
+                    break
+                wanted.append(key)
+        self.storage.prefetch(wanted)
 
     def _find(self, keys: list[bytes]) -> list[tuple[bytes, str]]:
         """The leading keys held below, each with the tier it will be read from."""

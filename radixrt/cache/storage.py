@@ -6,6 +6,9 @@ payload's length and a CRC-32 of header and payload) and the block's KV bytes.
 A reader checks every field: a file of another model, another key, the wrong length, a
 torn or truncated write or flipped bytes is a miss, deleted and logged once.
 
+- ``prefetch`` reads (and checks) blocks on a reader thread of the tier's own, ahead of the
+  lookup that will want them (a request waiting for admission), into a bounded set of read
+  blocks that ``read`` takes first: file I/O and checking overlap the forward passes.
 - Writes run on one thread of the tier's own, from a bounded queue (a block waiting there is
   readable already); each file is written under a temporary name and renamed into place, so
   a process killed mid-write leaves only a temporary file, removed at the next start.
@@ -39,6 +42,7 @@ _VERSION = 2
 _HEADER = struct.Struct("<4sH16s16sQI")
 _CHECKED = _HEADER.size - 4  # the header's bytes before its checksum
 MAX_PENDING_BYTES = 256 << 20  # blocks queued for writing; past this, new ones are dropped
+MAX_FETCHED_BYTES = 256 << 20  # blocks read ahead and not yet taken; past this, the oldest go
 _SUFFIX = ".kv"
 
 
@@ -63,16 +67,20 @@ class StorageTier:
         self.file_bytes = _HEADER.size + block_bytes
         self.dtype = dtype
         self.stats: Counter[str] = Counter()
-        self._lock = threading.Lock()  # guards index, used, pending
+        self._lock = threading.Lock()  # guards index, used, pending, fetched
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self.used = 0
         self.pending: dict[bytes, bytes] = {}  # queued for writing, readable meanwhile
         self._pending_bytes = 0
+        self.fetched: OrderedDict[bytes, bytearray] = OrderedDict()  # read ahead, oldest first
         self._logged: set[str] = set()
         self._scan()
         self._queue: queue.Queue[bytes | None] = queue.Queue()
         self._writer = threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True)
         self._writer.start()
+        self._reads: queue.Queue[bytes | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read_loop, name="hicache-reader", daemon=True)
+        self._reader.start()
 
     # ------------------------------------------------------------ API
 
@@ -85,12 +93,13 @@ class StorageTier:
         check or cannot be read."""
         with self._lock:
             payload = self.pending.get(key)
+            raw = self.fetched.pop(key, None)
             if key in self.index:
                 self.index.move_to_end(key)
         if payload is not None:
             data = torch.frombuffer(bytearray(payload), dtype=self.dtype)
         else:
-            raw = self._read_file(key)
+            raw = raw if raw is not None else self._read_file(key)
             if raw is None:
                 return None
             data = torch.frombuffer(raw, dtype=self.dtype, offset=_HEADER.size)
@@ -114,14 +123,23 @@ class StorageTier:
             self._pending_bytes += len(payload)
         self._queue.put(key)
 
+    def prefetch(self, keys: list[bytes]) -> None:
+        """Read these blocks (those on disk, not read ahead already) on the reader thread."""
+        with self._lock:
+            keys = [k for k in keys if k in self.index and k not in self.fetched]
+        for key in keys:
+            self._reads.put(key)
+
     def flush(self) -> None:
-        """Wait until every queued block is written (or dropped)."""
+        """Wait until every queued block is written (or dropped) and every prefetch is read."""
         self._queue.join()
+        self._reads.join()
 
     def close(self) -> None:
         self.flush()
-        self._queue.put(None)
-        self._writer.join()
+        for q, thread in ((self._queue, self._writer), (self._reads, self._reader)):
+            q.put(None)
+            thread.join()
 
     def check(self) -> None:
         with self._lock:
@@ -232,6 +250,24 @@ class StorageTier:
         if _checksum(raw[:_CHECKED], memoryview(raw)[_HEADER.size :]) != checksum:
             return "corrupt (checksum mismatch)"
         return None
+
+    def _read_loop(self) -> None:
+        while True:
+            key = self._reads.get()
+            try:
+                if key is None:
+                    return
+                with self._lock:
+                    wanted = key in self.index and key not in self.fetched
+                raw = self._read_file(key) if wanted else None
+                if raw is not None:
+                    with self._lock:
+                        self.fetched[key] = raw
+                        while len(self.fetched) * self.file_bytes > MAX_FETCHED_BYTES:
+                            self.fetched.popitem(last=False)
+                    self.stats["prefetched_blocks"] += 1
+            finally:
+                self._reads.task_done()
 
     def _write_loop(self) -> None:
         while True:

@@ -61,6 +61,14 @@ class KVManager:
             return 0
         return self.tree.peek_prefix(req.fill_ids[: req.match_limit], req.params.cache_salt).hit_len
 
+    def prefetch(self, req: Req) -> None:
+        """Have the storage tier read ahead the blocks req will look for below the device."""
+        if self.hicache is None or self.hicache.storage is None:
+            return
+        ids = np.asarray(req.fill_ids, dtype=np.int64)
+        hit = self.tree.peek_prefix(ids[: req.match_limit], req.params.cache_salt).hit_len
+        self.hicache.prefetch(ids, hit, req.params.cache_salt)
+
     def admit(self, req: Req) -> bool:
         """Give ``req`` a row and lock its cached prefix. False if no row is free."""
         row = self.pool.alloc_row()

@@ -64,6 +64,7 @@ class Req:
         self.cached_tokens = 0  # tokens hit in the tree at first admission
         self.cached_below = (0, 0)  # of those, loaded from the (host, storage) tier
         self.admitted = False
+        self.prefetched = False  # its blocks in storage were asked to be read ahead
         self.num_retractions = 0
         self.reset_kv()
 

@@ -134,6 +134,7 @@ class Scheduler:
         """Run one forward; return the requests that finished in it."""
         failed = self._take_compiled()
         batch = self.schedule_prefill() or self.schedule_decode()
+        self._prefetch_waiting()
         if batch is None:
             if self.compiling and not failed:
                 self.compiling.wait(GRAMMAR_POLL_S)
@@ -150,6 +151,14 @@ class Scheduler:
         ] += elapsed
         self.forward_failures = 0
         return failed + self.process_output(batch, logits)
+
+    def _prefetch_waiting(self) -> None:
+        """Requests left waiting have their blocks in storage read ahead, once, while this
+        step's forward runs."""
+        for req in self.waiting:
+            if not req.prefetched:
+                req.prefetched = True
+                self.kv.prefetch(req)
 
     def _take_compiled(self) -> list[Req]:
         """Queue the requests whose grammar is ready; finish (and return) those whose grammar

@@ -81,6 +81,16 @@ def fill(model: str, storage) -> list:
     return files
 
 
+def test_waiting_requests_have_their_blocks_read_ahead(tiny_llama, tmp_path, reference):
+    fill(tiny_llama, tmp_path)
+    with tiered(tiny_llama, 1, tmp_path, hicache_size=1e-6, max_running_requests=1) as eng:
+        # one call: the second group waits while the first runs
+        assert run(eng, GROUPS[0] + GROUPS[1]) == reference[0] + reference[1]
+        stats = eng.stats()
+        assert stats["hicache_storage_prefetched_blocks"] > 0
+        assert stats["hicache_storage_hit_tokens"] >= 2 * 48
+
+
 def test_damaged_files_are_recomputed(tiny_llama, tmp_path, reference):
     files = fill(tiny_llama, tmp_path)
     raw = files[0].read_bytes()

@@ -149,6 +149,24 @@ def test_write_back_sends_what_the_host_tier_cannot_keep_to_storage(tmp_path):
     h.hicache.close()
 
 
+def test_a_waiting_request_has_its_blocks_read_ahead(tmp_path):
+    h = Harness(1, "write_through", host_blocks=8, storage=make_storage(tmp_path, 1, 16))
+    tokens = list(range(500, 550))
+    h.serve(tokens)
+    h.kv.tree.evict(10**9)
+    h.hicache.clear_host()
+    storage = h.hicache.storage
+    storage.flush()
+    h.kv.prefetch(Req("ahead", tokens + [1], SamplingParams(max_new_tokens=2)))
+    storage.flush()
+    assert storage.get_stats()["prefetched_blocks"] == 3
+    for path in storage.dir.glob("*.kv"):  # from now on only what was read ahead can serve
+        path.unlink()
+    assert h.serve(tokens + [1]) == (48, (0, 48))
+    h.kv.check(idle=True)
+    h.hicache.close()
+
+
 def test_a_device_hit_inside_a_block_continues_from_below(tmp_path):
     h = Harness(1, "write_through", host_blocks=8, storage=None)
     tokens = list(range(100, 150))
