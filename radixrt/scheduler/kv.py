@@ -95,21 +95,15 @@ class KVManager:
     def _load_below(self, req: Req, ids: np.ndarray) -> None:
         """Continue req's device hit with what the lower tiers hold: load it into new slots,
         insert it into the tree and lock it there instead of the device hit."""
-        start, row = req.prefix_len, req.row
-        last = int(self.pool.req_to_token[row, start - 1]) if start else -1
-
-        def alloc(n: int) -> torch.Tensor | None:
-            slots = self.allocator.alloc_extend(n, last)
-            if slots is None:
-                self.evict(n + self.page_size)  # the device hit is locked: never evicted here
-                slots = self.allocator.alloc_extend(n, last)
-            return slots
-
-        loaded = self.hicache.load_prefix(ids, start, req.match_limit, req.params.cache_salt, alloc)
+        start, salt = req.prefix_len, req.params.cache_salt
+        # The slots come as any extend's (req.kv_len == start; the device hit is locked, so
+        # the eviction that may make room never takes it).
+        loaded = self.hicache.load_prefix(
+            ids, start, req.match_limit, salt, lambda n: self.alloc(req, n)
+        )
         if loaded is None:
             return
-        table, salt = self.pool.req_to_token[row], req.params.cache_salt
-        table[start : loaded.end] = loaded.slots
+        table = self.pool.req_to_token[req.row]
         inserted = self.tree.insert_prefix(ids[: loaded.end], table[: loaded.end], salt)
         assert inserted.cached_len == start, "the tree changed under a load"
         self.tree.lock(inserted.last_node)
