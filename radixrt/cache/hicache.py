@@ -9,12 +9,13 @@ block's key so names its whole prefix: the keys of a sequence's blocks are its p
 the tree, continued below the device, and two sequences share exactly the blocks of their
 common prefix (as HiCache's storage keys do).
 
-- ``load_prefix`` (admission): after the device hit, the longest run of the prompt's next
-  blocks held below (host first, then storage) is read into new device slots, and the caller
-  inserts it into the tree; only the rest is computed. The host blocks of a load in flight
-  are pinned, so the eviction its own allocation may cause never reuses them. ``prefetch``
-  (for a request left waiting by a step) has the storage tier read its blocks ahead, on a
-  thread, while the step's forward runs.
+- ``match_below`` reports, changing nothing, how much of a prompt past its device hit the
+  tiers hold and where. ``load_prefix`` (admission): after the device hit, the longest run
+  of the prompt's next blocks held below (host first, then storage) is read into new device
+  slots, and the caller inserts it into the tree; only the rest is computed. The host blocks
+  of a load in flight are pinned, so the eviction its own allocation may cause never reuses
+  them. ``prefetch`` (for a request left waiting by a step) has the storage tier read its
+  blocks ahead, on a thread, while the step's forward runs.
 - Writes (``write_policy``): ``write_through`` copies a finished (or retracted) request's
   full blocks down when it leaves (``write_through``), host and storage together;
   ``write_back`` copies the blocks of a node when the device tree evicts it (``evicted``),
@@ -70,6 +71,15 @@ def block_keys(tokens: np.ndarray, num_blocks: int, block: int, salt: str | None
         key = hashlib.blake2b(key + raw[j * step : (j + 1) * step], digest_size=_KEY_BYTES).digest()
         keys.append(key)
     return keys
+
+
+class BelowMatch(NamedTuple):
+    start: int  # the device hit
+    end: int  # positions [start, end) are held below
+    host_tokens: int  # of them, in the host tier
+    storage_tokens: int  # and only in storage
+    base: int  # the first position of blocks[0]
+    blocks: list[tuple[bytes, str]]  # (key, "host" or "storage") of each block covering them
 
 
 class Loaded(NamedTuple):
@@ -163,6 +173,26 @@ class HierarchicalCache:
 
     # ------------------------------------------------------------ loading
 
+    def match_below(
+        self, tokens: np.ndarray, start: int, limit: int, salt: str | None
+    ) -> BelowMatch | None:
+        """How much of ``tokens[start:limit]`` (``start``: the device hit, page-aligned) the
+        lower tiers hold as one run, and in which tier; None for nothing. Changes nothing (no
+        LRU order, no pins): the lookup that ranks or reports, as ``peek_prefix`` is above."""
+        b = self.block
+        first, last = start // b, len(tokens) // b  # the whole blocks from the one holding start
+        if last <= first or limit <= start:
+            return None
+        found = self._find(block_keys(tokens, last, b, salt)[first:])
+        end = min((first + len(found)) * b, limit) // self.page_size * self.page_size
+        if end <= start:
+            return None
+        found = found[: -(-(end - first * b) // b)]
+        host = sum(
+            self._span(first * b, i, start, end) for i, (_, t) in enumerate(found) if t == "host"
+        )
+        return BelowMatch(start, end, host, end - start - host, first * b, found)
+
     def load_prefix(
         self,
         tokens: np.ndarray,
@@ -171,29 +201,23 @@ class HierarchicalCache:
         salt: str | None,
         alloc: Callable[[int], torch.Tensor | None],
     ) -> Loaded | None:
-        """Load the longest run of ``tokens[start:limit]`` the lower tiers hold into new device
-        slots from ``alloc(n)``; None when they hold nothing of it (or no slots were had).
-
-        ``start`` is the device hit (page-aligned); the run ends page-aligned. Host blocks are
-        pinned from the lookup until their KV is in the pool.
-        """
-        b = self.block
-        first, last = start // b, len(tokens) // b  # the whole blocks from the one holding start
-        if last <= first or limit <= start:
+        """Load the longest run of ``tokens[start:limit]`` the lower tiers hold (``match_below``)
+        into new device slots from ``alloc(n)``; None when they hold nothing of it (or no slots
+        were had). Host blocks are pinned from the lookup until their KV is in the pool."""
+        match = self.match_below(tokens, start, limit, salt)
+        if match is None:
             return None
-        keys = block_keys(tokens, last, b, salt)[first:]
-        found = self._find(keys)
-        end = min((first + len(found)) * b, limit) // self.page_size * self.page_size
-        if end <= start:
-            return None
-        found = found[: -(-(end - first * b) // b)]
-        pinned = [k for k, tier in found if tier == "host"]
+        pinned = [k for k, tier in match.blocks if tier == "host"]
         self.host.pins.update(pinned)
         try:
-            return self._load(found, first * b, start, end, alloc)
+            return self._load(match.blocks, match.base, start, match.end, alloc)
         finally:
             self.host.pins.subtract(pinned)
             self.host.pins = +self.host.pins  # drop the zero counts
+
+    def _span(self, base: int, i: int, start: int, end: int) -> int:
+        """Positions of [start, end) in the i-th block from ``base``."""
+        return min(end, base + (i + 1) * self.block) - max(start, base + i * self.block)
 
     def prefetch(self, tokens: np.ndarray, start: int, salt: str | None) -> None:
         """Start reading from storage the blocks of ``tokens`` past the device hit ``start``
@@ -258,11 +282,7 @@ class HierarchicalCache:
                 device_slots[lo - start : hi - start],
                 data[:, :, at : at + hi - lo].to(self.pool.kv.device),
             )
-        host = sum(
-            min(end, base + (i + 1) * self.block) - max(start, base + i * self.block)
-            for i, tier in enumerate(tiers)
-            if tier == "host"
-        )
+        host = sum(self._span(base, i, start, end) for i, t in enumerate(tiers) if t == "host")
         self.stats["host_hit_tokens"] += host
         self.stats["storage_hit_tokens"] += end - start - host
         self.stats["loaded_bytes"] += len(blocks) * self.block_bytes

@@ -167,6 +167,24 @@ def test_a_waiting_request_has_its_blocks_read_ahead(tmp_path):
     h.hicache.close()
 
 
+def test_match_below_reports_each_tier_and_changes_nothing(tmp_path):
+    h = Harness(1, "write_through", host_blocks=2, storage=make_storage(tmp_path, 1, 16))
+    tokens = list(range(600, 650))  # three blocks; the host tier has room for the first two
+    h.serve(tokens)
+    h.kv.tree.evict(10**9)
+    h.hicache.storage.flush()
+    ids = torch.tensor(tokens + [1]).numpy()
+    order = list(h.hicache.host.index)
+    match = h.hicache.match_below(ids, 0, 50, None)
+    assert (match.start, match.end, match.host_tokens, match.storage_tokens) == (0, 48, 32, 16)
+    assert [tier for _, tier in match.blocks] == ["host", "host", "storage"]
+    assert list(h.hicache.host.index) == order and not h.hicache.host.pins
+    assert h.hicache.match_below(ids, 16, 50, None)[:4] == (16, 48, 16, 16)
+    assert h.hicache.match_below(ids, 0, 50, "other") is None
+    assert h.serve(tokens + [1]) == (48, (32, 16))
+    h.hicache.close()
+
+
 def test_a_device_hit_inside_a_block_continues_from_below(tmp_path):
     h = Harness(1, "write_through", host_blocks=8, storage=None)
     tokens = list(range(100, 150))
