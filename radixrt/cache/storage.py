@@ -76,10 +76,20 @@ class StorageTier:
         self._logged: set[str] = set()
         self._scan()
         self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self._writer = threading.Thread(target=self._write_loop, name="hicache-writer", daemon=True)
+        self._writer = threading.Thread(
+            target=self._serve,
+            args=(self._queue, self._write_queued),
+            name="hicache-writer",
+            daemon=True,
+        )
         self._writer.start()
         self._reads: queue.Queue[bytes | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read_loop, name="hicache-reader", daemon=True)
+        self._reader = threading.Thread(
+            target=self._serve,
+            args=(self._reads, self._read_ahead),
+            name="hicache-reader",
+            daemon=True,
+        )
         self._reader.start()
 
     # ------------------------------------------------------------ API
@@ -251,38 +261,36 @@ class StorageTier:
             return "corrupt (checksum mismatch)"
         return None
 
-    def _read_loop(self) -> None:
+    @staticmethod
+    def _serve(jobs: queue.Queue, handle) -> None:
+        """A worker thread's loop: ``handle(key)`` for each key queued, until None."""
         while True:
-            key = self._reads.get()
+            key = jobs.get()
             try:
                 if key is None:
                     return
-                with self._lock:
-                    wanted = key in self.index and key not in self.fetched
-                raw = self._read_file(key) if wanted else None
-                if raw is not None:
-                    with self._lock:
-                        self.fetched[key] = raw
-                        while len(self.fetched) * self.file_bytes > MAX_FETCHED_BYTES:
-                            self.fetched.popitem(last=False)
-                    self.stats["prefetched_blocks"] += 1
+                handle(key)
             finally:
-                self._reads.task_done()
+                jobs.task_done()
 
-    def _write_loop(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                with self._lock:
-                    payload = self.pending[key]
-                self._write_file(key, payload)
-                with self._lock:
-                    del self.pending[key]
-                    self._pending_bytes -= len(payload)
-            finally:
-                self._queue.task_done()
+    def _read_ahead(self, key: bytes) -> None:
+        with self._lock:
+            wanted = key in self.index and key not in self.fetched
+        raw = self._read_file(key) if wanted else None
+        if raw is not None:
+            with self._lock:
+                self.fetched[key] = raw
+                while len(self.fetched) * self.file_bytes > MAX_FETCHED_BYTES:
+                    self.fetched.popitem(last=False)
+            self.stats["prefetched_blocks"] += 1
+
+    def _write_queued(self, key: bytes) -> None:
+        with self._lock:
+            payload = self.pending[key]
+        self._write_file(key, payload)
+        with self._lock:
+            del self.pending[key]
+            self._pending_bytes -= len(payload)
 
     def _write_file(self, key: bytes, payload: bytes) -> None:
         with self._lock:
