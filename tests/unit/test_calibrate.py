@@ -5,6 +5,9 @@ the attention kernel's bf16 path, measured and kept the same way."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -172,3 +175,84 @@ def test_the_backend_runs_the_measured_attention_path(lib, monkeypatch) -> None:
     assert CpuAttentionBackend(pool, num_heads=6, bf16_dots=False).bf16_dots is False
     fp32 = KVPool(64, 1, 2, 64, torch.float32, 2, 32)
     assert CpuAttentionBackend(fp32, num_heads=6, bf16_dots=True).bf16_dots is False
+
+
+def fake_contention(monkeypatch, cores: list[float]) -> None:
+    """Contention reports ``cores`` in turn (the last one from then on)."""
+    seen = iter(cores)
+
+    class Fake:
+        def __enter__(self):
+            self.cores = next(seen, cores[-1])
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+    monkeypatch.setattr(calibrate, "Contention", Fake)
+
+
+def test_a_measurement_on_a_busy_cpu_is_taken_again(lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(calibrate, "available_paths", lambda lib, k: ["fma", "onednn"])
+    small = calibrate.SMALL_ROWS
+    answers = iter([{"fma": 2.0, "onednn": 1.0}, {"fma": 1.0, "onednn": 2.0}])
+    calls = []
+
+    def time_paths(methods, n, k, rows, cold):
+        calls.append(rows)
+        return next(answers) if rows == small else dict.fromkeys(methods, 1.0)
+
+    monkeypatch.setattr(calibrate, "time_paths", time_paths)
+    fake_contention(monkeypatch, [1.5, 0.0])  # busy, then quiet: the quiet attempt counts
+    assert Calibrator(lib, str(tmp_path)).choice(64, 64).small == "fma"
+    assert calls.count(small) == 2
+    entry = json.loads(Calibrator(lib, str(tmp_path)).path.read_text())["64x64"]
+    assert entry["busy_cores"] == 0.0 and entry["small"] == "fma"
+
+
+def test_a_cpu_that_never_settles_is_measured_again_at_the_next_start(
+    lib, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setattr(calibrate, "available_paths", lambda lib, k: ["fma", "onednn"])
+    calls = fake_times(monkeypatch, {("onednn", calibrate.SMALL_ROWS): 0.5})
+    fake_contention(monkeypatch, [1.2, 0.9, 1.0])
+    cal = Calibrator(lib, str(tmp_path))
+    assert cal.choice(64, 64).small == "onednn"  # the least disturbed attempt serves this start
+    assert len(calls) == 2 * calibrate.ATTEMPTS
+    assert cal.choice(64, 64).small == "onednn" and len(calls) == 2 * calibrate.ATTEMPTS
+    assert json.loads(cal.path.read_text())["64x64"]["busy_cores"] == 0.9
+    fake_contention(monkeypatch, [0.0])
+    assert Calibrator(lib, str(tmp_path)).choice(64, 64).small == "onednn"
+    assert len(calls) == 2 * calibrate.ATTEMPTS + 2  # measured again, on a quiet CPU now
+    monkeypatch.setattr(calibrate, "time_paths", lambda *a: pytest.fail("measured again"))
+    assert Calibrator(lib, str(tmp_path)).choice(64, 64).small == "onednn"
+
+
+def test_the_attention_measurement_waits_for_a_quiet_cpu_too(lib, monkeypatch, tmp_path) -> None:
+    if not cpu_attention.dots_available(lib):
+        pytest.skip("this build has no AVX512-BF16 dot products")
+    answers = iter([{"dots": 2.0, "fma": 1.0}, {"dots": 1.0, "fma": 2.0}])
+    monkeypatch.setattr(calibrate, "time_attention", lambda *a: next(answers))
+    fake_contention(monkeypatch, [2.0, 0.1])
+    assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64) is True
+
+
+def test_contention_sees_another_process_keep_a_core_busy() -> None:
+    if calibrate._cpu_ticks() is None:
+        pytest.skip("no /proc/stat here")
+    busy = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+    other = subprocess.Popen([sys.executable, "-c", busy])
+    try:
+        time.sleep(0.3)
+        with calibrate.Contention() as c:
+            time.sleep(1.0)  # this process uses nothing; the other one a whole core
+    finally:
+        other.kill()
+        other.wait()
+    assert c.cores > calibrate.BUSY_CORES
+
+
+def test_a_packed_path_close_to_the_fastest_is_taken() -> None:
+    assert calibrate._fastest({"onednn": 1.0, "avx512_bf16": 1.04, "torch": 1.5}) == "avx512_bf16"
+    assert calibrate._fastest({"onednn": 1.0, "avx512_bf16": 1.2, "torch": 1.5}) == "onednn"
+    assert calibrate._fastest({"onednn": 1.0, "torch": 0.99}) == "torch"
