@@ -259,6 +259,19 @@ static void attend_item(const struct call *c, const struct item *it) {
 }
 
 #ifdef __AVX512BF16__
+/* Prefetch the bf16 K/V rows (of head j) of keys from .. from + count - 1: scattered slots, which
+ * no hardware prefetcher follows. */
+static inline void prefetch_keys(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
+                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
+    for (int64_t t = from; t < n_keys && t < from + count; t++) {
+        const int64_t off = (slots[t] * kh + j) * d;
+        for (int64_t byte = 0; byte < d * 2; byte += 64) {
+            __builtin_prefetch((const char *)(k_buf + off) + byte);
+            __builtin_prefetch((const char *)v_buf + off * 2 + byte);
+        }
+    }
+}
+
 /* Transpose a 16 × 16 matrix of 32-bit elements held as 16 rows. */
 static inline void transpose16(__m512i r[16]) {
     __m512i t[16], u[16];
@@ -350,18 +363,6 @@ static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, 
     }
 }
 
-/* Prefetch the K/V rows of the block of keys starting at `from` (scattered slots: no hardware
- * prefetcher follows them). */
-static inline void prefetch_block(const bf16 *k_buf, const void *v_buf, const int64_t *slots,
-                                  int64_t from, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
-    for (int64_t t = from; t < n_keys && t < from + KB; t++) {
-        const int64_t off = (slots[t] * kh + j) * d;
-        for (int64_t byte = 0; byte < d * 2; byte += 64) {
-            __builtin_prefetch((const char *)(k_buf + off) + byte);
-            __builtin_prefetch((const char *)v_buf + off * 2 + byte);
-        }
-    }
-}
 
 /* One query row's online-softmax step over a block of 32 scores (s0: keys 0-15, s1: 16-31; -inf
  * on padding): updates its running max *m and sum *l, writes the probabilities as bf16 key
@@ -397,16 +398,19 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB], alpha[QB];
 
+    /* K/V are fetched two blocks ahead, a share of the block with each group of RB rows */
+    const int64_t share = (KB + rows / RB - 1) / (rows / RB);
+    prefetch_keys(k_buf, v_buf, slots, 0, 2 * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         const int halves = nk > 16 ? 2 : 1;
-        prefetch_block(k_buf, v_buf, slots, k0 + KB, n_keys, kh, j, d);
         key_pairs_transposed(k_buf, slots + k0, nk, halves, kh, j, d, kt);
         value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
         v16 pad[2]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            prefetch_keys(k_buf, v_buf, slots, k0 + 2 * KB + r0 / RB * share, share, n_keys, kh, j, d);
             __m512 sc[RB][2];
             for (int rr = 0; rr < RB; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
             for (int64_t cp = 0; cp < np; cp++) {
@@ -488,8 +492,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
         const int blocks = nk > KB ? 2 : 1, quarters = 2 * blocks;
-        prefetch_block(k_buf, v_buf, slots, k0 + AKB, n_keys, kh, j, d);
-        prefetch_block(k_buf, v_buf, slots, k0 + AKB + KB, n_keys, kh, j, d);
+        prefetch_keys(k_buf, v_buf, slots, k0 + AKB, AKB, n_keys, kh, j, d);
         for (int bl = 0; bl < blocks; bl++) {
             const int64_t from = k0 + KB * bl, nb = nk - KB * bl < KB ? nk - KB * bl : KB;
             key_pairs_transposed(k_buf, slots + from, nb, 2, kh, j, d, kt[bl]);
