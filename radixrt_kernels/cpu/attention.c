@@ -56,7 +56,8 @@
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
 #define AKB (2 * KB)   /* keys per softmax step in the AMX path */
 
-#define RB 4  /* query rows computed together (independent accumulator chains) */
+#define RB 4  /* query rows computed together (independent accumulator chains) ... */
+#define RB_WIDE 8 /* ... in the dot-product path's items of more than RB rows */
 #define DC 32 /* head dims per accumulator chunk in P·V (two vectors) */
 
 /* Row `row` (D values) of a buffer as float32. */
@@ -379,6 +380,53 @@ static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *
     return alpha;
 }
 
+/* One step of attend_item_bf16 over a block of keys (k0 .. k0 + nk - 1, in kt and vp) for its
+ * query rows r0 .. r0 + rb - 1: scores, the online softmax, acc = acc·alpha + P·V. rb rows give
+ * 2·rb independent accumulator chains. */
+static inline __attribute__((always_inline)) void rows_step(
+    const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, int64_t d, int64_t g, float scaling,
+    const struct item *it, const v16 *pad, uint32_t (*qpair)[DMAX / 2], __m512i (*kt)[2],
+    __m512i (*vp)[DMAX / 32][2], uint32_t (*ppair)[KB / 2], float (*acc)[DMAX], float *m, float *l) {
+    __m512 sc[RB_WIDE][2];
+    float alpha[RB_WIDE];
+    for (int rr = 0; rr < rb; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
+    for (int64_t cp = 0; cp < d / 2; cp++) {
+        for (int rr = 0; rr < rb; rr++) {
+            const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
+            for (int hf = 0; hf < halves; hf++)
+                sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[cp][hf]);
+        }
+    }
+    for (int rr = 0; rr < rb; rr++) {
+        const int64_t r = r0 + rr;
+        v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
+        v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
+        mask_from(&s0, &s1, row_limit(it, g, r) - k0);
+        alpha[rr] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
+    }
+    /* per 32 dims: 2·rb chains over key pairs */
+    for (int64_t dc = 0; dc < d / 32; dc++) {
+        __m512 a[RB_WIDE][2];
+        for (int rr = 0; rr < rb; rr++) {
+            const __m512 scale = _mm512_set1_ps(alpha[rr]);
+            a[rr][0] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc]), scale);
+            a[rr][1] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc + 16]), scale);
+        }
+        for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
+            const __m512bh lo = (__m512bh)vp[tp][dc][0], hi = (__m512bh)vp[tp][dc][1];
+            for (int rr = 0; rr < rb; rr++) {
+                const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)ppair[r0 + rr][tp]);
+                a[rr][0] = _mm512_dpbf16_ps(a[rr][0], pb, lo);
+                a[rr][1] = _mm512_dpbf16_ps(a[rr][1], pb, hi);
+            }
+        }
+        for (int rr = 0; rr < rb; rr++) {
+            _mm512_store_ps(&acc[r0 + rr][32 * dc], a[rr][0]);
+            _mm512_store_ps(&acc[r0 + rr][32 * dc + 16], a[rr][1]);
+        }
+    }
+}
+
 /* attend_item for bfloat16 with AVX512-BF16 dot products: the keys are the vector lanes of
  * the scores (a block's keys transposed as dim pairs: kt[c][half] holds dims 2c, 2c+1 of keys
  * half·16 .. half·16+15), each query row's dim pair is broadcast, and keys are read in place
@@ -389,17 +437,17 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
     const float scaling = c->scaling;
-    const int64_t np = d / 2;
-    const int64_t rows = (nq + RB - 1) / RB * RB;
+    const int rb = nq > RB ? RB_WIDE : RB; /* rows per step: more chains where an item has them */
+    const int64_t rows = (nq + rb - 1) / rb * rb;
     uint32_t qpair[QB][DMAX / 2];
     float acc[QB][DMAX] __attribute__((aligned(64)));
     __m512i kt[DMAX / 2][2];
     __m512i vp[KB / 2][DMAX / 32][2];
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
-    float m[QB], l[QB], alpha[QB];
+    float m[QB], l[QB];
 
-    /* K/V are fetched two blocks ahead, a share of the block with each group of RB rows */
-    const int64_t share = (KB + rows / RB - 1) / (rows / RB);
+    /* K/V are fetched two blocks ahead, a share of the block with each step's rows */
+    const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     prefetch_keys(k_buf, v_buf, slots, 0, 2 * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
@@ -409,45 +457,12 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
         value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
         v16 pad[2]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
-        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
-            prefetch_keys(k_buf, v_buf, slots, k0 + 2 * KB + r0 / RB * share, share, n_keys, kh, j, d);
-            __m512 sc[RB][2];
-            for (int rr = 0; rr < RB; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
-            for (int64_t cp = 0; cp < np; cp++) {
-                for (int rr = 0; rr < RB; rr++) {
-                    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
-                    for (int hf = 0; hf < halves; hf++)
-                        sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[cp][hf]);
-                }
-            }
-            for (int rr = 0; rr < RB; rr++) {
-                const int64_t r = r0 + rr;
-                v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
-                v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
-                mask_from(&s0, &s1, row_limit(it, g, r) - k0);
-                alpha[r] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
-            }
-            /* acc = acc·alpha + P·V for these RB rows, per 32 dims: 2·RB chains over key pairs */
-            for (int64_t dc = 0; dc < d / 32; dc++) {
-                __m512 a[RB][2];
-                for (int rr = 0; rr < RB; rr++) {
-                    const __m512 scale = _mm512_set1_ps(alpha[r0 + rr]);
-                    a[rr][0] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc]), scale);
-                    a[rr][1] = _mm512_mul_ps(_mm512_load_ps(&acc[r0 + rr][32 * dc + 16]), scale);
-                }
-                for (int64_t tp = 0; tp < (nk + 1) / 2; tp++) {
-                    const __m512bh lo = (__m512bh)vp[tp][dc][0], hi = (__m512bh)vp[tp][dc][1];
-                    for (int rr = 0; rr < RB; rr++) {
-                        const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)ppair[r0 + rr][tp]);
-                        a[rr][0] = _mm512_dpbf16_ps(a[rr][0], pb, lo);
-                        a[rr][1] = _mm512_dpbf16_ps(a[rr][1], pb, hi);
-                    }
-                }
-                for (int rr = 0; rr < RB; rr++) {
-                    _mm512_store_ps(&acc[r0 + rr][32 * dc], a[rr][0]);
-                    _mm512_store_ps(&acc[r0 + rr][32 * dc + 16], a[rr][1]);
-                }
-            }
+        for (int64_t r0 = 0; r0 < rows; r0 += rb) {
+            prefetch_keys(k_buf, v_buf, slots, k0 + 2 * KB + r0 / rb * share, share, n_keys, kh, j, d);
+            if (rb == RB_WIDE)
+                rows_step(RB_WIDE, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l);
+            else
+                rows_step(RB, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l);
         }
     }
     unpermute(nq, d, DMAX, acc);
