@@ -32,6 +32,16 @@ bandwidth; the fastest path of each cell is starred. Everything runs in one
 process: each cell makes its own weights and inputs, and the paths share no
 state but the thread pool.
 
+Per-shape cells of few rows run in tens of microseconds, and a machine's stream bandwidth
+drifts between runs; so the run also times a whole decode step's linears ("decode step"):
+every layer's qkv, o, gate_up and down (distinct weights, as many layers as the model has)
+and the LM head, called back to back at each ``--rows`` up to 8, for each packed kernel and
+oneDNN, each step followed by a read-only stream over as many bytes; ``--step-rounds`` rounds,
+the paths taking turns, and the medians of the step's weight GB/s and of its ratio to the
+stream measured right after it. This is the memory-bound regime as a decode step meets it:
+each call's weight is cold, and each call pays its own fixed costs (the Python wrapper, the
+ctypes call, the OpenMP team).
+
 ``--offline`` also runs ``bench/offline_shared_prefix.py --skip-compile
 --repeats 2`` in bf16 and in float32, each in a subprocess (with its
 transformers row), and adds its rows; each run's JSON is kept as
@@ -49,6 +59,7 @@ import argparse
 import functools
 import json
 import math
+import statistics
 import subprocess
 import sys
 import time
@@ -288,6 +299,88 @@ def measure_shape(
     return sorted(cells, key=lambda c: c["rows"])
 
 
+# ---- a whole decode step's linears ----------------------------------------------------------
+
+
+def decode_step_shapes(model: str | None) -> list[Shape]:
+    """The linears of one decode step, in the order the model calls them."""
+    from radixrt.model.loader import ModelConfig, default_model_path
+
+    layers = ModelConfig.from_pretrained(model or default_model_path()).num_layers
+    shapes = model_shapes(model)
+    return [s for s in shapes if s.name != "lm_head"] * layers + [shapes[-1]]
+
+
+def measure_decode_step(
+    steps: list[Shape],
+    paths: list[LinearPath],
+    layouts: dict[str, Callable],
+    lib: Any,
+    args: argparse.Namespace,
+) -> list[dict]:
+    """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back,
+    each followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
+    paths = [p for p in paths if p.layout in ("packed", "onednn")]
+    rows = sorted({m for m in args.rows if m <= MEMORY_BOUND_MAX})
+    if lib is None or not paths or not rows:
+        return []
+    nbytes = sum(2 * s.n * s.k for s in steps)
+    stream = torch.ones(nbytes // 4, dtype=torch.float32)
+    xs = {k: torch.randn(max(rows), k).bfloat16() for k in {s.k for s in steps}}
+    times: dict[tuple[str, int], list[tuple[float, float]]] = {}
+    with torch.inference_mode():
+        weights = {}
+        for layout in dict.fromkeys(p.layout for p in paths):
+            weights[layout] = [
+                layouts[layout]((torch.randn(s.n, s.k) * s.k**-0.5).bfloat16()) for s in steps
+            ]
+        for r in range(args.step_rounds):
+            order = paths if r % 2 == 0 else paths[::-1]
+            for path in order:
+                for m in rows:
+                    ws = weights[path.layout]
+                    t0 = time.perf_counter()
+                    for shape, w in zip(steps, ws):
+                        path.call(xs[shape.k][:m], w, shape.n)
+                    t1 = time.perf_counter()
+                    lib.radixrt_stream_read(stream.data_ptr(), nbytes, args.threads)
+                    t2 = time.perf_counter()
+                    times.setdefault((path.name, m), []).append((t1 - t0, t2 - t1))
+    out = []
+    for (name, m), runs in times.items():
+        out.append(
+            {
+                "path": name,
+                "rows": m,
+                "calls": len(steps),
+                "weight_bytes": nbytes,
+                "step_s": statistics.median(t for t, _ in runs),
+                "weight_gbps": statistics.median(nbytes / t / 1e9 for t, _ in runs),
+                "stream_gbps": statistics.median(nbytes / s / 1e9 for _, s in runs),
+                "frac_stream": statistics.median(s / t for t, s in runs),
+                "rounds": len(runs),
+            }
+        )
+    return sorted(out, key=lambda c: (c["rows"], c["path"]))
+
+
+def print_decode_step(steps: list[Shape], cells: list[dict]) -> None:
+    if not cells:
+        return
+    layers = (len(steps) - 1) // 4
+    print(
+        f"\ndecode step: {layers} layers' qkv, o, gate_up, down and the LM head, "
+        f"{cells[0]['calls']} calls, {cells[0]['weight_bytes'] / 1e6:.0f} MB of bf16 weights "
+        f"(medians of {cells[0]['rounds']} rounds)"
+    )
+    print(f"{'rows':>6} {'path':12} {'ms':>8} {'GB/s':>7} {'stream':>7}  of stream")
+    for c in cells:
+        print(
+            f"{c['rows']:6d} {c['path']:12} {1e3 * c['step_s']:8.2f} {c['weight_gbps']:7.1f} "
+            f"{c['stream_gbps']:7.1f}  {c['frac_stream']:.0%}"
+        )
+
+
 # ---- output -------------------------------------------------------------------------------
 
 
@@ -421,6 +514,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--min-repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
+        "--step-rounds", type=int, default=9, help="rounds of the decode-step timing (0: none)"
+    )
+    ap.add_argument(
         "--offline", action="store_true", help="also run the offline shared-prefix workload"
     )
     args = ap.parse_args()
@@ -467,6 +563,9 @@ def main() -> None:
     shapes = [s for s in model_shapes(args.model) if s.name in args.shapes]
     cells = measure_all(shapes, paths, layouts, ceil, args)
     print_cells(shapes, cells)
+    steps = decode_step_shapes(args.model)
+    decode_step = measure_decode_step(steps, paths, layouts, lib, args)
+    print_decode_step(steps, decode_step)
     offline = run_offline(args.threads) if args.offline else {}
     if offline:
         print_offline(offline)
@@ -478,6 +577,7 @@ def main() -> None:
         "missing_paths": missing,
         "ceilings": ceil._asdict(),
         "cells": cells,
+        "decode_step": decode_step,
         "offline": offline,
     }
     (RESULTS / "cpu_linear.json").write_text(json.dumps(result, indent=2))
