@@ -38,7 +38,9 @@ every layer's qkv, o, gate_up and down (distinct weights, as many layers as the 
 and the LM head, called back to back at each ``--rows`` up to 8, for each packed kernel and
 oneDNN, each step followed by a read-only stream over as many bytes; ``--step-rounds`` rounds,
 the paths taking turns, and the medians of the step's weight GB/s and of its ratio to the
-stream measured right after it. This is the memory-bound regime as a decode step meets it:
+stream measured right after it. It runs as the engine runs a model on the CPU: glibc keeps
+freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's weights are
+collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a decode step meets it:
 each call's weight is cold, and each call pays its own fixed costs (the Python wrapper, the
 ctypes call, the OpenMP team).
 
@@ -320,20 +322,23 @@ def measure_decode_step(
 ) -> list[dict]:
     """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back,
     each followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
+    from radixrt.memory import anonymous_regions, collapse_anonymous_memory
+
     paths = [p for p in paths if p.layout in ("packed", "onednn")]
     rows = sorted({m for m in args.rows if m <= MEMORY_BOUND_MAX})
     if lib is None or not paths or not rows:
         return []
     nbytes = sum(2 * s.n * s.k for s in steps)
-    stream = torch.ones(nbytes // 4, dtype=torch.float32)
     xs = {k: torch.randn(max(rows), k).bfloat16() for k in {s.k for s in steps}}
     times: dict[tuple[str, int], list[tuple[float, float]]] = {}
     with torch.inference_mode():
-        weights = {}
+        before, weights = anonymous_regions(heap=False), {}
+        stream = torch.ones(nbytes // 4, dtype=torch.float32)  # in huge pages too
         for layout in dict.fromkeys(p.layout for p in paths):
             weights[layout] = [
                 layouts[layout]((torch.randn(s.n, s.k) * s.k**-0.5).bfloat16()) for s in steps
             ]
+        collapse_anonymous_memory(since=before)
         for r in range(args.step_rounds):
             order = paths if r % 2 == 0 else paths[::-1]
             for path in order:
@@ -549,6 +554,9 @@ def measure_all(
 
 def main() -> None:
     args = parse_args()
+    from radixrt.memory import keep_freed_memory
+
+    keep_freed_memory()  # as the engine runs
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     from radixrt.model.loader import cache_dir
