@@ -26,6 +26,7 @@ NOT_SUMMED = frozenset(
         "threads",
         "replica",
         "scheduler_pid",
+        "gc_frozen_objects",
         "hit_rate",
         "hicache_block_tokens",
     }

@@ -34,6 +34,7 @@ exits at once (``radixrt.server.common.setup_child``).
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import socket
@@ -101,6 +102,11 @@ class SchedulerProcess:
         self.send = push(ctx, args["detokenizer_addr"])
         self.outputs = OutputTracker()  # every request this process still answers for
         self.events = EventPublisher(ctx, args.get("kv_events_addr"), self.replica, self.scheduler)
+        # What exists now (the model, the tokenizer, the libraries) lives as long as this
+        # process: out of the collector's generations, a full collection in the middle of a
+        # step walks only what serving made since.
+        gc.collect()
+        gc.freeze()
 
     def info(self) -> dict:
         eng = self.engine
@@ -118,6 +124,7 @@ class SchedulerProcess:
             "attention": eng.runner.attn_backend.describe(),
             "replica": self.replica,
             "scheduler_pid": os.getpid(),
+            "gc_frozen_objects": gc.get_freeze_count(),
             "threads": torch.get_num_threads(),
             "device": str(eng.runner.device),
         }

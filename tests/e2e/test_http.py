@@ -402,6 +402,7 @@ def test_models_and_sglang_info_endpoints(oai, http):
     kernels = state["kernels"]  # which linear path each weight shape runs, and the elementwise
     assert kernels["linear"] and {"rms_norm", "rotary", "silu_mul"} <= set(kernels)
     assert state["attention_backend"] in ("cpu", "torch")
+    assert state["gc_frozen_objects"] > 1000  # the scheduler froze what it built at start
     assert http.post("/flush_cache").status_code == 200
     assert http.get("/get_server_info").json()["internal_states"][0]["evictable_tokens"] == 0
 
