@@ -40,9 +40,9 @@ oneDNN, each step followed by a read-only stream over as many bytes; ``--step-ro
 the paths taking turns, and the medians of the step's weight GB/s and of its ratio to the
 stream measured right after it. It runs as the engine runs a model on the CPU: glibc keeps
 freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's weights are
-collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a decode step meets it:
-each call's weight is cold, and each call pays its own fixed costs (the Python wrapper, the
-ctypes call, the OpenMP team).
+collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a
+decode step meets it: each call's weight is cold, and each call pays its own fixed costs
+(the Python wrapper, the ctypes call, the OpenMP team).
 
 ``--offline`` also runs ``bench/offline_shared_prefix.py --skip-compile
 --repeats 2`` in bf16 and in float32, each in a subprocess (with its
