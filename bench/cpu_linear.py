@@ -16,11 +16,14 @@ Each cell (shape × rows × path) gets a warm-up call, whose result is checked
 against F.linear in float64 (max error within 2^-7 of the output's largest
 magnitude, bf16 rounding; a wrong path stops the run), then one call to size
 the run, then enough timed calls for ``--seconds`` (at least ``--min-repeats``);
-the best single call is reported, as GFLOP/s (2·M·N·K / t) and weight GB/s
-(the weight's bytes / t). Decode-sized cells (rows < 64) read their weight
+a cell's time is reported as GFLOP/s (2·M·N·K / t) and weight GB/s (the
+weight's bytes / t). Decode-sized cells (rows < 64) read their weight
 from memory, as a decode step does: each call takes the next of enough
 distinct copies of the weight (together over 2× the last-level cache, from
-``lscpu -C``) that every call finds its weight cold. Larger cells reuse one
+``lscpu -C``) that a call finds its weight cold, and the median call is
+reported (the cache keeps some copies now and then: the fastest call would
+be one that found its weight there). Larger cells report the fastest call
+(noise only adds time) and reuse one
 copy: they are bound by arithmetic, not by the weight's stream.
 
 The ceilings are measured in the same run, on the same threads: a
@@ -216,18 +219,21 @@ def check(y: torch.Tensor, ref: torch.Tensor, what: str) -> None:
         raise AssertionError(f"{what}: max error {err:.4g} > 2^-7 x output scale {scale:.4g}")
 
 
-def best_time(run: Callable[[int], object], seconds: float, min_repeats: int) -> tuple[float, int]:
-    """The fastest of ``run(i)`` over enough calls for ``seconds`` (one call sizes the count)."""
+def best_time(
+    run: Callable[[int], object], seconds: float, min_repeats: int, median: bool = False
+) -> tuple[float, int]:
+    """The fastest (``median``: the median) of ``run(i)`` over enough calls for ``seconds``
+    (one call sizes the count)."""
     t0 = time.perf_counter()
     run(1)
     estimate = time.perf_counter() - t0
     repeats = max(min_repeats, min(MAX_REPEATS, math.ceil(seconds / max(estimate, 1e-9))))
-    best = float("inf")
+    times = []
     for i in range(repeats):
         t0 = time.perf_counter()
         run(i + 2)
-        best = min(best, time.perf_counter() - t0)
-    return best, repeats
+        times.append(time.perf_counter() - t0)
+    return (statistics.median(times) if median else min(times)), repeats
 
 
 def cell_record(
@@ -248,6 +254,7 @@ def cell_record(
         "seconds": seconds,
         "repeats": repeats,
         "cold_weights": rows < COLD_BELOW,
+        "timing": "median call" if rows < COLD_BELOW else "fastest call",
         "gflops": gflops,
         "weight_gbps": gbps,
         "frac_fma": frac(gflops, ceil.fma_gflops),
@@ -290,7 +297,9 @@ def measure_shape(
                     ref[:m],
                     f"{path.name} on {shape.name} [{shape.n}, {shape.k}] at {m} rows",
                 )
-                seconds, repeats = best_time(run, args.seconds, args.min_repeats)
+                seconds, repeats = best_time(
+                    run, args.seconds, args.min_repeats, median=m < COLD_BELOW
+                )
                 cells.append(cell_record(shape, m, path, seconds, repeats, ceil))
         del copies
     for m in rows:  # star the fastest path of each cell
