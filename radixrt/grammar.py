@@ -20,7 +20,10 @@ JSON schemas are compiled with any whitespace between elements, at most ``MAX_WH
 characters in a run (a model cannot stall in whitespace), or with ``any_whitespace`` False
 compact (", " and ": " between elements, as ``json.dumps`` writes); and in xgrammar's strict
 mode (no properties beyond the schema's). ``response_format`` ``json_object`` is the schema
-``JSON_OBJECT``.
+``JSON_OBJECT``. xgrammar writes the characters of a string with a length limit
+(``maxLength``, ``minLength``) as any character but a quote, a backslash, CR and LF, which lets
+the other control characters through raw (invalid JSON): such a grammar is rewritten with
+JSON's own class (``_json_strings``).
 """
 
 from __future__ import annotations
@@ -92,17 +95,30 @@ def preload() -> threading.Thread:
     return thread
 
 
+_LOOSE_CHARS = r"[^\"\\\r\n]"  # xgrammar's class for a length-limited string's characters
+_JSON_CHARS = r"[^\0-\x1f\"\\]"  # JSON's: no raw control characters, quotes or backslashes
+
+
+def _json_strings(xgr, grammar):
+    """``grammar`` with every length-limited string's characters in JSON's class."""
+    text = str(grammar)
+    if _LOOSE_CHARS not in text:
+        return grammar
+    return xgr.Grammar.from_ebnf(text.replace(_LOOSE_CHARS, _JSON_CHARS))
+
+
 def _grammar(c: Constraint, any_whitespace: bool = True):
     """The xgrammar Grammar of a constraint (raises GrammarError)."""
     xgr = _xgrammar()
     try:
         if c.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(
+            schema_grammar = xgr.Grammar.from_json_schema(
                 c.text,
                 any_whitespace=any_whitespace,
                 max_whitespace_cnt=MAX_WHITESPACE if any_whitespace else None,
                 strict_mode=True,
             )
+            return _json_strings(xgr, schema_grammar)
         if c.kind == "regex":
             return xgr.Grammar.from_regex(c.text)
         return xgr.Grammar.from_ebnf(c.text)

@@ -291,3 +291,14 @@ def test_json_object_takes_any_object_and_nothing_else(engine) -> None:
     for text, ok in (('{"a": 1, "b": [true, null]}', True), ("{}", True), ("[1]", False)):
         m = grammar.Matcher(compiled.result(timeout=30)).matcher
         assert (m.accept_string(text) and m.is_completed()) is ok, text
+
+
+@pytest.mark.parametrize("limit", [{"maxLength": 5}, {"minLength": 1}, {}])
+def test_strings_take_no_raw_control_characters(engine, limit: dict) -> None:
+    # JSON allows control characters in a string only escaped; xgrammar's class for a
+    # length-limited string's characters lets them through unless rewritten.
+    schema = {"type": "object", "properties": {"b": {"type": "string", **limit}}, "required": ["b"]}
+    compiled = engine.grammars.submit(grammar.Constraint("json_schema", json.dumps(schema)))
+    for text, ok in (('{"b": "ab"}', True), ('{"b": "a\x18"}', False), ('{"b": "a\x00"}', False)):
+        m = grammar.Matcher(compiled.result(timeout=30)).matcher
+        assert (m.accept_string(text) and m.is_completed()) is ok, (limit, text)
