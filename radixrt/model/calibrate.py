@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import os
-import resource
 import tempfile
 import time
 from pathlib import Path
@@ -107,11 +106,6 @@ def _cpu_ticks() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def _own_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 class Contention:
     """``with Contention() as c:`` ... then ``c.cores``: the cores' worth of CPU time that work
     other than this process (other processes, a hypervisor's steal) took while the block ran
@@ -119,12 +113,12 @@ class Contention:
 
     def __enter__(self) -> Contention:
         self.cores = 0.0
-        self._start = (_cpu_ticks(), _own_cpu_seconds(), time.monotonic())
+        self._start = (_cpu_ticks(), time.process_time(), time.monotonic())
         return self
 
     def __exit__(self, *exc) -> None:
         ticks0, own0, t0 = self._start
-        ticks1, own1, t1 = _cpu_ticks(), _own_cpu_seconds(), time.monotonic()
+        ticks1, own1, t1 = _cpu_ticks(), time.process_time(), time.monotonic()
         if ticks0 is None or ticks1 is None or t1 <= t0:
             return
         busy = (ticks1[0] - ticks0[0]) / os.sysconf("SC_CLK_TCK")
