@@ -95,21 +95,29 @@ PACKED_MARGIN = 1.05  # a packed path this close to the fastest is taken (see th
 
 
 def _cpu_ticks() -> tuple[int, int] | None:
-    """(busy, all) clock ticks of every CPU since boot, from /proc/stat (steal counts as
-    busy); None where there is no /proc/stat."""
+    """(busy, all) clock ticks since boot of the CPUs this process may run on, from
+    /proc/stat's per-CPU lines (steal counts as busy); None where there is no /proc/stat."""
     try:
+        mine = os.sched_getaffinity(0)
+        busy = total = 0
         with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:9]]
-    except (OSError, ValueError):
+            for line in f:
+                name, *values = line.split()
+                if not (name.startswith("cpu") and name[3:].isdigit()) or int(name[3:]) not in mine:
+                    continue
+                fields = [int(v) for v in values[:8]]
+                total += sum(fields)
+                busy += sum(fields) - fields[3] - fields[4]  # all but idle and iowait
+    except (OSError, ValueError, AttributeError):
         return None
-    idle = fields[3] + fields[4]  # idle, iowait
-    return sum(fields) - idle, sum(fields)
+    return busy, total
 
 
 class Contention:
     """``with Contention() as c:`` ... then ``c.cores``: the cores' worth of CPU time that work
-    other than this process (other processes, a hypervisor's steal) took while the block ran
-    (0 where the OS does not say)."""
+    other than this process (other processes, a hypervisor's steal) took on the CPUs this
+    process may run on while the block ran (0 where the OS does not say). Work pinned to other
+    CPUs (another data-parallel replica) does not count."""
 
     def __enter__(self) -> Contention:
         self.cores = 0.0

@@ -5,6 +5,7 @@ the attention kernel's bf16 path, measured and kept the same way."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -237,10 +238,11 @@ def test_the_attention_measurement_waits_for_a_quiet_cpu_too(lib, monkeypatch, t
     assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64) is True
 
 
-def test_contention_sees_another_process_keep_a_core_busy() -> None:
-    if calibrate._cpu_ticks() is None:
-        pytest.skip("no /proc/stat here")
-    busy = "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
+def _contention_with_a_busy_process(cpu: int | None) -> float:
+    """Contention.cores over a second of this process sleeping while another spins (on
+    ``cpu`` when given)."""
+    pin = f"import os; os.sched_setaffinity(0, {{{cpu}}})\n" if cpu is not None else ""
+    busy = pin + "import time\nt = time.time()\nwhile time.time() - t < 3: pass"
     other = subprocess.Popen([sys.executable, "-c", busy])
     try:
         time.sleep(0.3)
@@ -249,7 +251,26 @@ def test_contention_sees_another_process_keep_a_core_busy() -> None:
     finally:
         other.kill()
         other.wait()
-    assert c.cores > calibrate.BUSY_CORES
+    return c.cores
+
+
+def test_contention_sees_another_process_keep_a_core_busy() -> None:
+    if calibrate._cpu_ticks() is None:
+        pytest.skip("no /proc/stat here")
+    assert _contention_with_a_busy_process(None) > calibrate.BUSY_CORES
+
+
+def test_contention_counts_only_the_cpus_this_process_may_run_on() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    if calibrate._cpu_ticks() is None or len(cpus) < 2:
+        pytest.skip("needs /proc/stat and two CPUs")
+    os.sched_setaffinity(0, {cpus[0]})
+    try:  # a replica pinned to its own CPU does not count another's work
+        away = _contention_with_a_busy_process(cpus[1])
+        here = _contention_with_a_busy_process(cpus[0])
+    finally:
+        os.sched_setaffinity(0, cpus)
+    assert away < 0.5 < here
 
 
 def test_a_packed_path_close_to_the_fastest_is_taken() -> None:
