@@ -169,12 +169,15 @@ def decode_segments(
     seq_lens: list[int],
     min_prefix: int,
     min_group: int,
+    split_from: int = 0,
 ) -> Segments:
     """A decode step's segments (one C call instead of ~60 PyTorch ops): requests grouped by a
     shared prefix (``radixrt.attention.cpu_backend`` states the rule; groups of >= ``min_group``
     requests sharing >= ``min_prefix`` slots), each group's prefix one segment, then each
-    request's remaining slots. table int64 [rows, max_context] (each row's slots), req_rows
-    int64 [B] (the requests' rows), seq_lens [B] (each >= 1)."""
+    request's remaining slots; with ``split_from`` > 0, a request in no group with at least
+    that many slots gets two segments, its slots' halves, as two parts. table int64 [rows,
+    max_context] (each row's slots), req_rows int64 [B] (the requests' rows), seq_lens [B]
+    (each >= 1)."""
     b = len(seq_lens)
     if table.dtype != torch.int64 or table.stride(1) != 1 or req_rows.dtype != torch.int64:
         raise ValueError("decode_segments: table and req_rows must be int64, table rows contiguous")
@@ -195,6 +198,7 @@ def decode_segments(
         b,
         min_prefix,
         min_group,
+        split_from,
         slots.data_ptr(),
         slot_start.data_ptr(),
         members.data_ptr(),

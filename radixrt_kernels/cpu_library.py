@@ -99,7 +99,7 @@ SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]
 RESTYPES = {
     "radixrt_decode_segments": (
         ctypes.c_int64,
-        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
     "radixrt_peak": (ctypes.c_double, [_int, _i64, _int]),
     "radixrt_stream_read": (ctypes.c_double, [_ptr, _i64, _int]),

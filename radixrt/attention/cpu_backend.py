@@ -6,7 +6,10 @@ new K/V. Its work is described once per step as segments (``cpu_attention.Segmen
   >= ``MIN_GROUP_SIZE`` requests whose rows start with the same >= ``MIN_SHARED_PREFIX``
   slots, the prefix capped at seq_len - 1 of each); each group's prefix is one segment for
   all its requests, then every request's private tail one of its own. The grouping is
-  computed in C (``cpu_attention.decode_segments``);
+  computed in C (``cpu_attention.decode_segments``). When the batch gives fewer work items
+  (requests × KV heads) than twice the threads, a request in no group with at least
+  ``SPLIT_MIN_KEYS`` keys has them in two halves, two parts merged as a group's are, so the
+  threads share one long sequence's keys;
 - extend: each request's whole sequence (cached prefix and new tokens) is one causal segment
   for its new tokens.
 The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``). Its bf16 work
@@ -27,6 +30,7 @@ from radixrt_kernels import cpu_attention, cpu_library
 
 MIN_GROUP_SIZE = 2
 MIN_SHARED_PREFIX = 16
+SPLIT_MIN_KEYS = 256  # a lone request's keys are split between the threads from this many
 
 
 def unavailable_reason(pool: KVPool) -> str | None:
@@ -69,8 +73,15 @@ class CpuAttentionBackend(AttentionBackend):
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
+            few = len(batch.seq_lens) * self.pool.kv_heads < 2 * torch.get_num_threads()
             batch.attn_metadata = cpu_attention.decode_segments(
-                self.lib, table, batch.req_rows, batch.seq_lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE
+                self.lib,
+                table,
+                batch.req_rows,
+                batch.seq_lens,
+                MIN_SHARED_PREFIX,
+                MIN_GROUP_SIZE,
+                SPLIT_MIN_KEYS if few else 0,
             )
         else:
             batch.attn_metadata = extend_segments(

@@ -709,7 +709,10 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
         if (configured) _tile_release();
 #endif
     }
-    /* Merge the two parts of every (token, head) that has two. */
+    /* Merge the two parts of every (token, head) that has two (no threads started for none). */
+    int merging = 0;
+    for (int64_t tok = 0; tok < t && !merging; tok++) merging = num_parts[tok] == 2;
+    if (!merging) return 0;
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t th = 0; th < t * h; th++) {
         const int64_t tok = th / h, head = th % h;
@@ -737,14 +740,17 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
  * group; its prefix is the longest run of slots all its requests share, capped at each one's
  * length - 1; a group of >= min_group requests with a prefix of >= min_prefix slots gets a
  * segment of its own (part 0 of its members, groups in ascending first slot), then each request
- * one for its remaining slots (part 1 in a group, else part 0 over all its slots).
+ * one for its remaining slots (part 1 in a group, else part 0 over all its slots). With
+ * split_from > 0, a request in no group with >= split_from slots gets two segments instead,
+ * its first len / 2 slots (part 0) and the rest (part 1): more work items where a batch has too
+ * few to keep the threads busy, merged as a group's parts are.
  *
  * table [*, table_stride] holds each request row's slots; request i (of b) is row req_rows[i],
  * lens[i] >= 1 slots. Outputs (sizes: slots sum(lens); slot_start, member_start 2b + 1;
  * members 2b; part 2b; num_parts b); order [b] scratch. Returns the number of segments. */
 int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, const int64_t *req_rows,
                                 const int64_t *lens, int64_t b, int64_t min_prefix, int64_t min_group,
-                                int64_t *slots, int64_t *slot_start, int64_t *members,
+                                int64_t split_from, int64_t *slots, int64_t *slot_start, int64_t *members,
                                 int64_t *member_start, int64_t *part, int64_t *num_parts, int64_t *order) {
 #define SLOT(i, p) table[req_rows[i] * table_stride + (p)]
     for (int64_t i = 0; i < b; i++) { /* requests by (first slot, index): insertion sort */
@@ -784,6 +790,18 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
         g0 = g1;
     }
     for (int64_t i = 0; i < b; i++) {
+        if (!num_parts[i] && split_from > 0 && lens[i] >= split_from) { /* two halves */
+            for (int half = 0; half < 2; half++) {
+                const int64_t p0 = half ? lens[i] / 2 : 0, p1 = half ? lens[i] : lens[i] / 2;
+                for (int64_t p = p0; p < p1; p++) slots[n_slots++] = SLOT(i, p);
+                members[n_members++] = i;
+                part[segs++] = half;
+                slot_start[segs] = n_slots;
+                member_start[segs] = n_members;
+            }
+            num_parts[i] = 2;
+            continue;
+        }
         const int64_t start = num_parts[i] ? num_parts[i] - 1 : 0;
         for (int64_t p = start; p < lens[i]; p++) slots[n_slots++] = SLOT(i, p);
         members[n_members++] = i;

@@ -13,7 +13,12 @@ import torch
 import radixrt_kernels.cpu_attention as cpu_kernel
 import radixrt_kernels.cpu_library as cpu_library
 from radixrt.attention.base import ForwardBatch, ForwardMode
-from radixrt.attention.cpu_backend import MIN_GROUP_SIZE, MIN_SHARED_PREFIX, CpuAttentionBackend
+from radixrt.attention.cpu_backend import (
+    MIN_GROUP_SIZE,
+    MIN_SHARED_PREFIX,
+    SPLIT_MIN_KEYS,
+    CpuAttentionBackend,
+)
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.loader import cache_dir
@@ -148,6 +153,59 @@ def test_kernel_matches_reference(
     assert meta.part.numel() == 2 + len(SPEC)  # two shared prefixes + every request's own keys
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
+def test_a_lone_long_request_is_split_between_the_threads(
+    dtype: torch.dtype, tol: float, dots: bool | None
+) -> None:
+    # One request, 2 KV heads: 2 work items for 2 threads, so a sequence of SPLIT_MIN_KEYS keys
+    # or more has them in two halves (two parts, merged in the same call); a shorter one not.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = SPLIT_MIN_KEYS + 45
+        pool = _pool(2, 64, [(n, None)], dtype)
+        out, ref, meta = _decode(pool, [n], 6, use_kernel=True, dots=dots)
+        assert meta.num_parts.tolist() == [2] and meta.part.tolist() == [0, 1]
+        assert meta.slot_start.tolist() == [0, n // 2, n]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        pool = _pool(2, 64, [(SPLIT_MIN_KEYS - 1, None)] * 2, dtype)
+        out, ref, meta = _decode(pool, [SPLIT_MIN_KEYS - 1] * 2, 6, use_kernel=True, dots=dots)
+        assert meta.num_parts.tolist() == [1, 1]  # too short, and 4 work items already
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_decode_segments_split_only_lone_requests_from_split_from() -> None:
+    lib = cpu_library.load(cache_dir())
+    table = torch.arange(4 * 128, dtype=torch.int64).view(4, 128) + 1000
+    table[1, :40] = table[0, :40]  # requests 0 and 1 share 40 slots: a group
+    lens = [60, 70, 100, 10]
+    seg = cpu_kernel.decode_segments(
+        lib, table, torch.arange(4), lens, MIN_SHARED_PREFIX, MIN_GROUP_SIZE, split_from=64
+    )
+    got = [
+        (
+            seg.slots[seg.slot_start[s] : seg.slot_start[s + 1]].tolist(),
+            seg.members[seg.member_start[s] : seg.member_start[s + 1]].tolist(),
+            int(seg.part[s]),
+        )
+        for s in range(seg.part.numel())
+    ]
+    rows = table.tolist()
+    # the group's prefix is not split (it is over 64 slots with the tails); request 2 is alone
+    # with 100 slots: two halves; request 3 alone, under split_from
+    assert got == [
+        (rows[0][:40], [0, 1], 0),
+        (rows[0][40:60], [0], 1),
+        (rows[1][40:70], [1], 1),
+        (rows[2][:50], [2], 0),
+        (rows[2][50:100], [2], 1),
+        (rows[3][:10], [3], 0),
+    ]
+    assert seg.num_parts.tolist() == [2, 2, 2, 1] and seg.two_parts
 
 
 @pytest.mark.parametrize("dtype,tol,dots", PATHS)
