@@ -41,6 +41,7 @@
 #endif
 #define MR_DP 12
 #define SEGMENT 8 /* chunks per segment: 16 KiB of weights */
+#define WIDEN_PARALLEL_MIN 65536 /* x values widened by the threads together from here */
 
 typedef uint32_t v16w __attribute__((vector_size(64))); /* a K-pair of 16 features */
 
@@ -181,11 +182,12 @@ int radixrt_linear_vec_available(int kernel) {
 }
 
 /* x [m, k] bf16 (rows x_stride apart) as float32 panels of MR_FMA rows (the last holds the
- * rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. In parallel. */
+ * rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. In parallel from
+ * WIDEN_PARALLEL_MIN values: a decode step's few rows are widened faster than a team starts. */
 static float *widen_panels(const bf16 *x, int64_t x_stride, int64_t m, int64_t k, int num_threads) {
     float *xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64));
     if (xf == NULL) return NULL;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
     for (int64_t r = 0; r < m; r++) {
         const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
         float *panel = xf + p0 * k;
