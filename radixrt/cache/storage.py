@@ -75,22 +75,8 @@ class StorageTier:
         self.fetched: OrderedDict[bytes, bytearray] = OrderedDict()  # read ahead, oldest first
         self._logged: set[str] = set()
         self._scan()
-        self._queue: queue.Queue[bytes | None] = queue.Queue()
-        self._writer = threading.Thread(
-            target=self._serve,
-            args=(self._queue, self._write_queued),
-            name="hicache-writer",
-            daemon=True,
-        )
-        self._writer.start()
-        self._reads: queue.Queue[bytes | None] = queue.Queue()
-        self._reader = threading.Thread(
-            target=self._serve,
-            args=(self._reads, self._read_ahead),
-            name="hicache-reader",
-            daemon=True,
-        )
-        self._reader.start()
+        self._queue, self._writer = _start_worker("hicache-writer", self._write_queued)
+        self._reads, self._reader = _start_worker("hicache-reader", self._read_ahead)
 
     # ------------------------------------------------------------ API
 
@@ -261,18 +247,6 @@ class StorageTier:
             return "corrupt (checksum mismatch)"
         return None
 
-    @staticmethod
-    def _serve(jobs: queue.Queue, handle) -> None:
-        """A worker thread's loop: ``handle(key)`` for each key queued, until None."""
-        while True:
-            key = jobs.get()
-            try:
-                if key is None:
-                    return
-                handle(key)
-            finally:
-                jobs.task_done()
-
     def _read_ahead(self, key: bytes) -> None:
         with self._lock:
             wanted = key in self.index and key not in self.fetched
@@ -343,3 +317,23 @@ class StorageTier:
 
 def _checksum(header: bytes | memoryview, payload: bytes | memoryview) -> int:
     return zlib.crc32(payload, zlib.crc32(header))
+
+
+def _start_worker(name: str, handle) -> tuple[queue.Queue, threading.Thread]:
+    """A queue and a started daemon thread that calls ``handle(key)`` for each key put on it,
+    until None."""
+    jobs: queue.Queue[bytes | None] = queue.Queue()
+
+    def serve() -> None:
+        while True:
+            key = jobs.get()
+            try:
+                if key is None:
+                    return
+                handle(key)
+            finally:
+                jobs.task_done()
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    return jobs, thread
