@@ -45,7 +45,10 @@ stream measured right after it. It runs as the engine runs a model on the CPU: g
 freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's weights are
 collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a
 decode step meets it: each call's weight is cold, and each call pays its own fixed costs
-(the Python wrapper, the ctypes call, the OpenMP team).
+(the Python wrapper, the ctypes call, the OpenMP team). The kernels a decode chain runs
+(``radixrt_kernels.cpu_chain``) are timed that way too ("<kernel> chain"): one chain per
+layer, as the engine's decode chain runs a layer's linears between two attentions, then the LM
+head's call.
 
 ``--offline`` also runs ``bench/offline_shared_prefix.py --skip-compile
 --repeats 2`` in bf16 and in float32, each in a subprocess (with its
@@ -322,6 +325,29 @@ def decode_step_shapes(model: str | None) -> list[Shape]:
     return [s for s in shapes if s.name != "lm_head"] * layers + [shapes[-1]]
 
 
+def chained_steps(
+    steps: list[Shape], ws: list, lib: Any, kernel: str, m: int, xs: dict
+) -> Callable[[], None]:
+    """The decode step's linears as the engine's decode chain runs them: per layer one chain
+    (``radixrt_kernels.cpu_chain``) of its qkv, o, gate_up and down, then the LM head's call."""
+    from radixrt_kernels import cpu_chain
+
+    chains, layer = [], 4
+    for i in range(0, len(steps) - 1, layer):
+        chain = cpu_chain.Chain(lib)
+        for shape, w in zip(steps[i : i + layer], ws[i : i + layer]):
+            chain.linear(kernel, xs[shape.k][:m], w, shape.n, torch.empty(m, shape.n).bfloat16())
+        chains.append(chain)
+    head, w_head, x_head = steps[-1], ws[-1], xs[steps[-1].k][:m]
+
+    def run() -> None:
+        for chain in chains:
+            chain.run()
+        cpu_linear.linear(lib, x_head, w_head, head.n, kernel=kernel)
+
+    return run
+
+
 def measure_decode_step(
     steps: list[Shape],
     paths: list[LinearPath],
@@ -329,9 +355,11 @@ def measure_decode_step(
     lib: Any,
     args: argparse.Namespace,
 ) -> list[dict]:
-    """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back,
-    each followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
+    """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back
+    (call by call, and for the kernels a chain runs, as chains: "<kernel> chain"), each step
+    followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
     from radixrt.memory import anonymous_regions, collapse_anonymous_memory
+    from radixrt_kernels import cpu_chain
 
     paths = [p for p in paths if p.layout in ("packed", "onednn")]
     rows = sorted({m for m in args.rows if m <= MEMORY_BOUND_MAX})
@@ -348,31 +376,43 @@ def measure_decode_step(
                 layouts[layout]((torch.randn(s.n, s.k) * s.k**-0.5).bfloat16()) for s in steps
             ]
         collapse_anonymous_memory(since=before)
+        runs: dict[str, dict[int, Callable[[], None]]] = {}
+        for path in paths:
+            ws = weights[path.layout]
+
+            def call_by_call(m: int, path: LinearPath = path, ws: list = ws) -> None:
+                for shape, w in zip(steps, ws):
+                    path.call(xs[shape.k][:m], w, shape.n)
+
+            runs[path.name] = {m: functools.partial(call_by_call, m) for m in rows}
+            if path.name in cpu_chain.KERNELS:
+                runs[f"{path.name} chain"] = {
+                    m: chained_steps(steps, ws, lib, path.name, m, xs) for m in rows
+                }
+        names = list(runs)
         for r in range(args.step_rounds):
-            order = paths if r % 2 == 0 else paths[::-1]
-            for path in order:
+            for name in names if r % 2 == 0 else names[::-1]:
                 for m in rows:
-                    ws = weights[path.layout]
+                    run = runs[name][m]
                     t0 = time.perf_counter()
-                    for shape, w in zip(steps, ws):
-                        path.call(xs[shape.k][:m], w, shape.n)
+                    run()
                     t1 = time.perf_counter()
                     lib.radixrt_stream_read(stream.data_ptr(), nbytes, args.threads)
                     t2 = time.perf_counter()
-                    times.setdefault((path.name, m), []).append((t1 - t0, t2 - t1))
+                    times.setdefault((name, m), []).append((t1 - t0, t2 - t1))
     out = []
-    for (name, m), runs in times.items():
+    for (name, m), runs_ in times.items():
         out.append(
             {
                 "path": name,
                 "rows": m,
-                "calls": len(steps),
+                "calls": len(steps) if not name.endswith(" chain") else (len(steps) - 1) // 4 + 1,
                 "weight_bytes": nbytes,
-                "step_s": statistics.median(t for t, _ in runs),
-                "weight_gbps": statistics.median(nbytes / t / 1e9 for t, _ in runs),
-                "stream_gbps": statistics.median(nbytes / s / 1e9 for _, s in runs),
-                "frac_stream": statistics.median(s / t for t, s in runs),
-                "rounds": len(runs),
+                "step_s": statistics.median(t for t, _ in runs_),
+                "weight_gbps": statistics.median(nbytes / t / 1e9 for t, _ in runs_),
+                "stream_gbps": statistics.median(nbytes / s / 1e9 for _, s in runs_),
+                "frac_stream": statistics.median(s / t for t, s in runs_),
+                "rounds": len(runs_),
             }
         )
     return sorted(out, key=lambda c: (c["rows"], c["path"]))
@@ -384,14 +424,14 @@ def print_decode_step(steps: list[Shape], cells: list[dict]) -> None:
     layers = (len(steps) - 1) // 4
     print(
         f"\ndecode step: {layers} layers' qkv, o, gate_up, down and the LM head, "
-        f"{cells[0]['calls']} calls, {cells[0]['weight_bytes'] / 1e6:.0f} MB of bf16 weights "
+        f"{cells[0]['weight_bytes'] / 1e6:.0f} MB of bf16 weights "
         f"(medians of {cells[0]['rounds']} rounds)"
     )
-    print(f"{'rows':>6} {'path':12} {'ms':>8} {'GB/s':>7} {'stream':>7}  of stream")
+    print(f"{'rows':>6} {'path':18} {'calls':>5} {'ms':>8} {'GB/s':>7} {'stream':>7}  of stream")
     for c in cells:
         print(
-            f"{c['rows']:6d} {c['path']:12} {1e3 * c['step_s']:8.2f} {c['weight_gbps']:7.1f} "
-            f"{c['stream_gbps']:7.1f}  {c['frac_stream']:.0%}"
+            f"{c['rows']:6d} {c['path']:18} {c['calls']:5d} {1e3 * c['step_s']:8.2f} "
+            f"{c['weight_gbps']:7.1f} {c['stream_gbps']:7.1f}  {c['frac_stream']:.0%}"
         )
 
 

@@ -122,6 +122,11 @@ class EngineConfig:
     enable_torch_compile: bool = setting(
         False, "compile the model's forward with torch.compile (slower start, faster steps)"
     )
+    disable_decode_chain: bool = setting(
+        False,
+        "run small decode batches layer by layer, not as one C call per layer (the CPU's "
+        "decode chain: the same logits, fewer fixed costs)",
+    )
     enable_hierarchical_cache: bool = setting(
         False,
         "keep KV the pool evicts in host memory (and, with --hicache-storage-dir, on disk) and "

@@ -107,9 +107,10 @@ def attention(
     scaling: float,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     bf16_dots: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (the query tokens; token rows may be strided), k_buf/v_buf [N, KH, D]
-    (contiguous, same dtype) → o [T, H, D].
+    (contiguous, same dtype) → o [T, H, D] (into ``out`` where given: contiguous, q's dtype).
 
     ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the forward's new K/V, written into the
     buffers at those slots first (one call instead of a store and an attention).
@@ -120,7 +121,10 @@ def attention(
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError("attention: k_buf and v_buf must be contiguous")
     q = _token_rows(q)
-    out = torch.empty(t, h, d, dtype=q.dtype)
+    if out is None:
+        out = torch.empty(t, h, d, dtype=q.dtype)
+    elif out.shape != (t, h, d) or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"attention: out must be contiguous {q.dtype} [{t}, {h}, {d}]")
     new_k = new_v = new_slots = None
     if new_kv is not None:
         new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])

@@ -3,7 +3,8 @@
 ``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
 ``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
 see ``cpu_ops``), ``cpu/linear.c`` and ``cpu/linear_vec.c`` (bf16 linear
-layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) are compiled with
+layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) and ``cpu/chain.c``
+(several norm and linear steps in one call, see ``cpu_chain``) are compiled with
 the system C compiler (``-O3 -march=native``, OpenMP) into one library in
 ``CACHE_DIR/kernels/`` and loaded with ctypes. The library links against the
 OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's threads.
@@ -28,8 +29,10 @@ import tempfile
 from pathlib import Path
 
 FOLDER = Path(__file__).with_name("cpu")
-SOURCES = [FOLDER / n for n in ("attention.c", "elementwise.c", "linear.c", "linear_vec.c")]
-HEADERS = [FOLDER / "common.h", FOLDER / "linear_out.h"]
+SOURCES = [
+    FOLDER / n for n in ("attention.c", "chain.c", "elementwise.c", "linear.c", "linear_vec.c")
+]
+HEADERS = [FOLDER / n for n in ("common.h", "linear_out.h", "parts.h")]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -93,6 +96,8 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_linear_available": [],
     "radixrt_attention_dots_available": [],
     "radixrt_linear_vec_available": [_int],
+    "radixrt_chain": [_ptr, _i64, _int],
+    "radixrt_chain_fields": [],
 }
 # radixrt_linear_vec: a kernel number, then radixrt_linear's arguments
 SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]

@@ -19,6 +19,7 @@ from radixrt.memory import (
     collapse_anonymous_memory,
     keep_freed_memory,
 )
+from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
@@ -115,6 +116,12 @@ class ModelRunner:
             config.attention_backend, self.pool, model_cfg.num_heads
         )
         logger.info("attention: %s", self.attn_backend.describe())
+        self.decode_chain, self.decode_chain_info = None, "off: disable_decode_chain"
+        if not config.disable_decode_chain:
+            self.decode_chain, self.decode_chain_info = decode_chain_for(
+                self.model, self.attn_backend, lib
+            )
+        logger.info("decode chain: %s", self.decode_chain_info)
         # Huge pages for the weights, the KV pool and the heap the activations reuse, where the
         # weights outgrow the caches (a test-sized model would only pay the collapse).
         self.huge_pages = (
@@ -162,7 +169,11 @@ class ModelRunner:
         """float32 logits [B, vocab] for each request's last token."""
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
-        logits = self.model(batch)
+        chain = self.decode_chain
+        if chain is not None and batch.mode is ForwardMode.DECODE and chain.takes(batch):
+            logits = chain.logits(batch)
+        else:
+            logits = self.model(batch)
         if self.heap is not None:  # new activation memory: into huge pages too, once
             self.heap.maybe_collapse()
         return logits

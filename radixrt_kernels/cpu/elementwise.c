@@ -17,6 +17,7 @@
 #include <string.h>
 
 #include "common.h"
+#include "parts.h"
 
 #define NMAX 16384         /* widest row (a stack buffer) */
 #define DMAX 1024          /* widest rotary head_dim */
@@ -83,9 +84,16 @@ INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *w
 int radixrt_rms_norm(const void *x, int64_t x_stride, void *residual, void *out, const void *weight,
                      int64_t t, int64_t n, float eps, int is_bf16, int num_threads) {
     if (n > NMAX || n <= 0) return -1;
-    const size_t elem = is_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if (t * n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < t; r++) {
+    for (int64_t r = 0; r < t; r++) radixrt_norm_rows(x, x_stride, residual, out, weight, r, r + 1, n, eps, is_bf16);
+    return 0;
+}
+
+int radixrt_norm_rows(const void *x, int64_t x_stride, void *residual, void *out, const void *weight,
+                      int64_t r0, int64_t r1, int64_t n, float eps, int is_bf16) {
+    if (n > NMAX || n <= 0) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+    for (int64_t r = r0; r < r1; r++) {
         const void *xr = (const char *)x + r * x_stride * elem;
         void *res = residual == NULL ? NULL : (char *)residual + r * n * elem, *o = (char *)out + r * n * elem;
         if (is_bf16)
@@ -134,9 +142,17 @@ int radixrt_rope(void *x, int64_t x_stride, int64_t t, int64_t heads, int64_t d,
                  const int64_t *positions, const float *cos_table, const float *sin_table, int is_bf16,
                  int num_threads) {
     if (d <= 0 || d % 2 || d > DMAX) return -1;
-    const size_t elem = is_bf16 ? 2 : 4;
 #pragma omp parallel for num_threads(num_threads) if (t * heads * d >= PARALLEL_MIN)
-    for (int64_t r = 0; r < t; r++) {
+    for (int64_t r = 0; r < t; r++)
+        radixrt_rope_rows(x, x_stride, r, r + 1, heads, d, positions, cos_table, sin_table, is_bf16);
+    return 0;
+}
+
+int radixrt_rope_rows(void *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t heads, int64_t d,
+                      const int64_t *positions, const float *cos_table, const float *sin_table, int is_bf16) {
+    if (d <= 0 || d % 2 || d > DMAX) return -1;
+    const size_t elem = is_bf16 ? 2 : 4;
+    for (int64_t r = r0; r < r1; r++) {
         void *xr = (char *)x + r * x_stride * elem;
         const float *c = cos_table + positions[r] * d, *s = sin_table + positions[r] * d;
         if (is_bf16)

@@ -24,9 +24,8 @@
 
 #include "common.h"
 #include "linear_out.h"
+#include "parts.h"
 
-#define KERNEL_FMA 0
-#define KERNEL_DPBF16 1
 #define TILE_DWORDS 256       /* one 16-pair × 16-feature tile as dwords */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight */
@@ -181,71 +180,84 @@ int radixrt_linear_vec_available(int kernel) {
     return 0;
 }
 
-/* x [m, k] bf16 (rows x_stride apart) as float32 panels of MR_FMA rows (the last holds the
- * rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. In parallel from
- * WIDEN_PARALLEL_MIN values: a decode step's few rows are widened faster than a team starts. */
-static float *widen_panels(const bf16 *x, int64_t x_stride, int64_t m, int64_t k, int num_threads) {
-    float *xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64));
-    if (xf == NULL) return NULL;
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
-    for (int64_t r = 0; r < m; r++) {
+/* Rows r0 .. r1 - 1 of x [m, k] bf16 (rows x_stride apart) into xf as float32 panels of MR_FMA
+ * rows (the last holds the rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. */
+void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1) {
+    const int64_t m = c->m, k = c->k;
+    for (int64_t r = r0; r < r1; r++) {
         const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
         float *panel = xf + p0 * k;
-        for (int64_t i = 0; i < k; i++) panel[i * mr + (r - p0)] = bf16_to_f32(x[r * x_stride + i]);
+        for (int64_t i = 0; i < k; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * c->x_stride + i]);
     }
-    return xf;
 }
 
-/* As radixrt_linear (the same packed weights, arguments and outputs), computed by `kernel`
- * (KERNEL_FMA or KERNEL_DPBF16). Returns -1 (writing nothing) if the sizes do not fit or this
- * build lacks the kernel. */
-int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias,
-                       void *y, int64_t y_stride, int y_f32, int gated, const int64_t *positions,
-                       const float *rope_cos, const float *rope_sin, int64_t rope_dim, int64_t rope_cols,
-                       int64_t m, int64_t n, int64_t k, int num_threads) {
-    if (!radixrt_linear_vec_available(kernel) || m < 0 || n <= 0 || k <= 0 || k % KC || x_stride < k
-        || y_stride < (gated ? n / 2 : n) || num_threads < 1
-        || (gated && (n % (2 * NB) || bias != NULL || y_f32))
-        || (rope_dim && (gated || y_f32 || rope_dim < 0 || rope_dim % (2 * NB) || rope_dim > MAX_UNIT * NB
-                         || n % rope_dim || rope_cols % rope_dim || rope_cols > n)))
+/* 0 if the kernel takes the call's sizes in this build, else -1. */
+int radixrt_vec_check(const struct vec_call *c) {
+    const int64_t m = c->m, n = c->n, k = c->k, rope_dim = c->rope_dim;
+    if (!radixrt_linear_vec_available(c->kernel) || m < 0 || n <= 0 || k <= 0 || k % KC || c->x_stride < k
+        || c->y_stride < (c->gated ? n / 2 : n)
+        || (c->gated && (n % (2 * NB) || c->bias != NULL || c->y_f32))
+        || (rope_dim && (c->gated || c->y_f32 || rope_dim < 0 || rope_dim % (2 * NB) || rope_dim > MAX_UNIT * NB
+                         || n % rope_dim || c->rope_cols % rope_dim || c->rope_cols > n)))
         return -1;
-    if (m == 0) return 0;
-    float *xf = NULL;
-    if (kernel == KERNEL_FMA && (xf = widen_panels(x, x_stride, m, k, num_threads)) == NULL) return -1;
+    return 0;
+}
+
+/* Thread `id` of `threads`: its share of the call's output blocks (xf: x widened, for FMA). */
+void radixrt_vec_part(const struct vec_call *c, const float *xf, int64_t id, int64_t threads) {
+    const int64_t m = c->m, n = c->n, k = c->k;
     /* rows per pass: the FMA kernel's are whole panels, so a pass never splits one */
-    const int64_t pass = kernel == KERNEL_FMA ? 32 / MR_FMA * MR_FMA : 32;
+    const int64_t pass = c->kernel == KERNEL_FMA ? 32 / MR_FMA * MR_FMA : 32;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, block_elems = chunks * 2 * 512;
-    const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
-#pragma omp parallel num_threads(num_threads)
-    {
-        float acc[MAX_UNIT][32][NB] __attribute__((aligned(64)));
-        const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated,
-                                 positions, rope_cos, rope_sin, rope_dim, rope_cols};
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
-        int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
-        group = m <= 64 || group < unit ? unit : group > GROUP ? GROUP : group;
-        for (int64_t g0 = b0; g0 < b1; g0 += group) {
-            const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
-            for (int64_t r0 = 0; r0 < m; r0 += pass) {
-                const int rows = m - r0 < pass ? (int)(m - r0) : (int)pass;
-                for (int64_t b = g0; b < g1; b++) {
-                    const uint32_t *w = (const uint32_t *)(packed + b * block_elems);
-                    if (kernel == KERNEL_FMA)
-                        fma_block(xf + r0 * k, k, w, chunks, rows, acc[b % unit]);
+    const int unit = c->rope_dim ? (int)(c->rope_dim / NB) : c->gated ? 2 : 1;
+    float acc[MAX_UNIT][32][NB] __attribute__((aligned(64)));
+    const struct output o = {c->y, c->y_stride, c->gated ? n / 2 : n, c->bias, c->y_f32, c->gated,
+                             c->positions, c->rope_cos, c->rope_sin, c->rope_dim, c->rope_cols};
+    const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
+    int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
+    group = m <= 64 || group < unit ? unit : group > GROUP ? GROUP : group;
+    for (int64_t g0 = b0; g0 < b1; g0 += group) {
+        const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
+        for (int64_t r0 = 0; r0 < m; r0 += pass) {
+            const int rows = m - r0 < pass ? (int)(m - r0) : (int)pass;
+            for (int64_t b = g0; b < g1; b++) {
+                const uint32_t *w = (const uint32_t *)(c->packed + b * block_elems);
+                if (c->kernel == KERNEL_FMA)
+                    fma_block(xf + r0 * k, k, w, chunks, rows, acc[b % unit]);
 #ifdef __AVX512BF16__
-                    else
-                        dp_block(x + r0 * x_stride, x_stride, w, chunks, rows, acc[b % unit]);
+                else
+                    dp_block(c->x + r0 * c->x_stride, c->x_stride, w, chunks, rows, acc[b % unit]);
 #endif
-                    if (b % unit == unit - 1) {
-                        const int64_t f0 = gated ? b / 2 * NB : (b - unit + 1) * NB;
-                        const struct results done = {acc, rows, r0, f0};
-                        write_results(&o, &done, unit);
-                    }
+                if (b % unit == unit - 1) {
+                    const int64_t f0 = c->gated ? b / 2 * NB : (b - unit + 1) * NB;
+                    const struct results done = {acc, rows, r0, f0};
+                    write_results(&o, &done, unit);
                 }
             }
         }
     }
+}
+
+/* As radixrt_linear (the same packed weights, arguments and outputs), computed by `kernel`
+ * (KERNEL_FMA or KERNEL_DPBF16). Returns -1 (writing nothing) if the sizes do not fit or this
+ * build lacks the kernel. x is widened for FMA on the calling thread below WIDEN_PARALLEL_MIN
+ * values (a decode step's few rows are widened faster than a team starts), else by the team. */
+int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *packed, const bf16 *bias,
+                       void *y, int64_t y_stride, int y_f32, int gated, const int64_t *positions,
+                       const float *rope_cos, const float *rope_sin, int64_t rope_dim, int64_t rope_cols,
+                       int64_t m, int64_t n, int64_t k, int num_threads) {
+    const struct vec_call c = {kernel, x, x_stride, packed, bias, y, y_stride, y_f32, gated, positions,
+                               rope_cos, rope_sin, rope_dim, rope_cols, m, n, k};
+    if (radixrt_vec_check(&c) != 0 || num_threads < 1) return -1;
+    if (m == 0) return 0;
+    float *xf = NULL;
+    if (kernel == KERNEL_FMA) {
+        if ((xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64))) == NULL) return -1;
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
+        for (int64_t r = 0; r < m; r++) radixrt_vec_widen(&c, xf, r, r + 1);
+    }
+#pragma omp parallel num_threads(num_threads)
+    radixrt_vec_part(&c, xf, omp_get_thread_num(), omp_get_num_threads());
     free(xf);
     return 0;
 }

@@ -50,6 +50,7 @@ FLAG_VALUES = {
     "eviction_policy": (["--eviction-policy", "lfu"], "lfu"),
     "device": (["--device", "cpu"], "cpu"),
     "enable_torch_compile": (["--enable-torch-compile"], True),
+    "disable_decode_chain": (["--disable-decode-chain"], True),
     "constrained_json_disable_any_whitespace": (
         ["--constrained-json-disable-any-whitespace"],
         True,

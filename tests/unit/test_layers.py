@@ -386,4 +386,20 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
             want = cpu_linear.linear(native, x, *args, kernel=kernel)
             # (gated: the portable build's exp and reciprocal may move a result by one bf16 step)
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
+        # this build's chain gives this build's separate calls
+        from radixrt_kernels import cpu_chain, cpu_ops
+
+        chain, normed = cpu_chain.Chain(lib), torch.empty(37, 192, dtype=torch.bfloat16)
+        y, act = (
+            torch.empty(37, 192, dtype=torch.bfloat16),
+            torch.empty(37, 96, dtype=torch.bfloat16),
+        )
+        chain.linear(kernel, x, packed, 192, y, bias)
+        chain.norm(y, bias, 1e-5, normed)
+        chain.linear(kernel, x, gated, 192, act, gated=True)
+        chain.run()
+        want = cpu_linear.linear(lib, x, packed, 192, bias, kernel=kernel)
+        assert torch.equal(y, want)
+        assert torch.equal(normed, cpu_ops.rms_norm(lib, want, bias, 1e-5))
+        assert torch.equal(act, cpu_linear.linear(lib, x, gated, 192, gated=True, kernel=kernel))
     assert choose_kernels(CPU, torch.bfloat16, lib, linear="fma").linear_for(192, 128).name == "fma"

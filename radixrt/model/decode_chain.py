@@ -1,0 +1,217 @@
+"""A decode step of a small batch as two C calls per layer.
+
+In eager mode a decoder layer makes seven kernel calls (norm, qkv with rotary,
+attention, o, norm, gate_up with SiLU-and-mul, down), each through a Python
+wrapper, ctypes and an OpenMP team of its own. For a decode batch of a few rows
+those fixed costs are of the order of streaming a small layer's weights. A
+``DecodeChain`` runs everything between two attentions as one chain
+(``radixrt_kernels.cpu_chain``): layer i's o projection, its post-attention
+norm, gate_up and down, then layer i + 1's input norm and qkv projection. A
+step is then the embedding, one chain, per layer the attention and one chain,
+and the final norm with the LM head.
+
+The chains work on buffers of their own (up to ``max_rows`` rows; a chain per
+row count, built on first use) and run the kernels the layers chose for
+decode-sized calls, so the logits equal the layer-by-layer forward's bit for
+bit. ``decode_chain_for`` builds one where the model's layers all run packed
+weights on a kernel the chain takes (AVX512-BF16 or FMA; not AMX) with the C
+norm and rotary embedding, attention is the CPU backend's on a bf16 pool, and the model is not
+compiled; otherwise it says why not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from radixrt.attention.base import ForwardBatch
+from radixrt.model.linear_methods import (
+    ByRows,
+    PackedGatedLinear,
+    PackedLinear,
+    PackedRotaryQKV,
+    RotateAfter,
+)
+from radixrt_kernels import cpu_chain, cpu_linear
+
+
+def _decode_side(layer, cls) -> tuple[str, torch.Tensor, int] | None:
+    """(kernel, packed weight, most rows) of a linear layer's decode-sized calls when they run
+    ``cls`` (a packed method) on a kernel a chain takes; else None. ``RotateAfter``: the packed
+    linear, then the rotary embedding as a call of its own."""
+    method, weight, rows = layer.method, layer.weight, None
+    if isinstance(method, ByRows):
+        method, rows = method.small, method.threshold
+        weight = weight if layer.method.small_w is None else layer.method.small_w
+    if cls is RotateAfter and isinstance(method, RotateAfter):
+        method, cls = method.linear, PackedLinear
+    if type(method) is not cls or method.kernels.small not in cpu_chain.KERNELS:
+        return None
+    return (
+        method.kernels.small,
+        weight,
+        min(rows or method.kernels.threshold, method.kernels.threshold),
+    )
+
+
+def _qkv_side(attn) -> tuple[str, torch.Tensor, int, bool] | None:
+    """``_decode_side`` of a qkv projection, and whether its kernel rotates q and k itself."""
+    fused = _decode_side(attn.qkv_proj, PackedRotaryQKV)
+    if fused is not None:
+        return (*fused, True)
+    apart = _decode_side(attn.qkv_proj, RotateAfter)
+    return None if apart is None else (*apart, False)
+
+
+def unavailable_reason(model, backend, lib) -> str | None:
+    """Why a decode chain cannot run this model (None: it can)."""
+    from radixrt.attention.cpu_backend import CpuAttentionBackend
+    from radixrt.model.kernels import CRMSNorm, CRotary
+
+    if lib is None:
+        return "no CPU kernels' library"
+    if model.compiled is not None:
+        return "the model runs under torch.compile"
+    if not isinstance(backend, CpuAttentionBackend) or backend.pool.dtype != torch.bfloat16:
+        return "attention is not the CPU kernel's on a bf16 pool"
+    if model.config.qk_norm:
+        return "q and k are normed between the projection and attention"
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        sides = (
+            _qkv_side(attn),
+            _decode_side(attn.o_proj, PackedLinear),
+            _decode_side(mlp.gate_up_proj, PackedGatedLinear),
+            _decode_side(mlp.down_proj, PackedLinear),
+        )
+        if any(s is None for s in sides) or attn.o_proj.bias is not None:
+            return (
+                "a layer's decode-sized linears do not all run packed weights on "
+                f"{' or '.join(cpu_chain.KERNELS)}"
+            )
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm)
+        if any(
+            not isinstance(n.kernel, CRMSNorm) or n.weight.dtype != torch.bfloat16 for n in norms
+        ):
+            return "the RMS norms are not the C kernel's in bf16"
+        if not _qkv_side(attn)[3] and not isinstance(attn.rotary.kernel, CRotary):
+            return "the rotary embedding is not the C kernel's"
+    return None
+
+
+def decode_chain_for(model, backend, lib) -> tuple[DecodeChain | None, str]:
+    """(a chain for the model, its description), or (None, why not)."""
+    why = unavailable_reason(model, backend, lib)
+    if why is not None:
+        return None, f"off: {why}"
+    chain = DecodeChain(model, backend, lib)
+    return chain, chain.describe()
+
+
+class _Plan:
+    """One row count's views of the buffers and its chains: chains[0] before the first
+    attention, chains[i + 1] after layer i's."""
+
+    def __init__(self, chain: DecodeChain, m: int) -> None:
+        cfg, b = chain.model.config, chain.buffers
+        d, h, kh = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        self.residual, self.h = b["residual"][:m], b["h"][:m]
+        qkv, o = b["qkv"][:m], b["o"][:m]
+        self.q = qkv[:, : h * d].view(m, h, d)
+        self.k = qkv[:, h * d : (h + kh) * d].view(m, kh, d)
+        self.v = qkv[:, (h + kh) * d :].view(m, kh, d)
+        self.o = o.view(m, h, d)
+        x, act = b["x"][:m], b["act"][:m]
+        rotary = chain.model.model.layers[0].self_attn.rotary
+        layers = chain.model.model.layers
+        self.chains = [cpu_chain.Chain(chain.lib) for _ in range(len(layers) + 1)]
+        for i, layer in enumerate(layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            before, after = self.chains[i], self.chains[i + 1]
+            if i == 0:  # the embedding (in residual) is the first layer's input as it is
+                before.norm(
+                    self.residual, layer.input_layernorm.weight, layer.input_layernorm.eps, x
+                )
+            else:
+                norm = layer.input_layernorm
+                before.norm(self.h, norm.weight, norm.eps, x, self.residual)
+            kernel, w, _, fused = _qkv_side(attn)
+            n, bias, cols = attn.qkv_proj.out_features, attn.qkv_proj.bias, (h + kh) * d
+            if fused:
+                rope = cpu_linear.Rope(chain.positions, rotary.cos, rotary.sin_signed, d, cols)
+                before.linear(kernel, x, w, n, qkv, bias, rope=rope)
+            else:
+                before.linear(kernel, x, w, n, qkv, bias)
+                qk = qkv[:, :cols].view(m, h + kh, d)
+                before.rope(qk, chain.positions, rotary.cos, rotary.sin_signed)
+            kernel, w, _ = _decode_side(attn.o_proj, PackedLinear)
+            after.linear(kernel, o, w, attn.o_proj.out_features, self.h)
+            norm = layer.post_attention_layernorm
+            after.norm(self.h, norm.weight, norm.eps, x, self.residual)
+            kernel, w, _ = _decode_side(mlp.gate_up_proj, PackedGatedLinear)
+            after.linear(kernel, x, w, mlp.gate_up_proj.out_features, act, gated=True)
+            kernel, w, _ = _decode_side(mlp.down_proj, PackedLinear)
+            after.linear(kernel, act, w, mlp.down_proj.out_features, self.h)
+
+
+class DecodeChain:
+    """A model's decode steps of up to ``max_rows`` rows as chains (see the module's text).
+    Build it with ``decode_chain_for``, which checks that the model suits it."""
+
+    def __init__(self, model, backend, lib) -> None:
+        self.model, self.backend, self.lib = model, backend, lib
+        cfg = model.config
+        layers = model.model.layers
+        sides = [
+            side
+            for layer in layers
+            for side in (
+                _qkv_side(layer.self_attn),
+                _decode_side(layer.self_attn.o_proj, PackedLinear),
+                _decode_side(layer.mlp.gate_up_proj, PackedGatedLinear),
+                _decode_side(layer.mlp.down_proj, PackedLinear),
+            )
+        ]
+        self.kernels = sorted({s[0] for s in sides})
+        self.max_rows = min(s[2] for s in sides)
+        rows, dt = self.max_rows, torch.bfloat16
+        widths = {
+            "residual": cfg.hidden_size,
+            "h": cfg.hidden_size,
+            "x": cfg.hidden_size,
+            "qkv": layers[0].self_attn.qkv_proj.out_features,
+            "o": cfg.num_heads * cfg.head_dim,
+            "act": cfg.intermediate_size,
+        }
+        self.buffers = {name: torch.zeros(rows, w, dtype=dt) for name, w in widths.items()}
+        self.positions = torch.zeros(rows, dtype=torch.int64)
+        self.plans: dict[int, _Plan] = {}
+
+    def describe(self) -> str:
+        return f"{', '.join(self.kernels)}, decode batches of up to {self.max_rows} rows"
+
+    def takes(self, batch: ForwardBatch) -> bool:
+        """Whether this batch's forward runs here: a decode batch of up to ``max_rows`` rows,
+        asking for the logits of its tokens."""
+        return batch.input_ids.shape[0] <= self.max_rows
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's float32 logits for a decode batch (as ``LlamaForCausalLM.forward``)."""
+        m = batch.input_ids.shape[0]
+        plan = self.plans.get(m)
+        if plan is None:
+            plan = self.plans[m] = _Plan(self, m)
+        torch.index_select(
+            self.model.model.embed_tokens.weight, 0, batch.input_ids, out=plan.residual
+        )
+        self.positions[:m].copy_(batch.positions)
+        plan.chains[0].run()
+        for layer, after in zip(self.model.model.layers, plan.chains[1:]):
+            attn = layer.self_attn
+            self.backend.forward(plan.q, plan.k, plan.v, attn.layer_id, batch, attn.scaling, plan.o)
+            after.run()
+        idx = batch.logits_indices
+        if idx is None:
+            idx = batch.last_token_indices()
+        normed, _ = self.model.model.norm(plan.h[idx], plan.residual[idx])
+        return self.model.lm_head(normed)

@@ -1,0 +1,107 @@
+/* A chain: several decode-sized steps (RMS norms, linears on packed weights, rotary embeddings) in one call and
+ * one parallel region, a barrier between each step and the next, instead of one call, one
+ * thread team and (from Python) one wrapper per step. A step reads what the steps before it
+ * wrote; each gives the results of the library call it stands for (radixrt_rms_norm,
+ * radixrt_linear_vec, radixrt_rope) bit for bit, since it runs the same per-thread part (parts.h).
+ *
+ * The steps come as rows of int64 (struct step, pointers as addresses), so a caller can keep
+ * a chain's table and run it again on every decode step whose buffers it names.
+ */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "parts.h"
+
+#define STEP_LINEAR 1
+#define STEP_NORM 2
+#define STEP_ROPE 3
+#define STEP_FIELDS 20
+
+/* One step (every field 8 bytes: a row of the caller's int64 table).
+ * STEP_LINEAR: y = x · Wᵀ (+ bias) by linear_vec.c's `kernel` on W packed as radixrt_linear
+ *   takes it (w), with radixrt_linear_vec's meaning of every other field; bf16.
+ * STEP_NORM: y = weight · norm(x (+ residual)) for m rows of n features as radixrt_rms_norm
+ *   computes it (w: the weight; residual: NULL or the contiguous residual, which receives the
+ *   sum; y contiguous), bf16, with eps.
+ * STEP_ROPE: the rotary embedding of m rows of n heads of k values at x (rows x_stride apart),
+ *   in place, as radixrt_rope rotates them (positions, rope_cos, rope_sin), bf16. */
+struct step {
+    int64_t kind, kernel;
+    const bf16 *x;
+    int64_t x_stride;
+    const bf16 *w, *bias;
+    void *y;
+    int64_t y_stride, y_f32, gated;
+    const int64_t *positions;
+    const float *rope_cos, *rope_sin;
+    int64_t rope_dim, rope_cols, m, n, k;
+    void *residual;
+    double eps;
+};
+_Static_assert(sizeof(struct step) == STEP_FIELDS * 8, "a step is a row of STEP_FIELDS int64");
+
+static struct vec_call vec_call_of(const struct step *s) {
+    return (struct vec_call){(int)s->kernel, s->x,       s->x_stride, s->w,        s->bias,
+                             s->y,           s->y_stride, (int)s->y_f32, (int)s->gated, s->positions,
+                             s->rope_cos,    s->rope_sin, s->rope_dim, s->rope_cols, s->m,
+                             s->n,           s->k};
+}
+
+/* The number of int64 a step takes (the caller's table has rows of this many). */
+int radixrt_chain_fields(void) {
+    return STEP_FIELDS;
+}
+
+/* Runs steps[0 .. count - 1] in order on num_threads threads. Returns 0, or -(1 + i) when step
+ * i does not fit (checked before anything runs: nothing is written then). */
+int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
+    if (count < 0 || num_threads < 1) return -1;
+    int64_t widened = 0; /* the largest x an FMA step widens */
+    for (int64_t i = 0; i < count; i++) {
+        const struct step *s = &steps[i];
+        int fits = s->m >= 0;
+        if (s->kind == STEP_LINEAR) {
+            const struct vec_call c = vec_call_of(s);
+            fits = fits && radixrt_vec_check(&c) == 0;
+            if (s->kernel == KERNEL_FMA && s->m * s->k > widened) widened = s->m * s->k;
+        } else if (s->kind == STEP_ROPE) {
+            fits = fits && s->x_stride >= s->n * s->k
+                && radixrt_rope_rows((void *)s->x, s->x_stride, 0, 0, s->n, s->k, NULL, NULL, NULL, 1) == 0;
+        } else {
+            fits = fits && s->kind == STEP_NORM && s->n > 0 && s->x_stride >= s->n
+                && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->w, 0, 0, s->n, 0.0f, 1) == 0;
+        }
+        if (!fits) return (int)-(1 + i);
+    }
+    float *xf = NULL;
+    if (widened > 0 && (xf = aligned_alloc(64, (size_t)((widened * 4 + 63) / 64 * 64))) == NULL) return -1;
+#pragma omp parallel num_threads(num_threads)
+    {
+        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+        for (int64_t i = 0; i < count; i++) {
+            const struct step *s = &steps[i];
+            const int64_t r0 = s->m * id / threads, r1 = s->m * (id + 1) / threads;
+            if (i > 0) {
+#pragma omp barrier
+            }
+            if (s->kind == STEP_NORM) {
+                radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->w, r0, r1, s->n, (float)s->eps, 1);
+                continue;
+            }
+            if (s->kind == STEP_ROPE) {
+                radixrt_rope_rows((void *)s->x, s->x_stride, r0, r1, s->n, s->k, s->positions, s->rope_cos,
+                                  s->rope_sin, 1);
+                continue;
+            }
+            const struct vec_call c = vec_call_of(s);
+            if (c.kernel == KERNEL_FMA) {
+                radixrt_vec_widen(&c, xf, r0, r1);
+#pragma omp barrier
+            }
+            radixrt_vec_part(&c, xf, id, threads);
+        }
+    }
+    free(xf);
+    return 0;
+}

@@ -1,0 +1,198 @@
+"""Several decode-sized steps in one C call (``cpu/chain.c``).
+
+A decode step of a small batch runs dozens of short kernels per layer, each a
+Python wrapper, a ctypes call and an OpenMP team of its own, costs of the
+same order as streaming a small layer's weights. A ``Chain`` holds a sequence
+of RMS norms, rotary embeddings and packed linears (the ``"avx512_bf16"`` and
+``"fma"`` kernels of ``cpu_linear``) over buffers fixed when it is built, as a
+table of int64 rows; ``run`` executes it in one call and one parallel region, a barrier
+between each step and the next. Each step gives the results of the call it
+stands for (``cpu_ops.rms_norm``, ``cpu_ops.rope_``, ``cpu_linear.linear``) bit
+for bit.
+
+A chain names its tensors by address: it keeps them alive, and callers write
+a step's inputs into the buffers it was built on (``Chain`` checks shapes,
+dtypes and strides when a step is added, never when it runs).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+
+import torch
+
+from radixrt_kernels import cpu_linear
+
+LINEAR, NORM, ROPE = 1, 2, 3  # chain.c's step kinds
+_VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
+KERNELS = tuple(_VEC_KERNEL)  # the linear kernels a chain runs
+
+
+def _rows(t: torch.Tensor, what: str, width: int) -> int:
+    """The row stride of a 2-D bf16 CPU tensor [*, width] with unit column stride."""
+    if t.dtype != torch.bfloat16 or t.dim() != 2 or t.shape[1] != width or t.stride(1) != 1:
+        raise ValueError(
+            f"chain: {what} must be a 2-D bf16 tensor [*, {width}] with contiguous rows, "
+            f"got {t.dtype} {tuple(t.shape)}"
+        )
+    return t.stride(0)
+
+
+def _eps_bits(eps: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", eps))[0]
+
+
+class Chain:
+    """Steps over fixed buffers, run by ``run(lib)``. Add them in order with ``norm`` and
+    ``linear``; a step may read what an earlier one wrote."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.fields = lib.radixrt_chain_fields()
+        self.steps: list[list[int]] = []
+        self.keep: list[torch.Tensor] = []  # every tensor a step names
+        self._table: torch.Tensor | None = None
+
+    def _add(self, tensors, **f) -> None:
+        row = dict.fromkeys(
+            (
+                "kind kernel x x_stride w bias y y_stride y_f32 gated positions rope_cos "
+                "rope_sin rope_dim rope_cols m n k residual eps"
+            ).split(),
+            0,
+        )
+        row.update(f)
+        if len(row) != self.fields:
+            raise RuntimeError("chain: the library's step has another layout")
+        self.steps.append(list(row.values()))
+        self.keep.extend(t for t in tensors if t is not None)
+        self._table = None
+
+    def norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        out: torch.Tensor,
+        residual: torch.Tensor | None = None,
+    ) -> None:
+        """out = ``cpu_ops.rms_norm(x, weight, eps, residual)`` (the sum into ``residual``):
+        x [m, n] bf16 (rows may be strided), out and residual contiguous [m, n]."""
+        m, n = x.shape
+        stride = _rows(x, "a norm's x", n)
+        for t in (out, residual):
+            if t is not None and (not t.is_contiguous() or _rows(t, "a norm's output", n) != n):
+                raise ValueError("chain: a norm's output and residual must be contiguous [m, n]")
+            if t is not None and t.shape[0] != m:
+                raise ValueError("chain: a norm's output and residual need x's rows")
+        if weight.dtype != torch.bfloat16 or weight.shape != (n,) or not weight.is_contiguous():
+            raise ValueError(f"chain: a norm's weight must be contiguous bf16 [{n}]")
+        self._add(
+            (x, weight, out, residual),
+            kind=NORM,
+            x=x.data_ptr(),
+            x_stride=stride,
+            w=weight.data_ptr(),
+            y=out.data_ptr(),
+            m=m,
+            n=n,
+            residual=0 if residual is None else residual.data_ptr(),
+            eps=_eps_bits(eps),
+        )
+
+    def linear(
+        self,
+        kernel: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        gated: bool = False,
+        rope: cpu_linear.Rope | None = None,
+    ) -> None:
+        """out = ``cpu_linear.linear(x, packed, n, bias, gated=gated, rope=rope,
+        kernel=kernel)``: x [m, k] and out [m, n (gated: n / 2)] bf16 with contiguous rows."""
+        if kernel not in _VEC_KERNEL:
+            raise ValueError(f"chain: unknown linear kernel {kernel!r} (one of {KERNELS})")
+        m, k = x.shape
+        width = n // 2 if gated else n
+        x_stride, y_stride = _rows(x, "a linear's x", k), _rows(out, "a linear's output", width)
+        if out.shape[0] != m or packed.numel() != cpu_linear.packed_elems(n, k):
+            raise ValueError(
+                f"chain: the packed weight does not hold [{n}, {k}] for x {tuple(x.shape)}"
+            )
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,)):
+            raise ValueError("chain: the bias must be bf16 [n]")
+        rope_f = {}
+        if rope is not None:
+            pos = rope.positions
+            if pos.dtype != torch.int64 or pos.shape[0] < m or not pos.is_contiguous():
+                raise ValueError("chain: rope positions must be contiguous int64 [>= m]")
+            rope_f = dict(
+                positions=pos.data_ptr(),
+                rope_cos=rope.cos.data_ptr(),
+                rope_sin=rope.sin_signed.data_ptr(),
+                rope_dim=rope.head_dim,
+                rope_cols=rope.cols,
+            )
+        bias = None if bias is None else bias.contiguous()
+        self._add(
+            (x, packed, out, bias, *(rope[:3] if rope is not None else ())),
+            kind=LINEAR,
+            kernel=_VEC_KERNEL[kernel],
+            x=x.data_ptr(),
+            x_stride=x_stride,
+            w=packed.data_ptr(),
+            bias=0 if bias is None else bias.data_ptr(),
+            y=out.data_ptr(),
+            y_stride=y_stride,
+            gated=int(gated),
+            m=m,
+            n=n,
+            k=k,
+            **rope_f,
+        )
+
+    def rope(
+        self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
+    ) -> None:
+        """``cpu_ops.rope_(x, positions[:m], cos, sin_signed)``: x [m, heads, d] bf16 (token
+        rows may be strided, heads contiguous), rotated in place."""
+        m, heads, d = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError("chain: a rotation's x must be bf16 [m, heads, d], heads contiguous")
+        if (
+            positions.dtype != torch.int64
+            or positions.shape[0] < m
+            or not positions.is_contiguous()
+        ):
+            raise ValueError("chain: rope positions must be contiguous int64 [>= m]")
+        tables = (cos, sin_signed)
+        if any(
+            t.dtype != torch.float32 or not t.is_contiguous() or t.shape[1] != d for t in tables
+        ):
+            raise ValueError(f"chain: the rotary tables must be contiguous float32 [*, {d}]")
+        self._add(
+            (x, positions, cos, sin_signed),
+            kind=ROPE,
+            x=x.data_ptr(),
+            x_stride=x.stride(0),
+            positions=positions.data_ptr(),
+            rope_cos=cos.data_ptr(),
+            rope_sin=sin_signed.data_ptr(),
+            m=m,
+            n=heads,
+            k=d,
+        )
+
+    def run(self, threads: int | None = None) -> None:
+        """Every step, in order, on ``threads`` threads (default: PyTorch's)."""
+        if self._table is None:
+            self._table = torch.tensor(self.steps, dtype=torch.int64).reshape(-1, self.fields)
+        rc = self.lib.radixrt_chain(
+            self._table.data_ptr(), len(self.steps), threads or torch.get_num_threads()
+        )
+        if rc != 0:
+            raise ValueError(f"chain: step {-rc - 1} does not fit the kernels here")

@@ -1,0 +1,124 @@
+"""The chain (``radixrt_kernels.cpu_chain``): norms and packed linears in one C call give the
+separate calls' results bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrt.model import rope
+from radixrt.model.loader import cache_dir
+from radixrt_kernels import cpu_chain, cpu_library, cpu_linear, cpu_ops
+
+HIDDEN, HEAD, HEADS, KV_HEADS, INTER = 160, 64, 3, 1, 192
+
+
+def library_with(kernel: str):
+    lib = cpu_library.load(cache_dir())
+    if not cpu_linear.kernel_available(lib, kernel):
+        pytest.skip(f"the {kernel} linear kernel does not run here")
+    return lib
+
+
+def layer_weights(lib, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+
+    def w(*shape, scale=0.08):
+        return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+    qkv_out = (HEADS + 2 * KV_HEADS) * HEAD
+    cos, sin = rope.cos_sin_tables(HEAD, 4096, 10000.0, None)
+    return {
+        "norm1": 1 + w(HIDDEN, scale=0.1),
+        "norm2": 1 + w(HIDDEN, scale=0.1),
+        "qkv": cpu_linear.pack(lib, w(qkv_out, HIDDEN)),
+        "qkv_bias": w(qkv_out),
+        "o": cpu_linear.pack(lib, w(HIDDEN, HEADS * HEAD)),
+        "gate_up": cpu_linear.pack(lib, w(2 * INTER, HIDDEN), gated=True),
+        "down": cpu_linear.pack(lib, w(HIDDEN, INTER)),
+        "cos": cos,
+        "sin": sin,
+        "qkv_out": qkv_out,
+    }
+
+
+def separate(lib, kernel, p, h, residual, positions, attn_out):
+    """A layer's steps as separate calls: (qkv, the layer's output, the residual after it)."""
+    residual = residual.clone()
+    x = cpu_ops.rms_norm(lib, h, p["norm1"], 1e-5, residual)
+    r = cpu_linear.Rope(positions, p["cos"], p["sin"], HEAD, (HEADS + KV_HEADS) * HEAD)
+    qkv = cpu_linear.linear(lib, x, p["qkv"], p["qkv_out"], p["qkv_bias"], rope=r, kernel=kernel)
+    o = cpu_linear.linear(lib, attn_out, p["o"], HIDDEN, kernel=kernel)
+    x = cpu_ops.rms_norm(lib, o, p["norm2"], 1e-5, residual)
+    act = cpu_linear.linear(lib, x, p["gate_up"], 2 * INTER, gated=True, kernel=kernel)
+    return qkv, cpu_linear.linear(lib, act, p["down"], HIDDEN, kernel=kernel), residual
+
+
+@pytest.mark.parametrize("kernel", cpu_chain.KERNELS)
+@pytest.mark.parametrize("rows", [1, 5, 13, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_chain_gives_the_separate_calls_results(kernel: str, rows: int, threads: int) -> None:
+    lib = library_with(kernel)
+    p = layer_weights(lib, rows)
+    gen = torch.Generator().manual_seed(rows + 100)
+    h = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    residual = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    attn_out = torch.randn(rows, HEADS * HEAD, generator=gen).bfloat16()
+    positions = torch.randint(0, 4000, (rows,), generator=gen)
+    want_qkv, want_h, want_res = separate(lib, kernel, p, h, residual, positions, attn_out)
+
+    # the chain's own buffers (a strided x for the first norm, as a view of a wider tensor)
+    h_buf = torch.zeros(rows, HIDDEN + 32, dtype=torch.bfloat16)[:, :HIDDEN]
+    h_buf.copy_(h)
+    res_buf, x_buf = residual.clone(), torch.empty(rows, HIDDEN, dtype=torch.bfloat16)
+    qkv_buf = torch.empty(rows, p["qkv_out"], dtype=torch.bfloat16)
+    o_buf, out = torch.empty(rows, HIDDEN, dtype=torch.bfloat16), torch.empty_like(h)
+    act = torch.empty(rows, INTER, dtype=torch.bfloat16)
+    pos_buf = torch.zeros(64, dtype=torch.int64)
+    pos_buf[:rows] = positions
+    r = cpu_linear.Rope(pos_buf, p["cos"], p["sin"], HEAD, (HEADS + KV_HEADS) * HEAD)
+    chain = cpu_chain.Chain(lib)
+    chain.norm(h_buf, p["norm1"], 1e-5, x_buf, res_buf)
+    chain.linear(kernel, x_buf, p["qkv"], p["qkv_out"], qkv_buf, p["qkv_bias"], rope=r)
+    chain.linear(kernel, attn_out, p["o"], HIDDEN, o_buf)
+    chain.norm(o_buf, p["norm2"], 1e-5, x_buf, res_buf)
+    chain.linear(kernel, x_buf, p["gate_up"], 2 * INTER, act, gated=True)
+    chain.linear(kernel, act, p["down"], HIDDEN, out)
+    chain.run(threads)
+    assert torch.equal(qkv_buf, want_qkv)
+    assert torch.equal(out, want_h)
+    assert torch.equal(res_buf, want_res)
+    # run again on new inputs written into the same buffers
+    h_buf.copy_(want_h)
+    res_buf.copy_(residual)
+    chain.run(threads)
+    again_qkv, again_h, _ = separate(lib, kernel, p, want_h, residual, positions, attn_out)
+    assert torch.equal(qkv_buf, again_qkv) and torch.equal(out, again_h)
+
+
+def test_a_chain_refuses_steps_it_cannot_run() -> None:
+    lib = library_with("fma")
+    chain = cpu_chain.Chain(lib)
+    w = cpu_linear.pack(lib, torch.randn(64, 96).bfloat16())
+    x, y = torch.randn(2, 96).bfloat16(), torch.empty(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unknown linear kernel 'amx'"):
+        chain.linear("amx", x, w, 64, y)
+    with pytest.raises(ValueError, match=r"bf16 tensor \[\*, 64\]"):
+        chain.linear("fma", x, w, 64, y.float())
+    with pytest.raises(ValueError, match="does not hold"):
+        chain.linear("fma", x, w, 32, y[:, :32])
+    with pytest.raises(ValueError, match="contiguous bf16"):
+        chain.norm(x, torch.ones(95, dtype=torch.bfloat16), 1e-5, torch.empty_like(x))
+    # what only the C side knows: a rotary head of 96 (not a multiple of 64)
+    cos, sin = rope.cos_sin_tables(96, 8, 10000.0, None)
+    bad = cpu_linear.Rope(torch.zeros(2, dtype=torch.int64), cos, sin, 96, 96)
+    chain.linear(
+        "fma",
+        x,
+        cpu_linear.pack(lib, torch.randn(192, 96).bfloat16()),
+        192,
+        torch.empty(2, 192, dtype=torch.bfloat16),
+        rope=bad,
+    )
+    with pytest.raises(ValueError, match="step 0 does not fit"):
+        chain.run()

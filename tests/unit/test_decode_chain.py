@@ -1,0 +1,106 @@
+"""The decode chain (``radixrt.model.decode_chain``): small decode batches run as one C call per
+layer and give the layer-by-layer forward's logits bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radixrt import Engine, SamplingParams
+from radixrt.model.loader import cache_dir
+from radixrt_kernels import cpu_chain, cpu_library, cpu_linear
+
+PROMPTS = [
+    "The same long system prompt for everyone. Then question one?",
+    "The same long system prompt for everyone. Then another question?",
+    "Something else entirely, and a little longer than the others.",
+    "Short.",
+]
+
+
+def chain_kernels() -> list[str]:
+    lib = cpu_library.load(cache_dir())
+    return [k for k in cpu_chain.KERNELS if cpu_linear.kernel_available(lib, k)]
+
+
+@pytest.fixture(params=["avx512_bf16", "fma"])
+def kernel(request) -> str:
+    if request.param not in chain_kernels():
+        pytest.skip(f"the {request.param} linear kernel does not run here")
+    return request.param
+
+
+def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12):
+    with Engine(
+        model=path,
+        dtype="bfloat16",
+        max_total_tokens=1024,
+        linear_kernel=kernel,
+        disable_decode_chain=not chain,
+    ) as eng:
+        runner = eng.runner
+        assert (runner.decode_chain is not None) == chain, runner.decode_chain_info
+        calls = []
+        if chain:  # count the decode steps the chain ran
+            logits = runner.decode_chain.logits
+            runner.decode_chain.logits = lambda batch: calls.append(1) or logits(batch)
+        sp = SamplingParams(
+            max_new_tokens=new, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
+        )
+        outs = eng.generate(prompts, sp)
+        # one request alone, then a batch: rows 1 and 4 each get their own chains
+        outs += eng.generate(prompts[:1], sp)
+        eng.check_memory()
+        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], len(calls)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2"])
+def test_the_chain_gives_the_layer_by_layer_logits(model: str, kernel: str, request) -> None:
+    """Greedy tokens and their logprobs (from the logits) equal, and the chain ran every decode
+    step (tiny llama: rotary as a step of its own; qwen2: with a qkv bias)."""
+    path = request.getfixturevalue(model)
+    chained, steps = run(path, kernel, True)
+    plain, _ = run(path, kernel, False)
+    assert chained == plain
+    assert steps == 2 * 11  # 11 decode steps after each of the two prefills
+
+
+def test_the_chain_stays_off_where_it_does_not_apply(tiny_qwen3: str, tiny_llama: str) -> None:
+    with Engine(model=tiny_qwen3, dtype="bfloat16", max_total_tokens=256) as eng:
+        assert eng.runner.decode_chain is None
+        assert "q and k are normed" in eng.runner.decode_chain_info
+    with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
+        assert eng.runner.decode_chain is None
+        assert eng.runner.decode_chain_info.startswith("off: ")
+    if "fma" in chain_kernels():
+        with Engine(
+            model=tiny_llama,
+            dtype="bfloat16",
+            max_total_tokens=256,
+            attention_backend="torch",
+            linear_kernel="fma",
+        ) as eng:
+            assert "CPU kernel's on a bf16 pool" in eng.runner.decode_chain_info
+
+
+def test_batches_beyond_the_chains_rows_run_layer_by_layer(tiny_llama: str) -> None:
+    if "fma" not in chain_kernels():
+        pytest.skip("the fma linear kernel does not run here")
+    prompts = [f"prompt number {i} says hello" for i in range(6)]
+    with Engine(
+        model=tiny_llama, dtype="bfloat16", max_total_tokens=1024, linear_kernel="fma"
+    ) as eng:
+        chain = eng.runner.decode_chain
+        chain.max_rows = 4  # smaller than the batch: these decode steps run layer by layer
+        sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        got = [o.token_ids for o in eng.generate(prompts, sp)]
+        assert not chain.plans
+    with Engine(
+        model=tiny_llama,
+        dtype="bfloat16",
+        max_total_tokens=1024,
+        linear_kernel="fma",
+        disable_decode_chain=True,
+    ) as eng:
+        assert got == [o.token_ids for o in eng.generate(prompts, sp)]
+    assert torch.get_num_threads() >= 1
