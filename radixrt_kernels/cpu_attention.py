@@ -116,54 +116,76 @@ def attention(
     buffers at those slots first (one call instead of a store and an attention).
     ``bf16_dots``: bf16 work that AMX does not take runs on AVX512-BF16 dot products where the
     build has them (``dots_available``), else it is widened to float32 for FMA."""
-    t, h, d = q.shape
-    kh = k_buf.shape[1]
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError("attention: k_buf and v_buf must be contiguous")
-    q = _token_rows(q)
-    if out is None:
-        out = torch.empty(t, h, d, dtype=q.dtype)
-    elif out.shape != (t, h, d) or out.dtype != q.dtype or not out.is_contiguous():
-        raise ValueError(f"attention: out must be contiguous {q.dtype} [{t}, {h}, {d}]")
-    new_k = new_v = new_slots = None
-    if new_kv is not None:
-        new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
-        if new_k.stride(0) != new_v.stride(0):
-            new_k, new_v = new_k.contiguous(), new_v.contiguous()
-        if not (
-            new_k.dtype == new_v.dtype == k_buf.dtype
-            and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
-            and new_slots.dtype == torch.int64
-            and new_slots.is_contiguous()
-        ):
-            raise ValueError(
-                "attention: new k/v must be [n, KH, D] in the buffers' dtype, "
-                "their slots contiguous int64 [n]"
-            )
-    rc = lib.radixrt_attention(
-        q.data_ptr(),
-        q.stride(0),
-        k_buf.data_ptr(),
-        v_buf.data_ptr(),
-        out.data_ptr(),
-        int(q.dtype == torch.bfloat16),
-        int(bf16_dots),
-        t,
-        h,
-        kh,
-        d,
-        scaling,
-        *seg._call_args(t, h, d),
-        torch.get_num_threads(),
-        None if new_k is None else new_k.data_ptr(),
-        None if new_v is None else new_v.data_ptr(),
-        0 if new_k is None else new_k.stride(0),
-        None if new_slots is None else new_slots.data_ptr(),
-        0 if new_slots is None else new_slots.numel(),
-    )
-    if rc != 0:
-        raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
-    return out
+    call = AttentionCall(lib, q, k_buf, seg, scaling, new_kv, bf16_dots, out)
+    call(k_buf.data_ptr(), v_buf.data_ptr())
+    return call.out
+
+
+class AttentionCall:
+    """``attention``'s arguments checked once, for calls on several buffer pairs shaped like
+    ``k_buf`` (a step's layers: the same queries' buffers, segments and new K/V rows, each
+    layer's own pool buffers): ``call(k_address, v_address)`` runs the kernel into ``out``."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        q: torch.Tensor,
+        k_buf: torch.Tensor,
+        seg: Segments,
+        scaling: float,
+        new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        bf16_dots: bool = False,
+        out: torch.Tensor | None = None,
+    ) -> None:
+        t, h, d = q.shape
+        kh = k_buf.shape[1]
+        q = _token_rows(q)
+        if out is None:
+            out = torch.empty(t, h, d, dtype=q.dtype)
+        elif out.shape != (t, h, d) or out.dtype != q.dtype or not out.is_contiguous():
+            raise ValueError(f"attention: out must be contiguous {q.dtype} [{t}, {h}, {d}]")
+        new_k = new_v = new_slots = None
+        if new_kv is not None:
+            new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
+            if new_k.stride(0) != new_v.stride(0):
+                new_k, new_v = new_k.contiguous(), new_v.contiguous()
+            if not (
+                new_k.dtype == new_v.dtype == k_buf.dtype
+                and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
+                and new_slots.dtype == torch.int64
+                and new_slots.is_contiguous()
+            ):
+                raise ValueError(
+                    "attention: new k/v must be [n, KH, D] in the buffers' dtype, "
+                    "their slots contiguous int64 [n]"
+                )
+        self.lib, self.out, self.shape = lib, out, (h, kh, d)
+        self.keep = (q, new_k, new_v, new_slots)  # what the addresses below point into
+        self.head = (q.data_ptr(), q.stride(0))
+        self.tail = (
+            out.data_ptr(),
+            int(q.dtype == torch.bfloat16),
+            int(bf16_dots),
+            t,
+            h,
+            kh,
+            d,
+            scaling,
+            *seg._call_args(t, h, d),
+            torch.get_num_threads(),
+            None if new_k is None else new_k.data_ptr(),
+            None if new_v is None else new_v.data_ptr(),
+            0 if new_k is None else new_k.stride(0),
+            None if new_slots is None else new_slots.data_ptr(),
+            0 if new_slots is None else new_slots.numel(),
+        )
+
+    def __call__(self, k_address: int, v_address: int) -> None:
+        if self.lib.radixrt_attention(*self.head, k_address, v_address, *self.tail) != 0:
+            h, kh, d = self.shape
+            raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
 
 
 def decode_segments(

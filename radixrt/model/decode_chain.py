@@ -8,7 +8,8 @@ those fixed costs are of the order of streaming a small layer's weights. A
 (``radixrt_kernels.cpu_chain``): layer i's o projection, its post-attention
 norm, gate_up and down, then layer i + 1's input norm and qkv projection. A
 step is then the embedding, one chain, per layer the attention and one chain,
-and the final norm with the LM head.
+and the final norm with the LM head. The attentions of a step share one set of checked
+arguments (``cpu_attention.AttentionCall``): a layer's is a ctypes call.
 
 The chains work on buffers of their own (up to ``max_rows`` rows; a chain per
 row count, built on first use) and run the kernels the layers chose for
@@ -31,7 +32,7 @@ from radixrt.model.linear_methods import (
     PackedRotaryQKV,
     RotateAfter,
 )
-from radixrt_kernels import cpu_chain, cpu_linear
+from radixrt_kernels import cpu_attention, cpu_chain, cpu_linear
 
 
 def _decode_side(layer, cls) -> tuple[str, torch.Tensor, int] | None:
@@ -75,6 +76,8 @@ def unavailable_reason(model, backend, lib) -> str | None:
         return "attention is not the CPU kernel's on a bf16 pool"
     if model.config.qk_norm:
         return "q and k are normed between the projection and attention"
+    if len({layer.self_attn.scaling for layer in model.model.layers}) != 1:
+        return "the layers' attention scalings differ"
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         sides = (
@@ -185,6 +188,12 @@ class DecodeChain:
         self.buffers = {name: torch.zeros(rows, w, dtype=dt) for name, w in widths.items()}
         self.positions = torch.zeros(rows, dtype=torch.int64)
         self.plans: dict[int, _Plan] = {}
+        pool = backend.pool
+        self.kv_addresses = [  # layer by layer: its pool buffers
+            (pool.k_buffers[i].data_ptr(), pool.v_buffers[i].data_ptr())
+            for i in (layer.self_attn.layer_id for layer in layers)
+        ]
+        self.scaling = layers[0].self_attn.scaling
 
     def describe(self) -> str:
         return f"{', '.join(self.kernels)}, decode batches of up to {self.max_rows} rows"
@@ -205,10 +214,19 @@ class DecodeChain:
             self.model.model.embed_tokens.weight, 0, batch.input_ids, out=plan.residual
         )
         self.positions[:m].copy_(batch.positions)
+        attend = cpu_attention.AttentionCall(  # every layer's: the step's segments, its new K/V
+            self.lib,
+            plan.q,
+            self.backend.pool.k_buffers[0],
+            batch.attn_metadata,
+            self.scaling,
+            (plan.k, plan.v, batch.out_cache_loc),
+            self.backend.bf16_dots,
+            plan.o,
+        )
         plan.chains[0].run()
-        for layer, after in zip(self.model.model.layers, plan.chains[1:]):
-            attn = layer.self_attn
-            self.backend.forward(plan.q, plan.k, plan.v, attn.layer_id, batch, attn.scaling, plan.o)
+        for (k_address, v_address), after in zip(self.kv_addresses, plan.chains[1:]):
+            attend(k_address, v_address)
             after.run()
         idx = batch.logits_indices
         if idx is None:
