@@ -8,7 +8,9 @@ ones by arithmetic, so the two may pick different paths.
 
 ``Calibrator.choice(n, k)`` times every path available here on random [n, k] weights at
 ``SMALL_ROWS`` rows (cycling through up to ``COLD_BYTES`` of copies of the weight, so each
-call reads weights its core's caches do not hold, as a decode step does) and at
+call reads weights its core's caches do not hold, as a decode step does; for a model whose
+decode steps run as decode chains, ``chained``, the packed kernels a chain runs take the
+copies as one chain, without the per-call costs a chain saves them) and at
 ``LARGE_ROWS`` rows (one copy: a prefill's weights stay in cache while its rows go by), the
 paths taking turns, and returns the fastest of each (``Choice``). Results are kept in
 ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU model and flags, kernel library, PyTorch
@@ -29,6 +31,7 @@ ways.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -49,7 +52,7 @@ from radixrt.model.linear_methods import (
     TorchFP32Linear,
     onednn_works,
 )
-from radixrt_kernels import cpu_attention, cpu_library, cpu_linear
+from radixrt_kernels import cpu_attention, cpu_chain, cpu_library, cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +91,7 @@ def make_method(name: str, lib) -> LinearMethod:
     return methods[name]()
 
 
-VERSION = "2"  # of the measurement: files of another version are measured again
+VERSION = "3"  # of the measurement: files of another version are measured again
 BUSY_CORES = 0.25  # others' use of the CPU during a measurement beyond this many cores: unsettled
 ATTEMPTS = 3  # measurements of one shape at most, while the CPU stays busy
 PACKED_MARGIN = 1.05  # a packed path this close to the fastest is taken (see the module's text)
@@ -158,9 +161,20 @@ def settled(measure, what: str):
 ROUNDS = 3  # timing rounds, the paths taking turns within each (noise hits them alike)
 
 
-def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold: bool) -> dict:
+def _chain_kernel(method: LinearMethod) -> str | None:
+    """The kernel a decode chain would run this method's calls on (None: it runs alone)."""
+    if isinstance(method, PackedLinear) and method.kernels.small in cpu_chain.KERNELS:
+        return method.kernels.small
+    return None
+
+
+def time_paths(
+    methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold: bool, chained: bool = False
+) -> dict:
     """Seconds per call of each method on [rows, k] · [n, k]ᵀ: the best of ROUNDS rounds, in
-    each of which every method runs once over its weight copies."""
+    each of which every method runs once over its weight copies. ``chained``: the packed
+    kernels a decode chain runs (``radixrt_kernels.cpu_chain``) take the copies as one chain,
+    as the model's decode steps will run them."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()
     x = torch.randn(rows, k, generator=gen).bfloat16()
@@ -172,12 +186,24 @@ def time_paths(methods: dict[str, LinearMethod], n: int, k: int, rows: int, cold
         for _ in range(ROUNDS):
             for name, method in methods.items():
                 weights = [method.prepare(w.clone()) for _ in range(copies)]
+                run = functools.partial(_call_each, method, x, weights, n)
+                kernel = _chain_kernel(method) if chained else None
+                if kernel is not None:
+                    chain = cpu_chain.Chain(method.lib)
+                    out = torch.empty(rows, n, dtype=torch.bfloat16)
+                    for wc in weights:
+                        chain.linear(kernel, x, wc, n, out)
+                    run = chain.run
                 t0 = time.perf_counter()
-                for wc in weights:
-                    method.apply(x, wc, None, n)
+                run()
                 best[name] = min(best[name], (time.perf_counter() - t0) / copies)
-                del weights
+                del weights, run
     return best
+
+
+def _call_each(method: LinearMethod, x: torch.Tensor, weights: list, n: int) -> None:
+    for wc in weights:
+        method.apply(x, wc, None, n)
 
 
 SECOND_LAYOUT_GAIN = 0.9  # a second copy of a weight must make its calls this much faster
@@ -265,8 +291,12 @@ def time_attention(lib, kv_heads: int, group: int, head_dim: int) -> dict[str, f
 class Calibrator:
     """The per-shape choices for the CPU it runs on, measured on first use and cached on disk."""
 
-    def __init__(self, lib, cache_dir: str, threads: int | None = None) -> None:
-        self.lib = lib
+    def __init__(
+        self, lib, cache_dir: str, threads: int | None = None, chained: bool = False
+    ) -> None:
+        """``chained``: the model's small decode batches run as decode chains, so the packed
+        kernels' decode-sized calls are timed as a chain runs them."""
+        self.lib, self.chained = lib, chained
         self.threads = threads or torch.get_num_threads()
         self.path = Path(cache_dir) / "calibration" / f"linear-{self._key()}.json"
         self.table: dict[str, dict] = {}
@@ -288,6 +318,7 @@ class Calibrator:
             getattr(self.lib, "_name", ""),
             torch.__version__,
             str(self.threads),
+            "chained" if self.chained else "",
             *(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")),
         )
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
@@ -332,7 +363,7 @@ class Calibrator:
         methods = {p: make_method(p, self.lib) for p in available_paths(self.lib, k)}
 
         def measure() -> tuple[dict, dict]:
-            small = time_paths(methods, n, k, SMALL_ROWS, True)
+            small = time_paths(methods, n, k, SMALL_ROWS, True, self.chained and large)
             return small, time_paths(methods, n, k, LARGE_ROWS, False) if large else {}
 
         (small, big), busy = settled(measure, f"the {n}x{k} linear")

@@ -267,5 +267,5 @@ def choose_kernels(
         return Kernels(linear, lib, compiled=compiled, **elementwise)
     if lib is None:  # no packed kernels: oneDNN where it works, else PyTorch's bf16 linear
         return Kernels("onednn" if onednn_works() else "torch", compiled=compiled, **elementwise)
-    calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir())
+    calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir(), chained=not compiled)
     return Kernels(calibrator.choice, lib, compiled=compiled, **elementwise)

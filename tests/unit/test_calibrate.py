@@ -17,7 +17,13 @@ from radixrt.attention.cpu_backend import CpuAttentionBackend
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model import calibrate
 from radixrt.model.calibrate import PATHS, Calibrator, Choice
-from radixrt.model.linear_methods import ByRows, PackedKernels, PackedLinear, TorchFP32Linear
+from radixrt.model.linear_methods import (
+    ByRows,
+    LinearMethod,
+    PackedKernels,
+    PackedLinear,
+    TorchFP32Linear,
+)
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_attention, cpu_library, cpu_linear
 
@@ -34,7 +40,7 @@ def fake_times(monkeypatch, seconds: dict) -> list:
     """time_paths answers from ``seconds`` {(path, rows): s}; returns the calls made."""
     calls = []
 
-    def time_paths(methods, n, k, rows, cold):
+    def time_paths(methods, n, k, rows, cold, chained=False):
         calls.append((tuple(methods), n, k, rows, cold))
         return {name: seconds.get((name, rows), 1.0) for name in methods}
 
@@ -199,7 +205,7 @@ def test_a_measurement_on_a_busy_cpu_is_taken_again(lib, monkeypatch, tmp_path) 
     answers = iter([{"fma": 2.0, "onednn": 1.0}, {"fma": 1.0, "onednn": 2.0}])
     calls = []
 
-    def time_paths(methods, n, k, rows, cold):
+    def time_paths(methods, n, k, rows, cold, chained=False):
         calls.append(rows)
         return next(answers) if rows == small else dict.fromkeys(methods, 1.0)
 
@@ -277,3 +283,24 @@ def test_a_packed_path_close_to_the_fastest_is_taken() -> None:
     assert calibrate._fastest({"onednn": 1.0, "avx512_bf16": 1.04, "torch": 1.5}) == "avx512_bf16"
     assert calibrate._fastest({"onednn": 1.0, "avx512_bf16": 1.2, "torch": 1.5}) == "onednn"
     assert calibrate._fastest({"onednn": 1.0, "torch": 0.99}) == "torch"
+
+
+def test_decode_sized_packed_calls_are_timed_as_a_chain_runs_them(lib, monkeypatch) -> None:
+    """With ``chained`` the packed kernels a decode chain takes run their copies as one chain
+    (each round), the other paths call by call; without it every path calls."""
+    from radixrt_kernels import cpu_chain
+
+    kernels = [k for k in cpu_chain.KERNELS if cpu_linear.kernel_available(lib, k)]
+    if not kernels:
+        pytest.skip("no kernel a chain runs")
+    runs = []
+    run = cpu_chain.Chain.run
+    monkeypatch.setattr(cpu_chain.Chain, "run", lambda self, *a: runs.append(self) or run(self))
+    methods = {kernels[0]: calibrate.make_method(kernels[0], lib), "torch": LinearMethod()}
+    seconds = calibrate.time_paths(methods, 64, 64, 4, True, chained=True)
+    assert len(runs) == calibrate.ROUNDS and len(runs[0].steps) > 1
+    assert all(0 < s < 1 for s in seconds.values())
+    runs.clear()
+    calibrate.time_paths(methods, 64, 64, 4, True)
+    assert not runs
+    assert Calibrator(lib, "/nowhere", chained=True).path != Calibrator(lib, "/nowhere").path
