@@ -46,9 +46,9 @@ freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's we
 collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a
 decode step meets it: each call's weight is cold, and each call pays its own fixed costs
 (the Python wrapper, the ctypes call, the OpenMP team). The kernels a decode chain runs
-(``radixrt_kernels.cpu_chain``) are timed that way too ("<kernel> chain"): one chain per
-layer, as the engine's decode chain runs a layer's linears between two attentions, then the LM
-head's call.
+(``radixrt_kernels.cpu_chain``) are timed that way too ("<kernel> chain"): all the layers'
+linears as one chain, as the engine's decode chain runs them (with the norms and attentions
+between), then the LM head's call.
 
 ``--offline`` also runs ``bench/offline_shared_prefix.py --skip-compile
 --repeats 2`` in bf16 and in float32, each in a subprocess (with its
@@ -328,21 +328,17 @@ def decode_step_shapes(model: str | None) -> list[Shape]:
 def chained_steps(
     steps: list[Shape], ws: list, lib: Any, kernel: str, m: int, xs: dict
 ) -> Callable[[], None]:
-    """The decode step's linears as the engine's decode chain runs them: per layer one chain
-    (``radixrt_kernels.cpu_chain``) of its qkv, o, gate_up and down, then the LM head's call."""
+    """The decode step's linears as the engine's decode chain runs them: every layer's qkv, o,
+    gate_up and down as one chain (``radixrt_kernels.cpu_chain``), then the LM head's call."""
     from radixrt_kernels import cpu_chain
 
-    chains, layer = [], 4
-    for i in range(0, len(steps) - 1, layer):
-        chain = cpu_chain.Chain(lib)
-        for shape, w in zip(steps[i : i + layer], ws[i : i + layer]):
-            chain.linear(kernel, xs[shape.k][:m], w, shape.n, torch.empty(m, shape.n).bfloat16())
-        chains.append(chain)
+    chain = cpu_chain.Chain(lib)
+    for shape, w in zip(steps[:-1], ws[:-1]):
+        chain.linear(kernel, xs[shape.k][:m], w, shape.n, torch.empty(m, shape.n).bfloat16())
     head, w_head, x_head = steps[-1], ws[-1], xs[steps[-1].k][:m]
 
     def run() -> None:
-        for chain in chains:
-            chain.run()
+        chain.run()
         cpu_linear.linear(lib, x_head, w_head, head.n, kernel=kernel)
 
     return run
@@ -406,7 +402,7 @@ def measure_decode_step(
             {
                 "path": name,
                 "rows": m,
-                "calls": len(steps) if not name.endswith(" chain") else (len(steps) - 1) // 4 + 1,
+                "calls": 2 if name.endswith(" chain") else len(steps),
                 "weight_bytes": nbytes,
                 "step_s": statistics.median(t for t, _ in runs_),
                 "weight_gbps": statistics.median(nbytes / t / 1e9 for t, _ in runs_),

@@ -18,6 +18,7 @@ they are its last keys, and each sees the keys up to itself.
 from __future__ import annotations
 
 import ctypes
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -126,7 +127,9 @@ def attention(
 class AttentionCall:
     """``attention``'s arguments checked once, for calls on several buffer pairs shaped like
     ``k_buf`` (a step's layers: the same queries' buffers, segments and new K/V rows, each
-    layer's own pool buffers): ``call(k_address, v_address)`` runs the kernel into ``out``."""
+    layer's own pool buffers): ``call(k_address, v_address)`` runs the kernel into ``out``;
+    ``fields`` are the same arguments as a decode chain's attention step reads them
+    (``cpu_chain.Chain.attention``)."""
 
     def __init__(
         self,
@@ -164,23 +167,21 @@ class AttentionCall:
         self.lib, self.out, self.shape = lib, out, (h, kh, d)
         self.keep = (q, new_k, new_v, new_slots)  # what the addresses below point into
         self.head = (q.data_ptr(), q.stride(0))
-        self.tail = (
-            out.data_ptr(),
-            int(q.dtype == torch.bfloat16),
-            int(bf16_dots),
-            t,
-            h,
-            kh,
-            d,
-            scaling,
-            *seg._call_args(t, h, d),
-            torch.get_num_threads(),
+        new = (
             None if new_k is None else new_k.data_ptr(),
             None if new_v is None else new_v.data_ptr(),
             0 if new_k is None else new_k.stride(0),
             None if new_slots is None else new_slots.data_ptr(),
             0 if new_slots is None else new_slots.numel(),
         )
+        sizes = (out.data_ptr(), int(q.dtype == torch.bfloat16), int(bf16_dots), t, h, kh, d)
+        segments = seg._call_args(t, h, d)
+        self.tail = (*sizes, scaling, *segments, torch.get_num_threads(), *new)
+        scaling_bits = struct.unpack("<q", struct.pack("<d", scaling))[0]
+        # as a decode chain's attention step takes them (cpu/chain.c's struct attention_args)
+        self.fields = [
+            0 if v is None else v for v in (*self.head, *sizes, scaling_bits, *segments, *new)
+        ]
 
     def __call__(self, k_address: int, v_address: int) -> None:
         if self.lib.radixrt_attention(*self.head, k_address, v_address, *self.tail) != 0:

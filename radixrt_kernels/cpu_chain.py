@@ -3,12 +3,12 @@
 A decode step of a small batch runs dozens of short kernels per layer, each a
 Python wrapper, a ctypes call and an OpenMP team of its own, costs of the
 same order as streaming a small layer's weights. A ``Chain`` holds a sequence
-of RMS norms, rotary embeddings and packed linears (the ``"avx512_bf16"`` and
-``"fma"`` kernels of ``cpu_linear``) over buffers fixed when it is built, as a
-table of int64 rows; ``run`` executes it in one call and one parallel region, a barrier
-between each step and the next. Each step gives the results of the call it
-stands for (``cpu_ops.rms_norm``, ``cpu_ops.rope_``, ``cpu_linear.linear``) bit
-for bit.
+of RMS norms, rotary embeddings, packed linears (the ``"avx512_bf16"`` and
+``"fma"`` kernels of ``cpu_linear``) and attentions over buffers fixed when it
+is built, as a table of int64 rows; ``run`` executes it in one call and one
+parallel region, a barrier between each step and the next. Each step gives
+the results of the call it stands for (``cpu_ops.rms_norm``, ``cpu_ops.rope_``,
+``cpu_linear.linear``, ``cpu_attention.attention``) bit for bit.
 
 A chain names its tensors by address: it keeps them alive, and callers write
 a step's inputs into the buffers it was built on (``Chain`` checks shapes,
@@ -24,7 +24,7 @@ import torch
 
 from radixrt_kernels import cpu_linear
 
-LINEAR, NORM, ROPE = 1, 2, 3  # chain.c's step kinds
+LINEAR, NORM, ROPE, ATTENTION = 1, 2, 3, 4  # chain.c's step kinds
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
 KERNELS = tuple(_VEC_KERNEL)  # the linear kernels a chain runs
 
@@ -185,6 +185,23 @@ class Chain:
             m=m,
             n=heads,
             k=d,
+        )
+
+    def attention(self, args: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
+        """``cpu_attention.attention`` on the KV buffers k_buf, v_buf [N, KH, D] (contiguous)
+        with the rest of its arguments as ``args`` holds them when the chain runs: int64
+        [``attention_fields(lib)``], ``cpu_attention.AttentionCall.fields`` (several layers'
+        steps may share one ``args``). The kernel checks them when the chain runs."""
+        if args.dtype != torch.int64 or args.shape != (self.lib.radixrt_chain_attention_fields(),):
+            raise ValueError("chain: attention args must be int64 [attention fields]")
+        if not (k_buf.is_contiguous() and v_buf.is_contiguous()) or k_buf.shape != v_buf.shape:
+            raise ValueError("chain: the KV buffers must be contiguous, of one shape")
+        self._add(
+            (args, k_buf, v_buf),
+            kind=ATTENTION,
+            w=args.data_ptr(),
+            y=k_buf.data_ptr(),
+            residual=v_buf.data_ptr(),
         )
 
     def run(self, threads: int | None = None) -> None:

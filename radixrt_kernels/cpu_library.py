@@ -98,6 +98,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_linear_vec_available": [_int],
     "radixrt_chain": [_ptr, _i64, _int],
     "radixrt_chain_fields": [],
+    "radixrt_chain_attention_fields": [],
 }
 # radixrt_linear_vec: a kernel number, then radixrt_linear's arguments
 SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]

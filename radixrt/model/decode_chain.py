@@ -1,23 +1,23 @@
-"""A decode step of a small batch as two C calls per layer.
+"""A decode step of a small batch as one C call.
 
 In eager mode a decoder layer makes seven kernel calls (norm, qkv with rotary,
 attention, o, norm, gate_up with SiLU-and-mul, down), each through a Python
 wrapper, ctypes and an OpenMP team of its own. For a decode batch of a few rows
 those fixed costs are of the order of streaming a small layer's weights. A
-``DecodeChain`` runs everything between two attentions as one chain
-(``radixrt_kernels.cpu_chain``): layer i's o projection, its post-attention
-norm, gate_up and down, then layer i + 1's input norm and qkv projection. A
-step is then the embedding, one chain, per layer the attention and one chain,
-and the final norm with the LM head. The attentions of a step share one set of checked
-arguments (``cpu_attention.AttentionCall``): a layer's is a ctypes call.
+``DecodeChain`` runs every layer's steps as one chain
+(``radixrt_kernels.cpu_chain``): one call and one thread team, a barrier
+between steps. A step is then the embedding, the chain, and the final norm
+with the LM head. The layers' attentions share one set of arguments (the
+step's segments, its new K/V rows), written once per step
+(``cpu_attention.AttentionCall.fields``).
 
-The chains work on buffers of their own (up to ``max_rows`` rows; a chain per
-row count, built on first use) and run the kernels the layers chose for
+The chain works on buffers of its own (up to ``max_rows`` rows; a chain per
+row count, built on first use) and runs the kernels the layers chose for
 decode-sized calls, so the logits equal the layer-by-layer forward's bit for
 bit. ``decode_chain_for`` builds one where the model's layers all run packed
 weights on a kernel the chain takes (AVX512-BF16 or FMA; not AMX) with the C
-norm and rotary embedding, attention is the CPU backend's on a bf16 pool, and the model is not
-compiled; otherwise it says why not.
+norm and rotary embedding, attention is the CPU backend's on a bf16 pool, and
+the model is not compiled; otherwise it says why not.
 """
 
 from __future__ import annotations
@@ -111,8 +111,7 @@ def decode_chain_for(model, backend, lib) -> tuple[DecodeChain | None, str]:
 
 
 class _Plan:
-    """One row count's views of the buffers and its chains: chains[0] before the first
-    attention, chains[i + 1] after layer i's."""
+    """One row count's views of the buffers and its chain."""
 
     def __init__(self, chain: DecodeChain, m: int) -> None:
         cfg, b = chain.model.config, chain.buffers
@@ -125,39 +124,40 @@ class _Plan:
         self.o = o.view(m, h, d)
         x, act = b["x"][:m], b["act"][:m]
         rotary = chain.model.model.layers[0].self_attn.rotary
-        layers = chain.model.model.layers
-        self.chains = [cpu_chain.Chain(chain.lib) for _ in range(len(layers) + 1)]
-        for i, layer in enumerate(layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            before, after = self.chains[i], self.chains[i + 1]
+        pool = chain.backend.pool
+        self.chain = steps = cpu_chain.Chain(chain.lib)
+        for i, layer in enumerate(chain.model.model.layers):
+            attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
             if i == 0:  # the embedding (in residual) is the first layer's input as it is
-                before.norm(
-                    self.residual, layer.input_layernorm.weight, layer.input_layernorm.eps, x
-                )
+                steps.norm(self.residual, norm.weight, norm.eps, x)
             else:
-                norm = layer.input_layernorm
-                before.norm(self.h, norm.weight, norm.eps, x, self.residual)
+                steps.norm(self.h, norm.weight, norm.eps, x, self.residual)
             kernel, w, _, fused = _qkv_side(attn)
             n, bias, cols = attn.qkv_proj.out_features, attn.qkv_proj.bias, (h + kh) * d
             if fused:
                 rope = cpu_linear.Rope(chain.positions, rotary.cos, rotary.sin_signed, d, cols)
-                before.linear(kernel, x, w, n, qkv, bias, rope=rope)
+                steps.linear(kernel, x, w, n, qkv, bias, rope=rope)
             else:
-                before.linear(kernel, x, w, n, qkv, bias)
+                steps.linear(kernel, x, w, n, qkv, bias)
                 qk = qkv[:, :cols].view(m, h + kh, d)
-                before.rope(qk, chain.positions, rotary.cos, rotary.sin_signed)
+                steps.rope(qk, chain.positions, rotary.cos, rotary.sin_signed)
+            steps.attention(
+                chain.attention_args,
+                pool.k_buffers[attn.layer_id],
+                pool.v_buffers[attn.layer_id],
+            )
             kernel, w, _ = _decode_side(attn.o_proj, PackedLinear)
-            after.linear(kernel, o, w, attn.o_proj.out_features, self.h)
+            steps.linear(kernel, o, w, attn.o_proj.out_features, self.h)
             norm = layer.post_attention_layernorm
-            after.norm(self.h, norm.weight, norm.eps, x, self.residual)
+            steps.norm(self.h, norm.weight, norm.eps, x, self.residual)
             kernel, w, _ = _decode_side(mlp.gate_up_proj, PackedGatedLinear)
-            after.linear(kernel, x, w, mlp.gate_up_proj.out_features, act, gated=True)
+            steps.linear(kernel, x, w, mlp.gate_up_proj.out_features, act, gated=True)
             kernel, w, _ = _decode_side(mlp.down_proj, PackedLinear)
-            after.linear(kernel, act, w, mlp.down_proj.out_features, self.h)
+            steps.linear(kernel, act, w, mlp.down_proj.out_features, self.h)
 
 
 class DecodeChain:
-    """A model's decode steps of up to ``max_rows`` rows as chains (see the module's text).
+    """A model's decode steps of up to ``max_rows`` rows as one chain each (see the module's text).
     Build it with ``decode_chain_for``, which checks that the model suits it."""
 
     def __init__(self, model, backend, lib) -> None:
@@ -188,11 +188,9 @@ class DecodeChain:
         self.buffers = {name: torch.zeros(rows, w, dtype=dt) for name, w in widths.items()}
         self.positions = torch.zeros(rows, dtype=torch.int64)
         self.plans: dict[int, _Plan] = {}
-        pool = backend.pool
-        self.kv_addresses = [  # layer by layer: its pool buffers
-            (pool.k_buffers[i].data_ptr(), pool.v_buffers[i].data_ptr())
-            for i in (layer.self_attn.layer_id for layer in layers)
-        ]
+        self.attention_args = torch.zeros(
+            lib.radixrt_chain_attention_fields(), dtype=torch.int64
+        )  # every layer's attention step reads the step's arguments here
         self.scaling = layers[0].self_attn.scaling
 
     def describe(self) -> str:
@@ -224,10 +222,8 @@ class DecodeChain:
             self.backend.bf16_dots,
             plan.o,
         )
-        plan.chains[0].run()
-        for (k_address, v_address), after in zip(self.kv_addresses, plan.chains[1:]):
-            attend(k_address, v_address)
-            after.run()
+        self.attention_args.copy_(torch.tensor(attend.fields, dtype=torch.int64))
+        plan.chain.run()
         idx = batch.logits_indices
         if idx is None:
             idx = batch.last_token_indices()

@@ -41,10 +41,12 @@
  * measures and says (radixrt.model.calibrate).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
 #include "common.h"
+#include "parts.h"
 #ifdef __AVX512BF16__
 #include <immintrin.h>
 #endif
@@ -613,110 +615,97 @@ int radixrt_attention_dots_available(void) {
 #endif
 }
 
-/* Returns 0, or -1 when a size is out of range (nothing is written then).
- *
- * q [T, H, D] (the query tokens; token rows q_stride elements apart, heads contiguous) and out
- * [T, H, D] (contiguous).
- * seg_slot_start [S + 1]: segment s's slots are slots[seg_slot_start[s] .. seg_slot_start[s+1]);
- * seg_member_start [S + 1]: its query tokens are members[seg_member_start[s] .. [s+1]);
- * seg_part [S]: the part (0 or 1) its results go to; seg_causal [S] (NULL: none): 1 if causal;
- * num_parts [T]: 1 or 2 per token.
- * part_acc [T, 2, H, D], part_m and part_l [T, 2, H]: float32 scratch (touched only for tokens
- * with two parts).
- * new_k, new_v [n_new, KH, D] (token rows new_stride elements apart, heads contiguous): written
- * to rows new_slots [n_new] of k_buf, v_buf first.
- * bf16_dots: bf16 items that AMX does not take run on AVX512-BF16 dot products (where the build
- * has them) instead of being widened to float32 for FMA. */
-int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf, void *out, int is_bf16,
-                      int bf16_dots,
-                      int64_t t, int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
-                      const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
-                      const int64_t *seg_member_start, const int64_t *seg_part,
-                      const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
-                      float *part_m, float *part_l, int num_threads, const void *new_k,
-                      const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
-    if (d > DMAX || d <= 0 || d % DC != 0 || kh <= 0 || h % kh != 0 || num_threads < 1 || q_stride % d != 0)
+int radixrt_attn_prepare(struct attn_call *c) {
+    if (c->d > DMAX || c->d <= 0 || c->d % DC != 0 || c->kh <= 0 || c->h % c->kh != 0 || c->q_stride % c->d != 0)
         return -1;
-    /* First the step's new K/V rows into their slots (a new token attends to itself). */
-    const size_t elem = is_bf16 ? 2 : 4, row_bytes = (size_t)(kh * d) * elem;
-    for (int64_t i = 0; i < n_new; i++) {
-        const size_t from = (size_t)(i * new_stride) * elem;
-        memcpy((char *)k_buf + new_slots[i] * row_bytes, (const char *)new_k + from, row_bytes);
-        memcpy((char *)v_buf + new_slots[i] * row_bytes, (const char *)new_v + from, row_bytes);
-    }
-    const struct call call = {q, k_buf, v_buf, out, is_bf16, h, kh, h / kh, d, q_stride / d, scaling,
-                              num_parts, part_acc, part_m, part_l};
-    const int64_t g = call.g;
+    const int64_t g = c->h / c->kh;
 #ifdef HAVE_AMX
-    const int use_amx = is_bf16 && amx_permitted();
-    const int64_t qb = use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
+    c->use_amx = c->is_bf16 && amx_permitted();
+    c->qb = c->use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
 #else
-    const int64_t qb = QB;
+    c->use_amx = 0;
+    c->qb = QB;
 #endif
-    (void)bf16_dots; /* read only where the build has AVX512-BF16 */
     /* Work items: per segment, KH × ceil(members·G / qb). */
-    int64_t items = 0;
-    for (int64_t s = 0; s < num_segments; s++) {
-        int64_t rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
-        items += kh * ((rows + qb - 1) / qb);
+    c->items = 0;
+    for (int64_t s = 0; s < c->num_segments; s++) {
+        const int64_t rows = (c->seg_member_start[s + 1] - c->seg_member_start[s]) * g;
+        c->items += c->kh * ((rows + c->qb - 1) / c->qb);
     }
-    int64_t next = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
+    c->merging = 0;
+    for (int64_t tok = 0; tok < c->t && !c->merging; tok++) c->merging = c->num_parts[tok] == 2;
+    return 0;
+}
+
+void radixrt_attn_store(const struct attn_call *c, int64_t id, int64_t threads) {
+    const size_t elem = c->is_bf16 ? 2 : 4, row_bytes = (size_t)(c->kh * c->d) * elem;
+    for (int64_t i = c->n_new * id / threads; i < c->n_new * (id + 1) / threads; i++) {
+        const size_t from = (size_t)(i * c->new_stride) * elem;
+        memcpy((char *)c->k_buf + c->new_slots[i] * row_bytes, (const char *)c->new_k + from, row_bytes);
+        memcpy((char *)c->v_buf + c->new_slots[i] * row_bytes, (const char *)c->new_v + from, row_bytes);
+    }
+}
+
+void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
+    const struct call call = {c->q, c->k_buf, c->v_buf, c->out, c->is_bf16, c->h, c->kh, c->h / c->kh, c->d,
+                              c->q_stride / c->d, c->scaling, c->num_parts, c->part_acc, c->part_m, c->part_l};
+    const int64_t g = call.g, qb = c->qb, kh = c->kh;
+    const int64_t *seg_member_start = c->seg_member_start, *seg_slot_start = c->seg_slot_start;
 #ifdef HAVE_AMX
-        int configured = 0;
+    int configured = 0;
 #endif
-        for (;;) {
-            int64_t item = __atomic_fetch_add(&next, 1, __ATOMIC_RELAXED);
-            if (item >= items) break;
-            /* find the item's segment (a linear walk) */
-            int64_t s = 0, rows = 0, blocks = 0;
-            for (;; s++) {
-                rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
-                blocks = (rows + qb - 1) / qb;
-                if (item < kh * blocks) break;
-                item -= kh * blocks;
-            }
-            const int causal = seg_causal != NULL && seg_causal[s];
-            const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
-            struct item it = {slots + seg_slot_start[s], members + seg_member_start[s],
-                              seg_slot_start[s + 1] - seg_slot_start[s], -1, seg_part[s],
-                              item / blocks, block * qb, 0};
-            it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
-            if (causal) {
-                it.causal_from = it.n_keys - rows / g;
-                it.n_keys = row_limit(&it, g, it.nq - 1);
-            }
-#ifdef HAVE_AMX
-            if (is_bf16 && use_amx && it.nq >= AMX_MIN_ROWS) {
-                if (!configured) {
-                    amx_configure();
-                    configured = 1;
-                }
-                attend_item_amx(&call, &it);
-                continue;
-            }
-#endif
-#ifdef __AVX512BF16__
-            if (is_bf16 && bf16_dots) {
-                attend_item_bf16(&call, &it);
-                continue;
-            }
-#endif
-            attend_item(&call, &it);
+    for (;;) {
+        int64_t item = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (item >= c->items) break;
+        /* find the item's segment (a linear walk) */
+        int64_t s = 0, rows = 0, blocks = 0;
+        for (;; s++) {
+            rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
+            blocks = (rows + qb - 1) / qb;
+            if (item < kh * blocks) break;
+            item -= kh * blocks;
+        }
+        const int causal = c->seg_causal != NULL && c->seg_causal[s];
+        const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
+        struct item it = {c->slots + seg_slot_start[s], c->members + seg_member_start[s],
+                          seg_slot_start[s + 1] - seg_slot_start[s], -1, c->seg_part[s],
+                          item / blocks, block * qb, 0};
+        it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
+        if (causal) {
+            it.causal_from = it.n_keys - rows / g;
+            it.n_keys = row_limit(&it, g, it.nq - 1);
         }
 #ifdef HAVE_AMX
-        if (configured) _tile_release();
+        if (c->is_bf16 && c->use_amx && it.nq >= AMX_MIN_ROWS) {
+            if (!configured) {
+                amx_configure();
+                configured = 1;
+            }
+            attend_item_amx(&call, &it);
+            continue;
+        }
 #endif
+#ifdef __AVX512BF16__
+        if (c->is_bf16 && c->bf16_dots) {
+            attend_item_bf16(&call, &it);
+            continue;
+        }
+#endif
+        attend_item(&call, &it);
     }
-    /* Merge the two parts of every (token, head) that has two (no threads started for none). */
-    int merging = 0;
-    for (int64_t tok = 0; tok < t && !merging; tok++) merging = num_parts[tok] == 2;
-    if (!merging) return 0;
-#pragma omp parallel for num_threads(num_threads)
-    for (int64_t th = 0; th < t * h; th++) {
+#ifdef HAVE_AMX
+    if (configured) _tile_release();
+#endif
+}
+
+void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) {
+    const int64_t h = c->h, d = c->d, th_count = c->t * h;
+    const struct call call = {c->q, c->k_buf, c->v_buf, c->out, c->is_bf16, h, c->kh, h / c->kh, d,
+                              c->q_stride / d, c->scaling, c->num_parts, c->part_acc, c->part_m, c->part_l};
+    const float *part_m = c->part_m, *part_l = c->part_l, *part_acc = c->part_acc;
+    for (int64_t th = th_count * id / threads; th < th_count * (id + 1) / threads; th++) {
         const int64_t tok = th / h, head = th % h;
-        if (num_parts[tok] != 2) continue;
+        if (c->num_parts[tok] != 2) continue;
         const int64_t a0 = (tok * 2) * h + head, a1 = (tok * 2 + 1) * h + head;
         const float mx = part_m[a1] > part_m[a0] ? part_m[a1] : part_m[a0];
         const float w0 = expf(part_m[a0] - mx), w1 = expf(part_m[a1] - mx);
@@ -732,6 +721,46 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
         }
         store_out(&call, th, merged, total > 0.0f ? 1.0f / total : 0.0f);
     }
+}
+
+/* Returns 0, or -1 when a size is out of range (nothing is written then).
+ *
+ * q [T, H, D] (the query tokens; token rows q_stride elements apart, heads contiguous) and out
+ * [T, H, D] (contiguous).
+ * seg_slot_start [S + 1]: segment s's slots are slots[seg_slot_start[s] .. seg_slot_start[s+1]);
+ * seg_member_start [S + 1]: its query tokens are members[seg_member_start[s] .. [s+1]);
+ * seg_part [S]: the part (0 or 1) its results go to; seg_causal [S] (NULL: none): 1 if causal;
+ * num_parts [T]: 1 or 2 per token.
+ * part_acc [T, 2, H, D], part_m and part_l [T, 2, H]: float32 scratch (touched only for tokens
+ * with two parts).
+ * new_k, new_v [n_new, KH, D] (token rows new_stride elements apart, heads contiguous): written
+ * to rows new_slots [n_new] of k_buf, v_buf first.
+ * bf16_dots: bf16 items that AMX does not take run on AVX512-BF16 dot products (where the build
+ * has them) instead of being widened to float32 for FMA.
+ *
+ * The work runs as parts (parts.h): the new rows stored, the work items taken from a shared
+ * counter by the threads, then (no threads started for none) the two parts of every (token,
+ * head) that has two merged. */
+int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf, void *out, int is_bf16,
+                      int bf16_dots,
+                      int64_t t, int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
+                      const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
+                      const int64_t *seg_member_start, const int64_t *seg_part,
+                      const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
+                      float *part_m, float *part_l, int num_threads, const void *new_k,
+                      const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
+    struct attn_call c = {q, q_stride, k_buf, v_buf, out, is_bf16, bf16_dots, t, h, kh, d, scaling,
+                          num_segments, slots, seg_slot_start, members, seg_member_start, seg_part,
+                          seg_causal, num_parts, part_acc, part_m, part_l, new_k, new_v, new_stride,
+                          new_slots, n_new, 0, 0, 0, 0};
+    if (num_threads < 1 || radixrt_attn_prepare(&c) != 0) return -1;
+    radixrt_attn_store(&c, 0, 1); /* first the step's new K/V rows (a new token attends to itself) */
+    int64_t next = 0;
+#pragma omp parallel num_threads(num_threads)
+    radixrt_attn_items(&c, &next);
+    if (!c.merging) return 0;
+#pragma omp parallel num_threads(num_threads)
+    radixrt_attn_merge(&c, omp_get_thread_num(), omp_get_num_threads());
     return 0;
 }
 

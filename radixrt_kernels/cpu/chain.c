@@ -1,8 +1,9 @@
-/* A chain: several decode-sized steps (RMS norms, linears on packed weights, rotary embeddings) in one call and
- * one parallel region, a barrier between each step and the next, instead of one call, one
- * thread team and (from Python) one wrapper per step. A step reads what the steps before it
- * wrote; each gives the results of the library call it stands for (radixrt_rms_norm,
- * radixrt_linear_vec, radixrt_rope) bit for bit, since it runs the same per-thread part (parts.h).
+/* A chain: several decode-sized steps (RMS norms, linears on packed weights, rotary
+ * embeddings, attention) in one call and one parallel region, a barrier between each step and
+ * the next, instead of one call, one thread team and (from Python) one wrapper per step. A step
+ * reads what the steps before it wrote; each gives the results of the library call it stands
+ * for (radixrt_rms_norm, radixrt_linear_vec, radixrt_rope, radixrt_attention) bit for bit,
+ * since it runs the same per-thread parts (parts.h).
  *
  * The steps come as rows of int64 (struct step, pointers as addresses), so a caller can keep
  * a chain's table and run it again on every decode step whose buffers it names.
@@ -16,7 +17,9 @@
 #define STEP_LINEAR 1
 #define STEP_NORM 2
 #define STEP_ROPE 3
+#define STEP_ATTENTION 4
 #define STEP_FIELDS 20
+#define ATTENTION_FIELDS 26
 
 /* One step (every field 8 bytes: a row of the caller's int64 table).
  * STEP_LINEAR: y = x · Wᵀ (+ bias) by linear_vec.c's `kernel` on W packed as radixrt_linear
@@ -25,7 +28,10 @@
  *   computes it (w: the weight; residual: NULL or the contiguous residual, which receives the
  *   sum; y contiguous), bf16, with eps.
  * STEP_ROPE: the rotary embedding of m rows of n heads of k values at x (rows x_stride apart),
- *   in place, as radixrt_rope rotates them (positions, rope_cos, rope_sin), bf16. */
+ *   in place, as radixrt_rope rotates them (positions, rope_cos, rope_sin), bf16.
+ * STEP_ATTENTION: radixrt_attention on the KV buffers y (keys) and residual (values) with the
+ *   rest of its arguments at w (struct attention_args: the layers of a decode step share them,
+ *   each with its own buffers). */
 struct step {
     int64_t kind, kernel;
     const bf16 *x;
@@ -41,6 +47,33 @@ struct step {
 };
 _Static_assert(sizeof(struct step) == STEP_FIELDS * 8, "a step is a row of STEP_FIELDS int64");
 
+/* radixrt_attention's arguments but the KV buffers and the thread count, every field 8 bytes
+ * (scaling a double). */
+struct attention_args {
+    const void *q;
+    int64_t q_stride;
+    void *out;
+    int64_t is_bf16, bf16_dots, t, h, kh, d;
+    double scaling;
+    int64_t num_segments;
+    const int64_t *slots, *seg_slot_start, *members, *seg_member_start, *seg_part, *seg_causal, *num_parts;
+    float *part_acc, *part_m, *part_l;
+    const void *new_k, *new_v;
+    int64_t new_stride;
+    const int64_t *new_slots;
+    int64_t n_new;
+};
+_Static_assert(sizeof(struct attention_args) == ATTENTION_FIELDS * 8, "attention args are int64");
+
+static struct attn_call attn_call_of(const struct step *s) {
+    const struct attention_args *a = (const struct attention_args *)s->w;
+    return (struct attn_call){a->q, a->q_stride, s->y, s->residual, a->out, (int)a->is_bf16, (int)a->bf16_dots,
+                              a->t, a->h, a->kh, a->d, (float)a->scaling, a->num_segments, a->slots,
+                              a->seg_slot_start, a->members, a->seg_member_start, a->seg_part, a->seg_causal,
+                              a->num_parts, a->part_acc, a->part_m, a->part_l, a->new_k, a->new_v,
+                              a->new_stride, a->new_slots, a->n_new, 0, 0, 0, 0};
+}
+
 static struct vec_call vec_call_of(const struct step *s) {
     return (struct vec_call){(int)s->kernel, s->x,       s->x_stride, s->w,        s->bias,
                              s->y,           s->y_stride, (int)s->y_f32, (int)s->gated, s->positions,
@@ -53,11 +86,23 @@ int radixrt_chain_fields(void) {
     return STEP_FIELDS;
 }
 
+/* The number of int64 an attention step's arguments take. */
+int radixrt_chain_attention_fields(void) {
+    return ATTENTION_FIELDS;
+}
+
 /* Runs steps[0 .. count - 1] in order on num_threads threads. Returns 0, or -(1 + i) when step
  * i does not fit (checked before anything runs: nothing is written then). */
 int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
     if (count < 0 || num_threads < 1) return -1;
     int64_t widened = 0; /* the largest x an FMA step widens */
+    struct attn_call *calls = calloc((size_t)count + 1, sizeof *calls);
+    int64_t *next = calloc((size_t)count + 1, sizeof *next); /* each attention's work counter */
+    if (calls == NULL || next == NULL) {
+        free(calls);
+        free(next);
+        return -1;
+    }
     for (int64_t i = 0; i < count; i++) {
         const struct step *s = &steps[i];
         int fits = s->m >= 0;
@@ -68,14 +113,25 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
         } else if (s->kind == STEP_ROPE) {
             fits = fits && s->x_stride >= s->n * s->k
                 && radixrt_rope_rows((void *)s->x, s->x_stride, 0, 0, s->n, s->k, NULL, NULL, NULL, 1) == 0;
+        } else if (s->kind == STEP_ATTENTION) {
+            calls[i] = attn_call_of(s);
+            fits = radixrt_attn_prepare(&calls[i]) == 0;
         } else {
             fits = fits && s->kind == STEP_NORM && s->n > 0 && s->x_stride >= s->n
                 && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->w, 0, 0, s->n, 0.0f, 1) == 0;
         }
-        if (!fits) return (int)-(1 + i);
+        if (!fits) {
+            free(calls);
+            free(next);
+            return (int)-(1 + i);
+        }
     }
     float *xf = NULL;
-    if (widened > 0 && (xf = aligned_alloc(64, (size_t)((widened * 4 + 63) / 64 * 64))) == NULL) return -1;
+    if (widened > 0 && (xf = aligned_alloc(64, (size_t)((widened * 4 + 63) / 64 * 64))) == NULL) {
+        free(calls);
+        free(next);
+        return -1;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
@@ -94,6 +150,17 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
                                   s->rope_sin, 1);
                 continue;
             }
+            if (s->kind == STEP_ATTENTION) {
+                const struct attn_call *c = &calls[i];
+                radixrt_attn_store(c, id, threads);
+#pragma omp barrier
+                radixrt_attn_items(c, &next[i]);
+                if (c->merging) {
+#pragma omp barrier
+                    radixrt_attn_merge(c, id, threads);
+                }
+                continue;
+            }
             const struct vec_call c = vec_call_of(s);
             if (c.kernel == KERNEL_FMA) {
                 radixrt_vec_widen(&c, xf, r0, r1);
@@ -103,5 +170,7 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
         }
     }
     free(xf);
+    free(calls);
+    free(next);
     return 0;
 }

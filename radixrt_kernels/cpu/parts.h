@@ -42,4 +42,33 @@ HIDDEN int radixrt_rope_rows(void *x, int64_t x_stride, int64_t r0, int64_t r1, 
                              const int64_t *positions, const float *cos_table, const float *sin_table,
                              int is_bf16);
 
+/* An attention call of attention.c: radixrt_attention's arguments, then what
+ * radixrt_attn_prepare derives from them. */
+struct attn_call {
+    const void *q;
+    int64_t q_stride;
+    void *k_buf, *v_buf, *out;
+    int is_bf16, bf16_dots;
+    int64_t t, h, kh, d;
+    float scaling;
+    int64_t num_segments;
+    const int64_t *slots, *seg_slot_start, *members, *seg_member_start, *seg_part, *seg_causal, *num_parts;
+    float *part_acc, *part_m, *part_l;
+    const void *new_k, *new_v;
+    int64_t new_stride;
+    const int64_t *new_slots;
+    int64_t n_new;
+    int64_t items, qb; /* the work items, and query rows per item */
+    int use_amx, merging;
+};
+
+/* Checks the sizes (-1: out of range) and sets items, qb, use_amx and merging. */
+HIDDEN int radixrt_attn_prepare(struct attn_call *c);
+/* Thread id's share of storing the new K/V rows in their slots. */
+HIDDEN void radixrt_attn_store(const struct attn_call *c, int64_t id, int64_t threads);
+/* Work items taken from the shared counter *next (from 0) until none is left. */
+HIDDEN void radixrt_attn_items(const struct attn_call *c, int64_t *next);
+/* Thread id's share of merging the tokens of two parts (after every item is done). */
+HIDDEN void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads);
+
 #endif

@@ -122,3 +122,67 @@ def test_a_chain_refuses_steps_it_cannot_run() -> None:
     )
     with pytest.raises(ValueError, match="step 0 does not fit"):
         chain.run()
+
+
+@pytest.mark.parametrize("kernel", cpu_chain.KERNELS)
+@pytest.mark.parametrize("split", [False, True])
+def test_an_attention_step_reads_what_the_linear_before_it_wrote(kernel: str, split: bool) -> None:
+    """qkv linear → attention (storing the new K/V, over a shared prefix and private tails, or
+    a lone request's keys in two halves: two parts merged) → o linear, as one chain, give the
+    separate calls' outputs and KV buffers."""
+    from radixrt_kernels import cpu_attention
+
+    lib = library_with(kernel)
+    p = layer_weights(lib, 7)
+    gen = torch.Generator().manual_seed(11)
+    rows = 1 if split else 3
+    lens = [300] if split else [40, 45, 33]
+    slots_total = 2048
+    table = torch.zeros(rows, 512, dtype=torch.int64)
+    for i, n in enumerate(lens):  # requests 0 and 1 share 20 slots (a group)
+        table[i, :n] = torch.randperm(slots_total - 1, generator=gen)[:n] + 1
+    if not split:
+        table[1, :20] = table[0, :20]
+    seg = cpu_attention.decode_segments(
+        lib, table, torch.arange(rows), lens, 16, 2, 256 if split else 0
+    )
+    assert seg.two_parts
+    new_slots = torch.tensor([int(table[i, n - 1]) for i, n in enumerate(lens)])
+    x = torch.randn(rows, HIDDEN, generator=gen).bfloat16()
+    k_buf = torch.randn(slots_total, KV_HEADS, HEAD, generator=gen).bfloat16()
+    v_buf = torch.randn(slots_total, KV_HEADS, HEAD, generator=gen).bfloat16()
+    cols = HEADS * HEAD
+
+    def views(qkv):
+        return (
+            qkv[:, :cols].view(rows, HEADS, HEAD),
+            qkv[:, cols : cols + KV_HEADS * HEAD].view(rows, KV_HEADS, HEAD),
+            qkv[:, cols + KV_HEADS * HEAD :].view(rows, KV_HEADS, HEAD),
+        )
+
+    # separate calls
+    kb, vb = k_buf.clone(), v_buf.clone()
+    qkv = cpu_linear.linear(lib, x, p["qkv"], p["qkv_out"], p["qkv_bias"], kernel=kernel)
+    q, k, v = views(qkv)
+    o = cpu_attention.attention(lib, q, kb, vb, seg, 0.125, (k, v, new_slots), bf16_dots=True)
+    want = cpu_linear.linear(lib, o.view(rows, cols), p["o"], HIDDEN, kernel=kernel)
+    # one chain
+    qkv_buf = torch.empty(rows, p["qkv_out"], dtype=torch.bfloat16)
+    o_buf, out = torch.empty(rows, cols, dtype=torch.bfloat16), torch.empty_like(x)
+    q, k, v = views(qkv_buf)
+    args = torch.zeros(lib.radixrt_chain_attention_fields(), dtype=torch.int64)
+    chain = cpu_chain.Chain(lib)
+    chain.linear(kernel, x, p["qkv"], p["qkv_out"], qkv_buf, p["qkv_bias"])
+    chain.attention(args, k_buf, v_buf)
+    chain.linear(kernel, o_buf, p["o"], HIDDEN, out)
+    call = cpu_attention.AttentionCall(
+        lib, q, k_buf, seg, 0.125, (k, v, new_slots), True, o_buf.view(rows, HEADS, HEAD)
+    )
+    args.copy_(torch.tensor(call.fields))
+    chain.run()
+    assert torch.equal(o_buf, o.view(rows, cols))
+    assert torch.equal(out, want)
+    assert torch.equal(k_buf, kb) and torch.equal(v_buf, vb)
+    args[8] = 48  # head_dim 48: not a multiple of 32, refused before anything runs
+    with pytest.raises(ValueError, match="step 1 does not fit"):
+        chain.run()
