@@ -163,7 +163,7 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
             }
             const struct vec_call c = vec_call_of(s);
             if (c.kernel == KERNEL_FMA) {
-                radixrt_vec_widen(&c, xf, r0, r1);
+                radixrt_vec_widen(&c, xf, 0, c.m, c.k * id / threads, c.k * (id + 1) / threads);
 #pragma omp barrier
             }
             radixrt_vec_part(&c, xf, id, threads);

@@ -180,14 +180,16 @@ int radixrt_linear_vec_available(int kernel) {
     return 0;
 }
 
-/* Rows r0 .. r1 - 1 of x [m, k] bf16 (rows x_stride apart) into xf as float32 panels of MR_FMA
- * rows (the last holds the rest): panel j, at j·MR_FMA·k, is [k][rows of the panel]. */
-void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1) {
+/* Rows r0 .. r1 - 1, input features i0 .. i1 - 1 of x [m, k] bf16 (rows x_stride apart) into
+ * xf as float32 panels of MR_FMA rows (the last holds the rest): panel j, at j·MR_FMA·k, is
+ * [k][rows of the panel]. (Threads that share the work split the features: a panel's rows
+ * interleave, its features lie one after another.) */
+void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
     const int64_t m = c->m, k = c->k;
     for (int64_t r = r0; r < r1; r++) {
         const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
         float *panel = xf + p0 * k;
-        for (int64_t i = 0; i < k; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * c->x_stride + i]);
+        for (int64_t i = i0; i < i1; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * c->x_stride + i]);
     }
 }
 
@@ -254,7 +256,7 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
     if (kernel == KERNEL_FMA) {
         if ((xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64))) == NULL) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
-        for (int64_t r = 0; r < m; r++) radixrt_vec_widen(&c, xf, r, r + 1);
+        for (int64_t r = 0; r < m; r++) radixrt_vec_widen(&c, xf, r, r + 1, 0, k);
     }
 #pragma omp parallel num_threads(num_threads)
     radixrt_vec_part(&c, xf, omp_get_thread_num(), omp_get_num_threads());

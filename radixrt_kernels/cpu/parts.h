@@ -30,7 +30,8 @@ struct vec_call {
 
 int radixrt_linear_vec_available(int kernel);
 HIDDEN int radixrt_vec_check(const struct vec_call *c);
-HIDDEN void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1);
+HIDDEN void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1, int64_t i0,
+                              int64_t i1);
 HIDDEN void radixrt_vec_part(const struct vec_call *c, const float *xf, int64_t id, int64_t threads);
 
 /* Rows r0 .. r1 - 1 of radixrt_rms_norm (elementwise.c); 0, or -1 if n is too wide. */
