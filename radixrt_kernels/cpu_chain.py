@@ -78,25 +78,43 @@ class Chain:
         residual: torch.Tensor | None = None,
     ) -> None:
         """out = ``cpu_ops.rms_norm(x, weight, eps, residual)`` (the sum into ``residual``):
-        x [m, n] bf16 (rows may be strided), out and residual contiguous [m, n]."""
-        m, n = x.shape
-        stride = _rows(x, "a norm's x", n)
-        for t in (out, residual):
-            if t is not None and (not t.is_contiguous() or _rows(t, "a norm's output", n) != n):
-                raise ValueError("chain: a norm's output and residual must be contiguous [m, n]")
-            if t is not None and t.shape[0] != m:
-                raise ValueError("chain: a norm's output and residual need x's rows")
+        x [m, n] bf16 (rows may be strided), out and residual contiguous [m, n]; or each head's
+        norm of x [m, heads, n] (heads contiguous, token rows may be strided) into out laid out
+        alike (out may be x), without a residual."""
+        heads = x.shape[1] if x.dim() == 3 else 1
+        n = x.shape[-1]
+        if x.dim() == 3:
+            if residual is not None or out.shape != x.shape:
+                raise ValueError("chain: a per-head norm has no residual, and out of x's shape")
+            for t, what in ((x, "x"), (out, "output")):
+                if t.dtype != torch.bfloat16 or t.stride(2) != 1 or t.stride(1) != n:
+                    raise ValueError(
+                        f"chain: a per-head norm's {what} must be bf16, heads contiguous"
+                    )
+            x_stride, y_stride = x.stride(0), out.stride(0)
+        else:
+            x_stride = _rows(x, "a norm's x", n)
+            for t in (out, residual):
+                if t is not None and (not t.is_contiguous() or _rows(t, "a norm's output", n) != n):
+                    raise ValueError(
+                        "chain: a norm's output and residual must be contiguous [m, n]"
+                    )
+                if t is not None and t.shape[0] != x.shape[0]:
+                    raise ValueError("chain: a norm's output and residual need x's rows")
+            y_stride = n
         if weight.dtype != torch.bfloat16 or weight.shape != (n,) or not weight.is_contiguous():
             raise ValueError(f"chain: a norm's weight must be contiguous bf16 [{n}]")
         self._add(
             (x, weight, out, residual),
             kind=NORM,
             x=x.data_ptr(),
-            x_stride=stride,
+            x_stride=x_stride,
             w=weight.data_ptr(),
             y=out.data_ptr(),
-            m=m,
+            y_stride=y_stride,
+            m=x.shape[0],
             n=n,
+            k=heads,
             residual=0 if residual is None else residual.data_ptr(),
             eps=_eps_bits(eps),
         )

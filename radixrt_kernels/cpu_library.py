@@ -69,6 +69,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _i64,
     ],
     "radixrt_rms_norm": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _f32, _int, _int],
+    "radixrt_rms_norm_heads": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _f32, _int, _int],
     "radixrt_rope": [_ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _int, _int],
     "radixrt_silu_mul": [_ptr, _ptr, _i64, _i64, _int, _int],
     "radixrt_argmax": [_ptr, _i64, _i64, _i64, _int, _ptr, _int],

@@ -44,7 +44,10 @@ def rms_norm(
 ) -> torch.Tensor:
     """weight · x / sqrt(mean(x²) + eps) for x [T, N] (rows may be strided), weight [N] in x's
     dtype. With ``residual`` (contiguous [T, N], x's dtype) the norm is of x + residual, and
-    that sum is written into ``residual``."""
+    that sum is written into ``residual``. x [T, H, N] (heads contiguous, token rows may be
+    strided; no residual): each head's norm, into a new contiguous [T, H, N]."""
+    if x.dim() == 3:
+        return _rms_norm_heads(lib, x, weight, eps)
     t, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -63,6 +66,33 @@ def rms_norm(
             out.data_ptr(),
             weight.data_ptr(),
             t,
+            n,
+            eps,
+            _is_bf16(x, "rms_norm"),
+            torch.get_num_threads(),
+        ),
+        "rms_norm",
+    )
+    return out
+
+
+def _rms_norm_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    t, heads, n = x.shape
+    if x.stride(2) != 1 or x.stride(1) != n:
+        x = x.contiguous()
+    if weight.dtype != x.dtype:
+        raise ValueError("rms_norm: the weight must be in x's dtype")
+    weight = weight.contiguous()
+    out = torch.empty(t, heads, n, dtype=x.dtype)
+    _check(
+        lib.radixrt_rms_norm_heads(
+            x.data_ptr(),
+            x.stride(0),
+            out.data_ptr(),
+            heads * n,
+            weight.data_ptr(),
+            t,
+            heads,
             n,
             eps,
             _is_bf16(x, "rms_norm"),

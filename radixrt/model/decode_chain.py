@@ -16,8 +16,9 @@ row count, built on first use) and runs the kernels the layers chose for
 decode-sized calls, so the logits equal the layer-by-layer forward's bit for
 bit. ``decode_chain_for`` builds one where the model's layers all run packed
 weights on a kernel the chain takes (AVX512-BF16 or FMA; not AMX) with the C
-norm and rotary embedding, attention is the CPU backend's on a bf16 pool, and
-the model is not compiled; otherwise it says why not.
+norms (q's and k's too, where the model norms them) and rotary embedding,
+attention is the CPU backend's on a bf16 pool, and the model is not
+compiled; otherwise it says why not.
 """
 
 from __future__ import annotations
@@ -55,7 +56,11 @@ def _decode_side(layer, cls) -> tuple[str, torch.Tensor, int] | None:
 
 
 def _qkv_side(attn) -> tuple[str, torch.Tensor, int, bool] | None:
-    """``_decode_side`` of a qkv projection, and whether its kernel rotates q and k itself."""
+    """``_decode_side`` of a qkv projection, and whether its kernel rotates q and k itself (a
+    model that norms q and k has a plain projection: norms and rotation follow it)."""
+    if attn.q_norm is not None:
+        plain = _decode_side(attn.qkv_proj, PackedLinear)
+        return None if plain is None else (*plain, False)
     fused = _decode_side(attn.qkv_proj, PackedRotaryQKV)
     if fused is not None:
         return (*fused, True)
@@ -74,8 +79,6 @@ def unavailable_reason(model, backend, lib) -> str | None:
         return "the model runs under torch.compile"
     if not isinstance(backend, CpuAttentionBackend) or backend.pool.dtype != torch.bfloat16:
         return "attention is not the CPU kernel's on a bf16 pool"
-    if model.config.qk_norm:
-        return "q and k are normed between the projection and attention"
     if len({layer.self_attn.scaling for layer in model.model.layers}) != 1:
         return "the layers' attention scalings differ"
     for layer in model.model.layers:
@@ -92,6 +95,7 @@ def unavailable_reason(model, backend, lib) -> str | None:
                 f"{' or '.join(cpu_chain.KERNELS)}"
             )
         norms = (layer.input_layernorm, layer.post_attention_layernorm, model.model.norm)
+        norms += (attn.q_norm, attn.k_norm) if attn.q_norm is not None else ()
         if any(
             not isinstance(n.kernel, CRMSNorm) or n.weight.dtype != torch.bfloat16 for n in norms
         ):
@@ -139,6 +143,9 @@ class _Plan:
                 steps.linear(kernel, x, w, n, qkv, bias, rope=rope)
             else:
                 steps.linear(kernel, x, w, n, qkv, bias)
+                if attn.q_norm is not None:  # each head of q and of k, in place
+                    steps.norm(self.q, attn.q_norm.weight, attn.q_norm.eps, self.q)
+                    steps.norm(self.k, attn.k_norm.weight, attn.k_norm.eps, self.k)
                 qk = qkv[:, :cols].view(m, h + kh, d)
                 steps.rope(qk, chain.positions, rotary.cos, rotary.sin_signed)
             steps.attention(

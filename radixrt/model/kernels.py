@@ -107,7 +107,11 @@ class CRMSNorm(TorchRMSNorm):
         eps: float,
         residual: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if x.dim() != 2 or weight.dtype != x.dtype:  # a per-head norm of q or k [T, H, D]
+        if (
+            x.dim() not in (2, 3)
+            or weight.dtype != x.dtype
+            or (x.dim() == 3 and residual is not None)
+        ):
             return super().__call__(x, weight, eps, residual)
         if residual is None:
             return cpu_ops.rms_norm(self.lib, x, weight, eps)

@@ -26,7 +26,8 @@
  *   takes it (w), with radixrt_linear_vec's meaning of every other field; bf16.
  * STEP_NORM: y = weight · norm(x (+ residual)) for m rows of n features as radixrt_rms_norm
  *   computes it (w: the weight; residual: NULL or the contiguous residual, which receives the
- *   sum; y contiguous), bf16, with eps.
+ *   sum; y rows y_stride apart), bf16, with eps; k > 1: each of the k heads of n values of a
+ *   row, as radixrt_rms_norm_heads (no residual; y may be x).
  * STEP_ROPE: the rotary embedding of m rows of n heads of k values at x (rows x_stride apart),
  *   in place, as radixrt_rope rotates them (positions, rope_cos, rope_sin), bf16.
  * STEP_ATTENTION: radixrt_attention on the KV buffers y (keys) and residual (values) with the
@@ -74,6 +75,11 @@ static struct attn_call attn_call_of(const struct step *s) {
                               a->new_stride, a->new_slots, a->n_new, 0, 0, 0, 0};
 }
 
+/* A norm step's heads per row (k; 0 counts as 1). */
+static inline int64_t heads_of(const struct step *s) {
+    return s->k > 1 ? s->k : 1;
+}
+
 static struct vec_call vec_call_of(const struct step *s) {
     return (struct vec_call){(int)s->kernel, s->x,       s->x_stride, s->w,        s->bias,
                              s->y,           s->y_stride, (int)s->y_f32, (int)s->gated, s->positions,
@@ -117,8 +123,10 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
             calls[i] = attn_call_of(s);
             fits = radixrt_attn_prepare(&calls[i]) == 0;
         } else {
-            fits = fits && s->kind == STEP_NORM && s->n > 0 && s->x_stride >= s->n
-                && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->w, 0, 0, s->n, 0.0f, 1) == 0;
+            fits = fits && s->kind == STEP_NORM && s->n > 0 && s->x_stride >= s->n * heads_of(s)
+                && s->y_stride >= s->n * heads_of(s)
+                && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s), 0, 0,
+                                     s->n, 0.0f, 1) == 0;
         }
         if (!fits) {
             free(calls);
@@ -142,7 +150,9 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
 #pragma omp barrier
             }
             if (s->kind == STEP_NORM) {
-                radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->w, r0, r1, s->n, (float)s->eps, 1);
+                const int64_t rows = s->m * heads_of(s);
+                radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s),
+                                  rows * id / threads, rows * (id + 1) / threads, s->n, (float)s->eps, 1);
                 continue;
             }
             if (s->kind == STEP_ROPE) {

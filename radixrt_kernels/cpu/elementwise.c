@@ -85,17 +85,32 @@ int radixrt_rms_norm(const void *x, int64_t x_stride, void *residual, void *out,
                      int64_t t, int64_t n, float eps, int is_bf16, int num_threads) {
     if (n > NMAX || n <= 0) return -1;
 #pragma omp parallel for num_threads(num_threads) if (t * n >= PARALLEL_MIN)
-    for (int64_t r = 0; r < t; r++) radixrt_norm_rows(x, x_stride, residual, out, weight, r, r + 1, n, eps, is_bf16);
+    for (int64_t r = 0; r < t; r++)
+        radixrt_norm_rows(x, x_stride, residual, out, n, weight, 1, r, r + 1, n, eps, is_bf16);
     return 0;
 }
 
-int radixrt_norm_rows(const void *x, int64_t x_stride, void *residual, void *out, const void *weight,
-                      int64_t r0, int64_t r1, int64_t n, float eps, int is_bf16) {
-    if (n > NMAX || n <= 0) return -1;
+/* radixrt_rms_norm of each head of n values (no residual): x [t, heads, n] with token rows
+ * x_stride elements apart and heads contiguous, into out laid out alike (token rows out_stride
+ * apart; out may be x: the norm in place). */
+int radixrt_rms_norm_heads(const void *x, int64_t x_stride, void *out, int64_t out_stride, const void *weight,
+                           int64_t t, int64_t heads, int64_t n, float eps, int is_bf16, int num_threads) {
+    if (n > NMAX || n <= 0 || heads <= 0) return -1;
+#pragma omp parallel for num_threads(num_threads) if (t * heads * n >= PARALLEL_MIN)
+    for (int64_t r = 0; r < t * heads; r++)
+        radixrt_norm_rows(x, x_stride, NULL, out, out_stride, weight, heads, r, r + 1, n, eps, is_bf16);
+    return 0;
+}
+
+int radixrt_norm_rows(const void *x, int64_t x_stride, void *residual, void *out, int64_t out_stride,
+                      const void *weight, int64_t heads, int64_t r0, int64_t r1, int64_t n, float eps, int is_bf16) {
+    if (n > NMAX || n <= 0 || heads <= 0 || (heads > 1 && residual != NULL)) return -1;
     const size_t elem = is_bf16 ? 2 : 4;
     for (int64_t r = r0; r < r1; r++) {
-        const void *xr = (const char *)x + r * x_stride * elem;
-        void *res = residual == NULL ? NULL : (char *)residual + r * n * elem, *o = (char *)out + r * n * elem;
+        const int64_t tok = r / heads, head = r % heads;
+        const void *xr = (const char *)x + (tok * x_stride + head * n) * elem;
+        void *o = (char *)out + (tok * out_stride + head * n) * elem;
+        void *res = residual == NULL ? NULL : (char *)residual + r * n * elem;
         if (is_bf16)
             rms_norm_row(xr, res, o, weight, n, eps, 1);
         else

@@ -34,9 +34,11 @@ HIDDEN void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, i
                               int64_t i1);
 HIDDEN void radixrt_vec_part(const struct vec_call *c, const float *xf, int64_t id, int64_t threads);
 
-/* Rows r0 .. r1 - 1 of radixrt_rms_norm (elementwise.c); 0, or -1 if n is too wide. */
-HIDDEN int radixrt_norm_rows(const void *x, int64_t x_stride, void *residual, void *out, const void *weight,
-                             int64_t r0, int64_t r1, int64_t n, float eps, int is_bf16);
+/* Rows r0 .. r1 - 1 of radixrt_rms_norm (elementwise.c), or of radixrt_rms_norm_heads: row r is
+ * head r % heads of token r / heads (heads > 1: no residual); 0, or -1 if n is too wide. */
+HIDDEN int radixrt_norm_rows(const void *x, int64_t x_stride, void *residual, void *out, int64_t out_stride,
+                             const void *weight, int64_t heads, int64_t r0, int64_t r1, int64_t n, float eps,
+                             int is_bf16);
 
 /* Rows r0 .. r1 - 1 of radixrt_rope (elementwise.c); 0, or -1 for a head size it does not take. */
 HIDDEN int radixrt_rope_rows(void *x, int64_t x_stride, int64_t r0, int64_t r1, int64_t heads, int64_t d,

@@ -64,6 +64,23 @@ def test_rms_norm_with_and_without_residual(lib, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_head_rms_norm_of_a_qkv_view(lib, dtype: torch.dtype) -> None:
+    """q or k [T, H, D] as a view into a qkv row (a q/k norm): each head normed by the C kernel,
+    as the 2-D norm does each row, and as PyTorch's ops do up to the last bit."""
+    torch.manual_seed(1)
+    fast, plain = _pair(RMSNorm, 64, 1e-6)
+    weight = (1 + 0.1 * torch.randn(64)).to(dtype)
+    for m in (fast, plain):
+        m.weight.data = weight
+    qkv = (torch.randn(9, (4 + 2 + 2) * 64) * 2).to(dtype)
+    k = qkv[:, 4 * 64 : 6 * 64].view(9, 2, 64)  # strided token rows, contiguous heads
+    got = fast(k)
+    assert got.shape == (9, 2, 64) and got.is_contiguous()
+    assert torch.equal(got.view(18, 64), fast(k.reshape(18, 64)))  # the rows' kernel, per head
+    _close(got, plain(k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_in_place_on_a_qkv_view(lib, dtype: torch.dtype) -> None:
     torch.manual_seed(1)
     fast, plain = _pair(RotaryEmbedding, 64, 4096, 10000.0)
