@@ -11,8 +11,10 @@ with the LM head. The layers' attentions share one set of arguments (the
 step's segments, its new K/V rows), written once per step
 (``cpu_attention.AttentionCall.fields``).
 
-The chain works on buffers of its own (up to ``max_rows`` rows; a chain per
-row count, built on first use) and runs the kernels the layers chose for
+An extend of as few tokens (a new turn's tokens after a cached prefix) runs
+the same way: only its attention segments differ (causal ones). The chain
+works on buffers of its own (up to ``max_rows`` rows; a chain per row count,
+built on first use) and runs the kernels the layers chose for
 decode-sized calls, so the logits equal the layer-by-layer forward's bit for
 bit. ``decode_chain_for`` builds one where the model's layers all run packed
 weights on a kernel the chain takes (AVX512-BF16 or FMA; not AMX) with the C
@@ -204,13 +206,13 @@ class DecodeChain:
         return f"{', '.join(self.kernels)}, decode batches of up to {self.max_rows} rows"
 
     def takes(self, batch: ForwardBatch) -> bool:
-        """Whether this batch's forward runs here: a decode batch of up to ``max_rows`` rows,
-        asking for the logits of its tokens."""
+        """Whether this forward runs here: up to ``max_rows`` tokens, a decode batch or an
+        extend (a few new tokens after a cached prefix: the same steps, causal segments)."""
         return batch.input_ids.shape[0] <= self.max_rows
 
     @torch.inference_mode()
     def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's float32 logits for a decode batch (as ``LlamaForCausalLM.forward``)."""
+        """The model's float32 logits for the batch (as ``LlamaForCausalLM.forward``)."""
         m = batch.input_ids.shape[0]
         plan = self.plans.get(m)
         if plan is None:

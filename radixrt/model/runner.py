@@ -170,7 +170,7 @@ class ModelRunner:
         batch.attn_backend = self.attn_backend
         self.attn_backend.init_forward_metadata(batch)
         chain = self.decode_chain
-        if chain is not None and batch.mode is ForwardMode.DECODE and chain.takes(batch):
+        if chain is not None and chain.takes(batch):
             logits = chain.logits(batch)
         else:
             logits = self.model(batch)

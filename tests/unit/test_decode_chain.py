@@ -31,6 +31,8 @@ def kernel(request) -> str:
 
 
 def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12):
+    """((each output's tokens, logprobs and top logprobs, two continuations' scores), the
+    forwards the chain ran by mode)."""
     with Engine(
         model=path,
         dtype="bfloat16",
@@ -41,29 +43,35 @@ def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12):
         runner = eng.runner
         assert (runner.decode_chain is not None) == chain, runner.decode_chain_info
         calls = []
-        if chain:  # count the decode steps the chain ran
+        if chain:  # count the forwards the chain ran
             logits = runner.decode_chain.logits
-            runner.decode_chain.logits = lambda batch: calls.append(1) or logits(batch)
+            runner.decode_chain.logits = lambda batch: (
+                calls.append(batch.mode.value) or logits(batch)
+            )
         sp = SamplingParams(
             max_new_tokens=new, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3
         )
         outs = eng.generate(prompts, sp)
-        # one request alone, then a batch: rows 1 and 4 each get their own chains
+        # one request alone (rows 1 get chains of their own), its prompt cached
         outs += eng.generate(prompts[:1], sp)
+        # continuations scored after a cached prefix: extends of a few tokens, logits at each
+        scores = eng.score(outs[0].token_ids, [outs[1].token_ids[:5], outs[2].token_ids[:7]])
         eng.check_memory()
-        return [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs], len(calls)
+        got = [(o.token_ids, o.logprobs, o.top_logprobs) for o in outs]
+        return (got, scores), {mode: calls.count(mode) for mode in ("extend", "decode")}
 
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_the_chain_gives_the_layer_by_layer_logits(model: str, kernel: str, request) -> None:
     """Greedy tokens and their logprobs (from the logits) equal, and the chain ran every decode
-    step (tiny llama: rotary as a step of its own; qwen2: with a qkv bias; qwen3: q and k
-    normed per head, in place)."""
+    step and the small extend (tiny llama: rotary as a step of its own; qwen2: with a qkv bias;
+    qwen3: q and k normed per head, in place)."""
     path = request.getfixturevalue(model)
     chained, steps = run(path, kernel, True)
     plain, _ = run(path, kernel, False)
     assert chained == plain
-    assert steps == 2 * 11  # 11 decode steps after each of the two prefills
+    assert steps["decode"] == 2 * 11  # 11 decode steps after each of the two prefills
+    assert steps["extend"] >= 2  # the scored continuations' extends, at least
 
 
 def test_the_chain_stays_off_where_it_does_not_apply(tiny_llama: str) -> None:
