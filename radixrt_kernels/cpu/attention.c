@@ -615,12 +615,21 @@ int radixrt_attention_dots_available(void) {
 #endif
 }
 
+/* What every work item of an attention call shares. */
+static struct call call_of(const struct attn_call *c) {
+    const struct attention_args *a = &c->a;
+    return (struct call){a->q,    c->k_buf, c->v_buf,          a->out,           (int)a->is_bf16,
+                         a->h,    a->kh,    a->h / a->kh,      a->d,             a->q_stride / a->d,
+                         (float)a->scaling, a->num_parts, a->part_acc, a->part_m, a->part_l};
+}
+
 int radixrt_attn_prepare(struct attn_call *c) {
-    if (c->d > DMAX || c->d <= 0 || c->d % DC != 0 || c->kh <= 0 || c->h % c->kh != 0 || c->q_stride % c->d != 0)
+    const struct attention_args *a = &c->a;
+    if (a->d > DMAX || a->d <= 0 || a->d % DC != 0 || a->kh <= 0 || a->h % a->kh != 0 || a->q_stride % a->d != 0)
         return -1;
-    const int64_t g = c->h / c->kh;
+    const int64_t g = a->h / a->kh;
 #ifdef HAVE_AMX
-    c->use_amx = c->is_bf16 && amx_permitted();
+    c->use_amx = a->is_bf16 && amx_permitted();
     c->qb = c->use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
 #else
     c->use_amx = 0;
@@ -628,29 +637,28 @@ int radixrt_attn_prepare(struct attn_call *c) {
 #endif
     /* Work items: per segment, KH × ceil(members·G / qb). */
     c->items = 0;
-    for (int64_t s = 0; s < c->num_segments; s++) {
-        const int64_t rows = (c->seg_member_start[s + 1] - c->seg_member_start[s]) * g;
-        c->items += c->kh * ((rows + c->qb - 1) / c->qb);
+    for (int64_t s = 0; s < a->num_segments; s++) {
+        const int64_t rows = (a->seg_member_start[s + 1] - a->seg_member_start[s]) * g;
+        c->items += a->kh * ((rows + c->qb - 1) / c->qb);
     }
     c->merging = 0;
-    for (int64_t tok = 0; tok < c->t && !c->merging; tok++) c->merging = c->num_parts[tok] == 2;
+    for (int64_t tok = 0; tok < a->t && !c->merging; tok++) c->merging = a->num_parts[tok] == 2;
     return 0;
 }
 
 void radixrt_attn_store(const struct attn_call *c, int64_t id, int64_t threads) {
-    const size_t elem = c->is_bf16 ? 2 : 4, row_bytes = (size_t)(c->kh * c->d) * elem;
-    for (int64_t i = c->n_new * id / threads; i < c->n_new * (id + 1) / threads; i++) {
-        const size_t from = (size_t)(i * c->new_stride) * elem;
-        memcpy((char *)c->k_buf + c->new_slots[i] * row_bytes, (const char *)c->new_k + from, row_bytes);
-        memcpy((char *)c->v_buf + c->new_slots[i] * row_bytes, (const char *)c->new_v + from, row_bytes);
+    const size_t elem = c->a.is_bf16 ? 2 : 4, row_bytes = (size_t)(c->a.kh * c->a.d) * elem;
+    for (int64_t i = c->a.n_new * id / threads; i < c->a.n_new * (id + 1) / threads; i++) {
+        const size_t from = (size_t)(i * c->a.new_stride) * elem;
+        memcpy((char *)c->k_buf + c->a.new_slots[i] * row_bytes, (const char *)c->a.new_k + from, row_bytes);
+        memcpy((char *)c->v_buf + c->a.new_slots[i] * row_bytes, (const char *)c->a.new_v + from, row_bytes);
     }
 }
 
 void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
-    const struct call call = {c->q, c->k_buf, c->v_buf, c->out, c->is_bf16, c->h, c->kh, c->h / c->kh, c->d,
-                              c->q_stride / c->d, c->scaling, c->num_parts, c->part_acc, c->part_m, c->part_l};
-    const int64_t g = call.g, qb = c->qb, kh = c->kh;
-    const int64_t *seg_member_start = c->seg_member_start, *seg_slot_start = c->seg_slot_start;
+    const struct call call = call_of(c);
+    const int64_t g = call.g, qb = c->qb, kh = c->a.kh;
+    const int64_t *seg_member_start = c->a.seg_member_start, *seg_slot_start = c->a.seg_slot_start;
 #ifdef HAVE_AMX
     int configured = 0;
 #endif
@@ -665,10 +673,10 @@ void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
             if (item < kh * blocks) break;
             item -= kh * blocks;
         }
-        const int causal = c->seg_causal != NULL && c->seg_causal[s];
+        const int causal = c->a.seg_causal != NULL && c->a.seg_causal[s];
         const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
-        struct item it = {c->slots + seg_slot_start[s], c->members + seg_member_start[s],
-                          seg_slot_start[s + 1] - seg_slot_start[s], -1, c->seg_part[s],
+        struct item it = {c->a.slots + seg_slot_start[s], c->a.members + seg_member_start[s],
+                          seg_slot_start[s + 1] - seg_slot_start[s], -1, c->a.seg_part[s],
                           item / blocks, block * qb, 0};
         it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
         if (causal) {
@@ -676,7 +684,7 @@ void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
             it.n_keys = row_limit(&it, g, it.nq - 1);
         }
 #ifdef HAVE_AMX
-        if (c->is_bf16 && c->use_amx && it.nq >= AMX_MIN_ROWS) {
+        if (c->a.is_bf16 && c->use_amx && it.nq >= AMX_MIN_ROWS) {
             if (!configured) {
                 amx_configure();
                 configured = 1;
@@ -686,7 +694,7 @@ void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
         }
 #endif
 #ifdef __AVX512BF16__
-        if (c->is_bf16 && c->bf16_dots) {
+        if (c->a.is_bf16 && c->a.bf16_dots) {
             attend_item_bf16(&call, &it);
             continue;
         }
@@ -699,13 +707,12 @@ void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
 }
 
 void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) {
-    const int64_t h = c->h, d = c->d, th_count = c->t * h;
-    const struct call call = {c->q, c->k_buf, c->v_buf, c->out, c->is_bf16, h, c->kh, h / c->kh, d,
-                              c->q_stride / d, c->scaling, c->num_parts, c->part_acc, c->part_m, c->part_l};
-    const float *part_m = c->part_m, *part_l = c->part_l, *part_acc = c->part_acc;
+    const int64_t h = c->a.h, d = c->a.d, th_count = c->a.t * h;
+    const struct call call = call_of(c);
+    const float *part_m = c->a.part_m, *part_l = c->a.part_l, *part_acc = c->a.part_acc;
     for (int64_t th = th_count * id / threads; th < th_count * (id + 1) / threads; th++) {
         const int64_t tok = th / h, head = th % h;
-        if (c->num_parts[tok] != 2) continue;
+        if (c->a.num_parts[tok] != 2) continue;
         const int64_t a0 = (tok * 2) * h + head, a1 = (tok * 2 + 1) * h + head;
         const float mx = part_m[a1] > part_m[a0] ? part_m[a1] : part_m[a0];
         const float w0 = expf(part_m[a0] - mx), w1 = expf(part_m[a1] - mx);
@@ -749,10 +756,10 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
                       const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
                       float *part_m, float *part_l, int num_threads, const void *new_k,
                       const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
-    struct attn_call c = {q, q_stride, k_buf, v_buf, out, is_bf16, bf16_dots, t, h, kh, d, scaling,
-                          num_segments, slots, seg_slot_start, members, seg_member_start, seg_part,
-                          seg_causal, num_parts, part_acc, part_m, part_l, new_k, new_v, new_stride,
-                          new_slots, n_new, 0, 0, 0, 0};
+    struct attn_call c = {{q, q_stride, out, is_bf16, bf16_dots, t, h, kh, d, scaling, num_segments, slots,
+                           seg_slot_start, members, seg_member_start, seg_part, seg_causal, num_parts, part_acc,
+                           part_m, part_l, new_k, new_v, new_stride, new_slots, n_new},
+                          k_buf, v_buf, 0, 0, 0, 0};
     if (num_threads < 1 || radixrt_attn_prepare(&c) != 0) return -1;
     radixrt_attn_store(&c, 0, 1); /* first the step's new K/V rows (a new token attends to itself) */
     int64_t next = 0;

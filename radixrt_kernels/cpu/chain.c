@@ -48,31 +48,10 @@ struct step {
 };
 _Static_assert(sizeof(struct step) == STEP_FIELDS * 8, "a step is a row of STEP_FIELDS int64");
 
-/* radixrt_attention's arguments but the KV buffers and the thread count, every field 8 bytes
- * (scaling a double). */
-struct attention_args {
-    const void *q;
-    int64_t q_stride;
-    void *out;
-    int64_t is_bf16, bf16_dots, t, h, kh, d;
-    double scaling;
-    int64_t num_segments;
-    const int64_t *slots, *seg_slot_start, *members, *seg_member_start, *seg_part, *seg_causal, *num_parts;
-    float *part_acc, *part_m, *part_l;
-    const void *new_k, *new_v;
-    int64_t new_stride;
-    const int64_t *new_slots;
-    int64_t n_new;
-};
 _Static_assert(sizeof(struct attention_args) == ATTENTION_FIELDS * 8, "attention args are int64");
 
 static struct attn_call attn_call_of(const struct step *s) {
-    const struct attention_args *a = (const struct attention_args *)s->w;
-    return (struct attn_call){a->q, a->q_stride, s->y, s->residual, a->out, (int)a->is_bf16, (int)a->bf16_dots,
-                              a->t, a->h, a->kh, a->d, (float)a->scaling, a->num_segments, a->slots,
-                              a->seg_slot_start, a->members, a->seg_member_start, a->seg_part, a->seg_causal,
-                              a->num_parts, a->part_acc, a->part_m, a->part_l, a->new_k, a->new_v,
-                              a->new_stride, a->new_slots, a->n_new, 0, 0, 0, 0};
+    return (struct attn_call){*(const struct attention_args *)s->w, s->y, s->residual, 0, 0, 0, 0};
 }
 
 /* A norm step's heads per row (k; 0 counts as 1). */

@@ -45,15 +45,14 @@ HIDDEN int radixrt_rope_rows(void *x, int64_t x_stride, int64_t r0, int64_t r1, 
                              const int64_t *positions, const float *cos_table, const float *sin_table,
                              int is_bf16);
 
-/* An attention call of attention.c: radixrt_attention's arguments, then what
- * radixrt_attn_prepare derives from them. */
-struct attn_call {
+/* radixrt_attention's arguments but the KV buffers and the thread count, every field 8 bytes
+ * (flags as int64, scaling a double): what a decode chain's attention steps read, as int64. */
+struct attention_args {
     const void *q;
     int64_t q_stride;
-    void *k_buf, *v_buf, *out;
-    int is_bf16, bf16_dots;
-    int64_t t, h, kh, d;
-    float scaling;
+    void *out;
+    int64_t is_bf16, bf16_dots, t, h, kh, d;
+    double scaling;
     int64_t num_segments;
     const int64_t *slots, *seg_slot_start, *members, *seg_member_start, *seg_part, *seg_causal, *num_parts;
     float *part_acc, *part_m, *part_l;
@@ -61,6 +60,12 @@ struct attn_call {
     int64_t new_stride;
     const int64_t *new_slots;
     int64_t n_new;
+};
+
+/* An attention call of attention.c: its arguments, then what radixrt_attn_prepare derives. */
+struct attn_call {
+    struct attention_args a;
+    void *k_buf, *v_buf;
     int64_t items, qb; /* the work items, and query rows per item */
     int use_amx, merging;
 };
