@@ -29,7 +29,11 @@
 #define TILE_DWORDS 256       /* one 16-pair × 16-feature tile as dwords */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight */
-#define PREFETCH_AHEAD 32768  /* bytes of the weight stream fetched ahead, into L2 */
+#define PREFETCH_AHEAD 32768  /* bytes of the weight stream fetched ahead, into L2 (PF_FAR) ... */
+#define PREFETCH_NEAR 16384   /* ... or into L1 (PF_NEAR) */
+#define PF_FAR 1              /* a pass of several row panels: they read each block again */
+#define PF_NEAR 2             /* a pass of one panel of NEAR_MIN_ROWS or more: each line is read once */
+#define NEAR_MIN_ROWS 4       /* (fewer rows read the stream faster than L1 fetches keep up with) */
 
 #ifdef __AVX512F__
 #define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
@@ -44,10 +48,19 @@
 
 typedef uint32_t v16w __attribute__((vector_size(64))); /* a K-pair of 16 features */
 
-/* Fetch into L2 the two cache lines PREFETCH_AHEAD bytes past pair p of a chunk (2 KB: 16 pairs
- * × 2 lines): spread over the products, so the stream flows without a burst of prefetches
- * filling the line buffers. Past the end of the weights it fetches nothing that matters. */
-static inline void stream_ahead(const uint32_t *chunk, int p) {
+/* Fetch the two cache lines past pair p of a chunk (2 KB: 16 pairs × 2 lines) that the stream
+ * reads PREFETCH_AHEAD bytes later, into L2 (PF_FAR: the panels of a pass share L1 for the
+ * block they all read), or PREFETCH_NEAR bytes later, into L1 (PF_NEAR: one panel reads each
+ * line once, and L1 holds nothing else worth keeping): spread over the products, so the
+ * stream flows without a burst of prefetches filling the line buffers. Past the end of the
+ * weights it fetches nothing that matters. */
+static inline void stream_ahead(const uint32_t *chunk, int p, int pf) {
+    if (pf == PF_NEAR) {
+        const char *at = (const char *)chunk + PREFETCH_NEAR + p * 128;
+        __builtin_prefetch(at, 0, 3);
+        __builtin_prefetch(at + 64, 0, 3);
+        return;
+    }
     const char *at = (const char *)chunk + PREFETCH_AHEAD + p * 128;
     __builtin_prefetch(at, 0, 2);
     __builtin_prefetch(at + 64, 0, 2);
@@ -80,8 +93,8 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
                 lo[t] = (v16)(d << 16);
                 hi[t] = (v16)(d & 0xffff0000u);
             }
-            if (pf) /* the weight stream PREFETCH_AHEAD ahead, two lines per pair */
-                stream_ahead(w + c * 2 * TILE_DWORDS, p);
+            if (pf) /* the weight stream ahead, two lines per pair */
+                stream_ahead(w + c * 2 * TILE_DWORDS, p, pf);
             const float *xk = x + (c * KC + 2 * p) * mr;
 #pragma GCC unroll 16
             for (int i = 0; i < mr; i++) {
@@ -101,12 +114,14 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
  * pass's panels of MR_FMA rows (the last may have fewer), k input features each. */
 static inline void fma_segment(const float *x, int64_t k, const uint32_t *w, int64_t c0, int64_t c1,
                                int t0, int rows, float (*acc)[NB]) {
+    /* the first panel's first tile pass fetches ahead: into L1 where it is the only pass over
+     * the segment (one panel, and the tiles of AVX-512's register block) */
+    const int pf = t0 > 0 ? 0 : rows <= MR_FMA && rows >= NEAR_MIN_ROWS && NT_FMA == 2 ? PF_NEAR : PF_FAR;
     int r = 0;
-    for (; r + MR_FMA <= rows; r += MR_FMA)
-        fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, r == 0 && t0 == 0, acc + r);
+    for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, r == 0 ? pf : 0, acc + r);
     switch (rows - r) { /* the last panel, with a register block of its own size */
 #define FMA_REST(n) \
-    case n: fma_rows(n, x + r * k, w, c0, c1, t0, r == 0 && t0 == 0, acc + r); break;
+    case n: fma_rows(n, x + r * k, w, c0, c1, t0, r == 0 ? pf : 0, acc + r); break;
         FMA_REST(1) FMA_REST(2) FMA_REST(3)
 #if MR_FMA > 4
         FMA_REST(4) FMA_REST(5) FMA_REST(6) FMA_REST(7) FMA_REST(8) FMA_REST(9) FMA_REST(10)
@@ -138,7 +153,7 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
         for (int p = 0; p < 16; p++) {
             const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + (c * 2) * TILE_DWORDS + p * 16);
             const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + (c * 2 + 1) * TILE_DWORDS + p * 16);
-            if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p);
+            if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p, pf);
             const bf16 *xk = x + c * KC + 2 * p;
 #pragma GCC unroll 16
             for (int i = 0; i < mr; i++) {
@@ -158,11 +173,12 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
 
 static void dp_block(const bf16 *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
                      float (*acc)[NB]) {
+    const int pf = rows <= MR_DP && rows >= NEAR_MIN_ROWS ? PF_NEAR : PF_FAR; /* the first panel fetches ahead */
     int r = 0;
-    for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, r == 0, acc + r);
+    for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, r == 0 ? pf : 0, acc + r);
     switch (rows - r) {
 #define DP_REST(n) \
-    case n: dp_rows(n, x + r * xs, xs, w, chunks, r == 0, acc + r); break;
+    case n: dp_rows(n, x + r * xs, xs, w, chunks, r == 0 ? pf : 0, acc + r); break;
         DP_REST(1) DP_REST(2) DP_REST(3) DP_REST(4) DP_REST(5) DP_REST(6) DP_REST(7) DP_REST(8)
         DP_REST(9) DP_REST(10) DP_REST(11)
 #undef DP_REST
