@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from radixrt.attention.base import ForwardBatch
+from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.model.linear_methods import (
     ByRows,
     PackedGatedLinear,
@@ -234,6 +234,9 @@ class DecodeChain:
         self.attention_args.copy_(torch.tensor(attend.fields, dtype=torch.int64))
         plan.chain.run()
         idx = batch.logits_indices
+        if idx is None and batch.mode is ForwardMode.DECODE:  # every row's: no gather
+            normed, _ = self.model.model.norm(plan.h, plan.residual)
+            return self.model.lm_head(normed)
         if idx is None:
             idx = batch.last_token_indices()
         normed, _ = self.model.model.norm(plan.h[idx], plan.residual[idx])
