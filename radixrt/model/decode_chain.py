@@ -203,7 +203,7 @@ class DecodeChain:
         self.scaling = layers[0].self_attn.scaling
 
     def describe(self) -> str:
-        return f"{', '.join(self.kernels)}, decode batches of up to {self.max_rows} rows"
+        return f"{', '.join(self.kernels)}, forwards of up to {self.max_rows} tokens"
 
     def takes(self, batch: ForwardBatch) -> bool:
         """Whether this forward runs here: up to ``max_rows`` tokens, a decode batch or an
