@@ -76,90 +76,86 @@ int radixrt_chain_attention_fields(void) {
     return ATTENTION_FIELDS;
 }
 
+/* 1 if a step fits the kernels (an attention step's call prepared into *call), else 0. */
+static int step_fits(const struct step *s, struct attn_call *call) {
+    switch (s->kind) {
+    case STEP_LINEAR: {
+        const struct vec_call c = vec_call_of(s);
+        return s->m >= 0 && radixrt_vec_check(&c) == 0;
+    }
+    case STEP_ROPE:
+        return s->m >= 0 && s->x_stride >= s->n * s->k
+            && radixrt_rope_rows((void *)s->x, s->x_stride, 0, 0, s->n, s->k, NULL, NULL, NULL, 1) == 0;
+    case STEP_ATTENTION:
+        *call = attn_call_of(s);
+        return radixrt_attn_prepare(call) == 0;
+    case STEP_NORM:
+        return s->m >= 0 && s->n > 0 && s->x_stride >= s->n * heads_of(s) && s->y_stride >= s->n * heads_of(s)
+            && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s), 0, 0, s->n,
+                                 0.0f, 1) == 0;
+    default:
+        return 0;
+    }
+}
+
+/* Thread id's part of step s (call, next: an attention step's prepared call and work counter;
+ * xf: room for x widened, for an FMA step). The barriers inside bind to the chain's region. */
+static void run_step(const struct step *s, const struct attn_call *call, int64_t *next, float *xf, int64_t id,
+                     int64_t threads) {
+    if (s->kind == STEP_NORM) {
+        const int64_t rows = s->m * heads_of(s);
+        radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s),
+                          rows * id / threads, rows * (id + 1) / threads, s->n, (float)s->eps, 1);
+    } else if (s->kind == STEP_ROPE) {
+        radixrt_rope_rows((void *)s->x, s->x_stride, s->m * id / threads, s->m * (id + 1) / threads, s->n, s->k,
+                          s->positions, s->rope_cos, s->rope_sin, 1);
+    } else if (s->kind == STEP_ATTENTION) {
+        radixrt_attn_store(call, id, threads);
+#pragma omp barrier
+        radixrt_attn_items(call, next);
+        if (call->merging) {
+#pragma omp barrier
+            radixrt_attn_merge(call, id, threads);
+        }
+    } else {
+        const struct vec_call c = vec_call_of(s);
+        if (c.kernel == KERNEL_FMA) { /* x widened by the threads together, split by features */
+            radixrt_vec_widen(&c, xf, 0, c.m, c.k * id / threads, c.k * (id + 1) / threads);
+#pragma omp barrier
+        }
+        radixrt_vec_part(&c, xf, id, threads);
+    }
+}
+
 /* Runs steps[0 .. count - 1] in order on num_threads threads. Returns 0, or -(1 + i) when step
  * i does not fit (checked before anything runs: nothing is written then). */
 int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
     if (count < 0 || num_threads < 1) return -1;
-    int64_t widened = 0; /* the largest x an FMA step widens */
     struct attn_call *calls = calloc((size_t)count + 1, sizeof *calls);
     int64_t *next = calloc((size_t)count + 1, sizeof *next); /* each attention's work counter */
-    if (calls == NULL || next == NULL) {
-        free(calls);
-        free(next);
-        return -1;
-    }
-    for (int64_t i = 0; i < count; i++) {
-        const struct step *s = &steps[i];
-        int fits = s->m >= 0;
-        if (s->kind == STEP_LINEAR) {
-            const struct vec_call c = vec_call_of(s);
-            fits = fits && radixrt_vec_check(&c) == 0;
-            if (s->kernel == KERNEL_FMA && s->m * s->k > widened) widened = s->m * s->k;
-        } else if (s->kind == STEP_ROPE) {
-            fits = fits && s->x_stride >= s->n * s->k
-                && radixrt_rope_rows((void *)s->x, s->x_stride, 0, 0, s->n, s->k, NULL, NULL, NULL, 1) == 0;
-        } else if (s->kind == STEP_ATTENTION) {
-            calls[i] = attn_call_of(s);
-            fits = radixrt_attn_prepare(&calls[i]) == 0;
-        } else {
-            fits = fits && s->kind == STEP_NORM && s->n > 0 && s->x_stride >= s->n * heads_of(s)
-                && s->y_stride >= s->n * heads_of(s)
-                && radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s), 0, 0,
-                                     s->n, 0.0f, 1) == 0;
-        }
-        if (!fits) {
-            free(calls);
-            free(next);
-            return (int)-(1 + i);
-        }
+    int64_t widened = 0;                                      /* the largest x an FMA step widens */
+    int rc = calls == NULL || next == NULL ? -1 : 0;
+    for (int64_t i = 0; i < count && rc == 0; i++) {
+        if (!step_fits(&steps[i], &calls[i])) rc = (int)-(1 + i);
+        if (steps[i].kind == STEP_LINEAR && steps[i].kernel == KERNEL_FMA && steps[i].m * steps[i].k > widened)
+            widened = steps[i].m * steps[i].k;
     }
     float *xf = NULL;
-    if (widened > 0 && (xf = aligned_alloc(64, (size_t)((widened * 4 + 63) / 64 * 64))) == NULL) {
-        free(calls);
-        free(next);
-        return -1;
-    }
+    if (rc == 0 && widened > 0 && (xf = aligned_alloc(64, (size_t)((widened * 4 + 63) / 64 * 64))) == NULL) rc = -1;
+    if (rc == 0) {
 #pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
-        for (int64_t i = 0; i < count; i++) {
-            const struct step *s = &steps[i];
-            const int64_t r0 = s->m * id / threads, r1 = s->m * (id + 1) / threads;
-            if (i > 0) {
+        {
+            const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
+            for (int64_t i = 0; i < count; i++) {
+                if (i > 0) {
 #pragma omp barrier
-            }
-            if (s->kind == STEP_NORM) {
-                const int64_t rows = s->m * heads_of(s);
-                radixrt_norm_rows(s->x, s->x_stride, s->residual, s->y, s->y_stride, s->w, heads_of(s),
-                                  rows * id / threads, rows * (id + 1) / threads, s->n, (float)s->eps, 1);
-                continue;
-            }
-            if (s->kind == STEP_ROPE) {
-                radixrt_rope_rows((void *)s->x, s->x_stride, r0, r1, s->n, s->k, s->positions, s->rope_cos,
-                                  s->rope_sin, 1);
-                continue;
-            }
-            if (s->kind == STEP_ATTENTION) {
-                const struct attn_call *c = &calls[i];
-                radixrt_attn_store(c, id, threads);
-#pragma omp barrier
-                radixrt_attn_items(c, &next[i]);
-                if (c->merging) {
-#pragma omp barrier
-                    radixrt_attn_merge(c, id, threads);
                 }
-                continue;
+                run_step(&steps[i], &calls[i], &next[i], xf, id, threads);
             }
-            const struct vec_call c = vec_call_of(s);
-            if (c.kernel == KERNEL_FMA) {
-                radixrt_vec_widen(&c, xf, 0, c.m, c.k * id / threads, c.k * (id + 1) / threads);
-#pragma omp barrier
-            }
-            radixrt_vec_part(&c, xf, id, threads);
         }
     }
     free(xf);
     free(calls);
     free(next);
-    return 0;
+    return rc;
 }

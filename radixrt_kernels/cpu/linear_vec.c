@@ -33,7 +33,7 @@
 #define PREFETCH_NEAR 16384   /* ... or into L1 (PF_NEAR) */
 #define PF_FAR 1              /* a pass of several row panels: they read each block again */
 #define PF_NEAR 2             /* a pass of one panel of NEAR_MIN_ROWS or more: each line is read once */
-#define NEAR_MIN_ROWS 4       /* (fewer rows read the stream faster than L1 fetches keep up with) */
+#define NEAR_MIN_ROWS 4       /* (a pass of fewer rows takes PF_FAR) */
 
 #ifdef __AVX512F__
 #define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
