@@ -87,6 +87,8 @@ class Launcher:
                 print(f"radixrt: linear kernels: {shapes}", file=sys.stderr, flush=True)
             if "attention" in info:
                 print(f"radixrt: attention: {info['attention']}", file=sys.stderr, flush=True)
+            if "decode_chain" in info:
+                print(f"radixrt: decode chain: {info['decode_chain']}", file=sys.stderr, flush=True)
             n = server.dp_size
             slots = f"{n} replicas × {info['kv_slots']}" if n > 1 else f"{info['kv_slots']}"
             print(
