@@ -96,10 +96,8 @@ class CpuAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scaling: float,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]
-        (into ``out`` where given, for q, k, v in the pool's dtype)."""
+        """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]."""
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         dt, out_dtype = k_buf.dtype, q.dtype
         if not q.dtype == k.dtype == v.dtype == dt:
@@ -113,7 +111,6 @@ class CpuAttentionBackend(AttentionBackend):
             scaling,
             (k, v, batch.out_cache_loc),
             bf16_dots=self.bf16_dots,
-            out=out,
         )
         return o.to(out_dtype)
 
