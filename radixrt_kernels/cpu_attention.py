@@ -177,10 +177,16 @@ class AttentionCall:
         sizes = (out.data_ptr(), int(q.dtype == torch.bfloat16), int(bf16_dots), t, h, kh, d)
         segments = seg._call_args(t, h, d)
         self.tail = (*sizes, scaling, *segments, torch.get_num_threads(), *new)
-        scaling_bits = struct.unpack("<q", struct.pack("<d", scaling))[0]
-        # as a decode chain's attention step takes them (cpu/chain.c's struct attention_args)
-        self.fields = [
-            0 if v is None else v for v in (*self.head, *sizes, scaling_bits, *segments, *new)
+
+    @property
+    def fields(self) -> list[int]:
+        """The arguments as a decode chain's attention step takes them (cpu/chain.c's struct
+        attention_args): the KV buffers and the thread count left out, scaling as a double's
+        bits, NULL as 0."""
+        t = self.tail  # sizes (7), scaling, segments (11), threads, new rows (5)
+        scaling_bits = struct.unpack("<q", struct.pack("<d", t[7]))[0]
+        return [
+            0 if v is None else v for v in (*self.head, *t[:7], scaling_bits, *t[8:-6], *t[-5:])
         ]
 
     def __call__(self, k_address: int, v_address: int) -> None:

@@ -70,6 +70,17 @@ def _qkv_side(attn) -> tuple[str, torch.Tensor, int, bool] | None:
     return None if apart is None else (*apart, False)
 
 
+def _layer_sides(layer) -> tuple:
+    """The decode-sized sides of a layer's qkv, o, gate_up and down (None where one has none)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (
+        _qkv_side(attn),
+        _decode_side(attn.o_proj, PackedLinear),
+        _decode_side(mlp.gate_up_proj, PackedGatedLinear),
+        _decode_side(mlp.down_proj, PackedLinear),
+    )
+
+
 def unavailable_reason(model, backend, lib) -> str | None:
     """Why a decode chain cannot run this model (None: it can)."""
     from radixrt.attention.cpu_backend import CpuAttentionBackend
@@ -84,13 +95,7 @@ def unavailable_reason(model, backend, lib) -> str | None:
     if len({layer.self_attn.scaling for layer in model.model.layers}) != 1:
         return "the layers' attention scalings differ"
     for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        sides = (
-            _qkv_side(attn),
-            _decode_side(attn.o_proj, PackedLinear),
-            _decode_side(mlp.gate_up_proj, PackedGatedLinear),
-            _decode_side(mlp.down_proj, PackedLinear),
-        )
+        attn, sides = layer.self_attn, _layer_sides(layer)
         if any(s is None for s in sides) or attn.o_proj.bias is not None:
             return (
                 "a layer's decode-sized linears do not all run packed weights on "
@@ -102,7 +107,7 @@ def unavailable_reason(model, backend, lib) -> str | None:
             not isinstance(n.kernel, CRMSNorm) or n.weight.dtype != torch.bfloat16 for n in norms
         ):
             return "the RMS norms are not the C kernel's in bf16"
-        if not _qkv_side(attn)[3] and not isinstance(attn.rotary.kernel, CRotary):
+        if not sides[0][3] and not isinstance(attn.rotary.kernel, CRotary):
             return "the rotary embedding is not the C kernel's"
     return None
 
@@ -134,11 +139,12 @@ class _Plan:
         self.chain = steps = cpu_chain.Chain(chain.lib)
         for i, layer in enumerate(chain.model.model.layers):
             attn, mlp, norm = layer.self_attn, layer.mlp, layer.input_layernorm
+            qkv_side, o_side, gate_up_side, down_side = _layer_sides(layer)
             if i == 0:  # the embedding (in residual) is the first layer's input as it is
                 steps.norm(self.residual, norm.weight, norm.eps, x)
             else:
                 steps.norm(self.h, norm.weight, norm.eps, x, self.residual)
-            kernel, w, _, fused = _qkv_side(attn)
+            kernel, w, _, fused = qkv_side
             n, bias, cols = attn.qkv_proj.out_features, attn.qkv_proj.bias, (h + kh) * d
             if fused:
                 rope = cpu_linear.Rope(chain.positions, rotary.cos, rotary.sin_signed, d, cols)
@@ -155,13 +161,13 @@ class _Plan:
                 pool.k_buffers[attn.layer_id],
                 pool.v_buffers[attn.layer_id],
             )
-            kernel, w, _ = _decode_side(attn.o_proj, PackedLinear)
+            kernel, w, _ = o_side
             steps.linear(kernel, o, w, attn.o_proj.out_features, self.h)
             norm = layer.post_attention_layernorm
             steps.norm(self.h, norm.weight, norm.eps, x, self.residual)
-            kernel, w, _ = _decode_side(mlp.gate_up_proj, PackedGatedLinear)
+            kernel, w, _ = gate_up_side
             steps.linear(kernel, x, w, mlp.gate_up_proj.out_features, act, gated=True)
-            kernel, w, _ = _decode_side(mlp.down_proj, PackedLinear)
+            kernel, w, _ = down_side
             steps.linear(kernel, act, w, mlp.down_proj.out_features, self.h)
 
 
@@ -173,16 +179,7 @@ class DecodeChain:
         self.model, self.backend, self.lib = model, backend, lib
         cfg = model.config
         layers = model.model.layers
-        sides = [
-            side
-            for layer in layers
-            for side in (
-                _qkv_side(layer.self_attn),
-                _decode_side(layer.self_attn.o_proj, PackedLinear),
-                _decode_side(layer.mlp.gate_up_proj, PackedGatedLinear),
-                _decode_side(layer.mlp.down_proj, PackedLinear),
-            )
-        ]
+        sides = [side for layer in layers for side in _layer_sides(layer)]
         self.kernels = sorted({s[0] for s in sides})
         self.max_rows = min(s[2] for s in sides)
         rows, dt = self.max_rows, torch.bfloat16
