@@ -32,8 +32,7 @@
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream fetched ahead, into L2 (PF_FAR) ... */
 #define PREFETCH_NEAR 16384   /* ... or into L1 (PF_NEAR) */
 #define PF_FAR 1              /* a pass of several row panels: they read each block again */
-#define PF_NEAR 2             /* a pass of one panel of NEAR_MIN_ROWS or more: each line is read once */
-#define NEAR_MIN_ROWS 4       /* (a pass of fewer rows takes PF_FAR) */
+#define PF_NEAR 2             /* a pass of one panel: each line is read once */
 
 #ifdef __AVX512F__
 #define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
@@ -116,7 +115,7 @@ static inline void fma_segment(const float *x, int64_t k, const uint32_t *w, int
                                int t0, int rows, float (*acc)[NB]) {
     /* the first panel's first tile pass fetches ahead: into L1 where it is the only pass over
      * the segment (one panel, and the tiles of AVX-512's register block) */
-    const int pf = t0 > 0 ? 0 : rows <= MR_FMA && rows >= NEAR_MIN_ROWS && NT_FMA == 2 ? PF_NEAR : PF_FAR;
+    const int pf = t0 > 0 ? 0 : rows <= MR_FMA && NT_FMA == 2 ? PF_NEAR : PF_FAR;
     int r = 0;
     for (; r + MR_FMA <= rows; r += MR_FMA) fma_rows(MR_FMA, x + r * k, w, c0, c1, t0, r == 0 ? pf : 0, acc + r);
     switch (rows - r) { /* the last panel, with a register block of its own size */
@@ -173,7 +172,7 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
 
 static void dp_block(const bf16 *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
                      float (*acc)[NB]) {
-    const int pf = rows <= MR_DP && rows >= NEAR_MIN_ROWS ? PF_NEAR : PF_FAR; /* the first panel fetches ahead */
+    const int pf = rows <= MR_DP ? PF_NEAR : PF_FAR; /* the first panel fetches ahead */
     int r = 0;
     for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, r == 0 ? pf : 0, acc + r);
     switch (rows - r) {
