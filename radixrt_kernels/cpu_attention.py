@@ -165,7 +165,7 @@ class AttentionCall:
                     "their slots contiguous int64 [n]"
                 )
         self.lib, self.out, self.shape = lib, out, (h, kh, d)
-        self.keep = (q, new_k, new_v, new_slots)  # what the addresses below point into
+        self.keep = (q, new_k, new_v, new_slots, seg)  # what the addresses below point into
         self.head = (q.data_ptr(), q.stride(0))
         new = (
             None if new_k is None else new_k.data_ptr(),

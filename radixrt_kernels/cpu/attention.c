@@ -262,17 +262,28 @@ static void attend_item(const struct call *c, const struct item *it) {
 }
 
 #ifdef __AVX512BF16__
-/* Prefetch the bf16 K/V rows (of head j) of keys from .. from + count - 1: scattered slots, which
- * no hardware prefetcher follows. */
-static inline void prefetch_keys(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
-                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
+/* The cache lines of the bf16 K/V rows (of head j) of keys from .. from + count - 1 (scattered
+ * slots, which no hardware prefetcher follows) into lines; returns how many (at most count·D/16). */
+static inline int64_t key_lines(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
+                                int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d,
+                                const char **lines) {
+    int64_t n = 0;
     for (int64_t t = from; t < n_keys && t < from + count; t++) {
         const int64_t off = (slots[t] * kh + j) * d;
         for (int64_t byte = 0; byte < d * 2; byte += 64) {
-            __builtin_prefetch((const char *)(k_buf + off) + byte);
-            __builtin_prefetch((const char *)v_buf + off * 2 + byte);
+            lines[n++] = (const char *)(k_buf + off) + byte;
+            lines[n++] = (const char *)v_buf + off * 2 + byte;
         }
     }
+    return n;
+}
+
+/* Prefetch those lines of keys from .. from + count - 1 (count <= 2·KB) at once. */
+static inline void prefetch_keys(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
+                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
+    const char *lines[2 * KB * 2 * DMAX / 32];
+    const int64_t n = key_lines(k_buf, v_buf, slots, from, count, n_keys, kh, j, d, lines);
+    for (int64_t i = 0; i < n; i++) __builtin_prefetch(lines[i]);
 }
 
 /* Transpose a 16 × 16 matrix of 32-bit elements held as 16 rows. */
@@ -388,11 +399,13 @@ static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *
 static inline __attribute__((always_inline)) void rows_step(
     const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, int64_t d, int64_t g, float scaling,
     const struct item *it, const v16 *pad, uint32_t (*qpair)[DMAX / 2], __m512i (*kt)[2],
-    __m512i (*vp)[DMAX / 32][2], uint32_t (*ppair)[KB / 2], float (*acc)[DMAX], float *m, float *l) {
+    __m512i (*vp)[DMAX / 32][2], uint32_t (*ppair)[KB / 2], float (*acc)[DMAX], float *m, float *l,
+    const char *const *ahead, int64_t n_ahead) {
     __m512 sc[RB_WIDE][2];
     float alpha[RB_WIDE];
     for (int rr = 0; rr < rb; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
     for (int64_t cp = 0; cp < d / 2; cp++) {
+        for (int64_t i = n_ahead * cp / (d / 2); i < n_ahead * (cp + 1) / (d / 2); i++) __builtin_prefetch(ahead[i]);
         for (int rr = 0; rr < rb; rr++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
             for (int hf = 0; hf < halves; hf++)
@@ -448,7 +461,8 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
     float m[QB], l[QB];
 
-    /* K/V are fetched two blocks ahead, a share of the block with each step's rows */
+    /* K/V are fetched two blocks ahead, a share of the block with each step's rows, spread over
+     * its score products */
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     prefetch_keys(k_buf, v_buf, slots, 0, 2 * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
@@ -460,11 +474,15 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
         v16 pad[2]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t r0 = 0; r0 < rows; r0 += rb) {
-            prefetch_keys(k_buf, v_buf, slots, k0 + 2 * KB + r0 / rb * share, share, n_keys, kh, j, d);
+            const char *ahead[KB * 2 * DMAX / 32];
+            const int64_t n_ahead =
+                key_lines(k_buf, v_buf, slots, k0 + 2 * KB + r0 / rb * share, share, n_keys, kh, j, d, ahead);
             if (rb == RB_WIDE)
-                rows_step(RB_WIDE, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l);
+                rows_step(RB_WIDE, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l,
+                          ahead, n_ahead);
             else
-                rows_step(RB, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l);
+                rows_step(RB, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
+                          n_ahead);
         }
     }
     unpermute(nq, d, DMAX, acc);
