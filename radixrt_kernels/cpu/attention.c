@@ -404,8 +404,10 @@ static inline __attribute__((always_inline)) void rows_step(
     __m512 sc[RB_WIDE][2];
     float alpha[RB_WIDE];
     for (int rr = 0; rr < rb; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
-    for (int64_t cp = 0; cp < d / 2; cp++) {
-        for (int64_t i = n_ahead * cp / (d / 2); i < n_ahead * (cp + 1) / (d / 2); i++) __builtin_prefetch(ahead[i]);
+    const int64_t per = (n_ahead + d / 2 - 1) / (d / 2); /* lines fetched per dim pair */
+    for (int64_t cp = 0, next = 0; cp < d / 2; cp++) {
+        for (const int64_t to = next + per < n_ahead ? next + per : n_ahead; next < to; next++)
+            __builtin_prefetch(ahead[next]);
         for (int rr = 0; rr < rb; rr++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
             for (int hf = 0; hf < halves; hf++)
