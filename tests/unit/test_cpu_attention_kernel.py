@@ -426,3 +426,27 @@ def test_decode_segments_group_as_specified(seed: int) -> None:
     assert got == want
     assert seg.num_parts.tolist() == num_parts and seg.two_parts == (2 in num_parts)
     assert any(part == 0 and {0, 1, 2} <= set(members) for _, members, part in got)
+
+
+def test_attention_call_outlives_the_callers_segments() -> None:
+    # A decode chain builds its attention arguments once and runs them later: the call must
+    # keep the segments (and their merge scratch) its addresses point into.
+    import gc
+
+    lib = cpu_library.load(cache_dir())
+    torch.manual_seed(0)
+    kh, h, d, b, n = 3, 9, 64, 4, 300
+    k_buf, v_buf = (torch.randn(b * n + 1, kh, d) for _ in range(2))
+    q = torch.randn(b, h, d)
+    table = torch.arange(1, b * n + 1).reshape(b, n)
+    seg = cpu_kernel.decode_segments(lib, table, torch.arange(b), [n] * b, 64, 2)
+    expected = cpu_kernel.attention(lib, q, k_buf, v_buf, seg, d**-0.5)
+    call = cpu_kernel.AttentionCall(lib, q, k_buf, seg, d**-0.5)
+    del seg
+    gc.collect()
+    litter = [
+        torch.full((b * n,), 10**12, dtype=torch.int64) for _ in range(8)
+    ]  # reuse freed memory
+    call(k_buf.data_ptr(), v_buf.data_ptr())
+    del litter
+    assert torch.equal(call.out, expected)
