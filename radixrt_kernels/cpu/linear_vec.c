@@ -6,7 +6,7 @@
  * - FMA: bf16 weights widened to float32 on the fly (the low half shifted up, the high half
  *   masked: one instruction per 16 values) and multiplied with float32 FMA by x converted to
  *   float32 once per call. Built for AVX-512 (MR_FMA rows × 2 tiles of accumulators in
- *   registers) or narrower vectors (AVX2: one tile at a time).
+ *   registers) or the build's narrower vectors (AVX2, SSE, NEON: 4 rows, one tile at a time).
  * - DPBF16 (AVX512-BF16): vdpbf16ps on the pairs as they are, x's pairs broadcast.
  * Both add the products in input-feature order into float32 sums per row and feature; the
  * results are written by linear_out.h, as the AMX kernel's are (bias in float32, one rounding
@@ -38,8 +38,15 @@
 #define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
 #define NT_FMA 2  /* tiles per FMA register block */
 #else
-#define MR_FMA 4
+#define MR_FMA 4 /* 4 rows × one tile (16 features) in the narrow vectors below */
 #define NT_FMA 1
+#if defined(__AVX__)
+#define VL 8 /* float32 lanes of the widest vector the build has (a 64-byte vector type */
+#else        /* on a build without AVX-512 would live in memory, not registers) */
+#define VL 4
+#endif
+typedef float vn __attribute__((vector_size(4 * VL)));
+typedef uint32_t vnw __attribute__((vector_size(4 * VL)));
 #endif
 #define MR_DP 12
 #define SEGMENT 8 /* chunks per segment: 16 KiB of weights */
@@ -71,6 +78,7 @@ static inline v16w load_pairs(const uint32_t *p) {
     return w;
 }
 
+#ifdef __AVX512F__
 /* acc[i][16·t ..] (+)= the products of chunks c0 .. c1 - 1 for the mr rows of a panel of x
  * (float32 [k][mr]: input feature by input feature, its rows side by side) and tiles t0 ..
  * t0 + NT_FMA - 1 of one block (w: its chunks, as dwords); the sums start from acc where
@@ -108,6 +116,44 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
     for (int i = 0; i < mr; i++)
         for (int t = 0; t < NT_FMA; t++) memcpy(&acc[i][16 * (t0 + t)], &a[i][t], sizeof(v16));
 }
+
+#else
+/* fma_rows for builds without AVX-512 (one tile, NT_FMA 1): the tile's 16 features as
+ * 16 / VL vectors of VL lanes, the same sums in the same order. */
+static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
+                                                           const uint32_t *w, int64_t c0, int64_t c1,
+                                                           int t0, int pf, float (*acc)[NB]) {
+    vn a[MR_FMA][16 / VL];
+    for (int i = 0; i < MR_FMA; i++)
+        for (int h = 0; h < 16 / VL; h++) {
+            a[i][h] = (vn){0};
+            if (c0 > 0 && i < mr) memcpy(&a[i][h], &acc[i][16 * t0 + VL * h], sizeof(vn));
+        }
+    for (int64_t c = c0; c < c1; c++) {
+        for (int p = 0; p < 16; p++) {
+            vn lo[16 / VL], hi[16 / VL];
+            for (int h = 0; h < 16 / VL; h++) {
+                vnw d;
+                memcpy(&d, w + (c * 2 + t0) * TILE_DWORDS + p * 16 + VL * h, sizeof d);
+                lo[h] = (vn)(d << 16);
+                hi[h] = (vn)(d & 0xffff0000u);
+            }
+            if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p, pf);
+            const float *xk = x + (c * KC + 2 * p) * mr;
+#pragma GCC unroll 16
+            for (int i = 0; i < mr; i++) {
+                const float x0 = xk[i], x1 = xk[mr + i];
+                for (int h = 0; h < 16 / VL; h++) {
+                    a[i][h] += x0 * lo[h];
+                    a[i][h] += x1 * hi[h];
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 16 / VL; h++) memcpy(&acc[i][16 * t0 + VL * h], &a[i][h], sizeof(vn));
+}
+#endif
 
 /* Rows 0 .. rows - 1 of acc over chunks c0 .. c1 - 1 of tiles t0 .. t0 + NT_FMA - 1; x: the
  * pass's panels of MR_FMA rows (the last may have fewer), k input features each. */
@@ -292,8 +338,21 @@ double radixrt_peak(int kind, int64_t iters, int num_threads) {
         for (int j = 0; j < 12; j++) a[j] = (v16){0} + 1e-3f * (float)j;
         const v16 s = (v16){0} + 0.999f, t = (v16){0} + 1e-7f;
         if (kind == 0) {
+#ifdef __AVX512F__
             for (int64_t it = 0; it < iters; it++)
                 for (int j = 0; j < 12; j++) a[j] = a[j] * s + t;
+#else /* the same flops in the registers the build has: 12 narrow chains, 16 / VL rounds */
+            vn b[12];
+            for (int j = 0; j < 12; j++) memcpy(&b[j], &a[j], sizeof(vn));
+            const vn sn = (vn){0} + 0.999f, tn = (vn){0} + 1e-7f;
+            for (int64_t it = 0; it < iters; it++)
+                for (int h = 0; h < 16 / VL; h++)
+                    for (int j = 0; j < 12; j++) b[j] = b[j] * sn + tn;
+            for (int j = 0; j < 12; j++) {
+                a[j] = (v16){0};
+                memcpy(&a[j], &b[j], sizeof(vn));
+            }
+#endif
         }
 #ifdef __AVX512BF16__
         else {
@@ -316,6 +375,7 @@ double radixrt_stream_read(const void *p, int64_t bytes, int num_threads) {
     {
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t l0 = lines * id / threads, l1 = lines * (id + 1) / threads;
+#ifdef __AVX512F__
         v16 s0 = {0}, s1 = {0};
         for (int64_t l = l0; l + 1 < l1; l += 2) {
             v16 a, b;
@@ -325,6 +385,19 @@ double radixrt_stream_read(const void *p, int64_t bytes, int num_threads) {
             s1 += b;
         }
         total += hsum(s0 + s1);
+#else
+        vn s[2][16 / VL] = {{{0}}};
+        for (int64_t l = l0; l + 1 < l1; l += 2)
+            for (int u = 0; u < 2; u++)
+                for (int h = 0; h < 16 / VL; h++) {
+                    vn a;
+                    memcpy(&a, (const char *)p + (l + u) * 64 + h * 4 * VL, sizeof a);
+                    s[u][h] += a;
+                }
+        for (int u = 0; u < 2; u++)
+            for (int h = 0; h < 16 / VL; h++)
+                for (int i = 0; i < VL; i++) total += s[u][h][i];
+#endif
     }
     return total;
 }

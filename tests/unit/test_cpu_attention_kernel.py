@@ -294,12 +294,14 @@ def _same_in_both_builds(lib, q: torch.Tensor, pool: KVPool, seg) -> None:
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
+@pytest.mark.parametrize(
+    "flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx"]]
+)
 def test_kernel_builds_for_cpus_without_amx_or_avx512(
     flags: list[str], monkeypatch, tmp_path
 ) -> None:
     """The other paths, as built on CPUs without AMX (AVX512-BF16 for every item), without
-    AVX512-BF16 (bf16 converted to float32) or without AVX-512 at all: same results."""
+    AVX512-BF16 (bf16 converted to float32), without AVX-512 or without AVX: same results."""
     monkeypatch.setattr(cpu_library, "CFLAGS", [*cpu_library.CFLAGS, *flags])
     lib = cpu_library._build_and_load(tmp_path)
     pool = _pool(2, 64, SPEC, torch.bfloat16)

@@ -356,11 +356,13 @@ def test_rotary_matches_rotate_half_bit_for_bit(dtype) -> None:
     assert torch.equal(rope(positions, x[:, 3:9]), want[:, 3:9])  # a strided view of some heads
 
 
-@pytest.mark.parametrize("flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"]])
+@pytest.mark.parametrize(
+    "flags", [["-mno-amx-tile"], ["-mno-avx512bf16"], ["-mno-avx512f"], ["-mno-avx"]]
+)
 def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tmp_path) -> None:
-    """The library as built on CPUs without AMX, without AVX512-BF16 or without AVX-512 (AVX2:
-    the FMA kernel on narrower vectors): AMX is refused, the vector kernels that build give the
-    native build's results, with every epilogue."""
+    """The library as built on CPUs without AMX, without AVX512-BF16, without AVX-512 (AVX2:
+    the FMA kernel on 8 lanes) or without AVX (4 lanes, as on SSE or NEON): AMX is refused, the
+    vector kernels that build give the native build's results, with every epilogue."""
     from radixrt_kernels import cpu_library as library
 
     native = library.load(cache_dir())
