@@ -60,7 +60,8 @@
 
 #define RB 4  /* query rows computed together (independent accumulator chains) ... */
 #define RB_WIDE 8 /* ... in the dot-product path's items of more than RB rows */
-#define DC 32 /* head dims per accumulator chunk in P·V (two vectors) */
+#define DC (2 * VL) /* head dims per accumulator chunk in P·V (two vectors) */
+#define QV (QB / VL)  /* vectors holding an item's query rows as lanes (the float32 path) */
 
 /* Row `row` (D values) of a buffer as float32. */
 static inline void load_row(const void *buf, int64_t row, int64_t d, int is_bf16, float *dst) {
@@ -72,49 +73,51 @@ static inline void load_row(const void *buf, int64_t row, int64_t d, int is_bf16
     }
 }
 
-/* Scores of keys [0, nk) of the block for NV·16 query rows: st[t][lanes] = Σ_i qt[i][lanes]·kf[t][i].
- * Four keys at a time, so 4·NV accumulator chains run side by side. */
-static inline __attribute__((always_inline)) void scores(const int nv, const v16 (*qt)[2],
+/* Scores of keys [0, nk) of the block for nv·VL query rows: st[t][lanes] = Σ_i qt[i][lanes]·kf[t][i].
+ * ks keys at a time, so ks·nv accumulator chains run side by side (4·nv with AVX-512's 16
+ * lanes; 8 with narrower vectors, which have fewer registers). */
+static inline __attribute__((always_inline)) void scores(const int nv, const vf (*qt)[QV],
                                                          const float (*kf)[DMAX], int64_t nk, int64_t d,
-                                                         v16 (*st)[2]) {
+                                                         vf (*st)[QV]) {
+    const int ks = VL == 16 ? 4 : nv >= 8 ? 1 : 8 / nv;
     int64_t t = 0;
-    for (; t + 4 <= nk; t += 4) {
-        v16 a[4][2] = {{{0}}};
+    for (; t + ks <= nk; t += ks) {
+        vf a[8][QV];
+        for (int u = 0; u < ks; u++)
+            for (int v = 0; v < nv; v++) a[u][v] = (vf){0};
         for (int64_t i = 0; i < d; i++) {
             for (int v = 0; v < nv; v++) {
-                const v16 qv = qt[i][v];
-                a[0][v] += qv * kf[t][i];
-                a[1][v] += qv * kf[t + 1][i];
-                a[2][v] += qv * kf[t + 2][i];
-                a[3][v] += qv * kf[t + 3][i];
+                const vf qv = qt[i][v];
+                for (int u = 0; u < ks; u++) a[u][v] += qv * kf[t + u][i];
             }
         }
-        for (int u = 0; u < 4; u++)
+        for (int u = 0; u < ks; u++)
             for (int v = 0; v < nv; v++) st[t + u][v] = a[u][v];
     }
     for (; t < nk; t++) {
-        v16 a[2] = {{0}};
+        vf a[QV];
+        for (int v = 0; v < nv; v++) a[v] = (vf){0};
         for (int64_t i = 0; i < d; i++)
             for (int v = 0; v < nv; v++) a[v] += qt[i][v] * kf[t][i];
         for (int v = 0; v < nv; v++) st[t][v] = a[v];
     }
 }
 
-/* acc[r] = acc[r]·alpha[r] + Σ_t p[t][r]·vf[t] for rows [0, rows) (a multiple of RB), with p
+/* acc[r] = acc[r]·alpha[r] + Σ_t p[t][r]·v[t] for rows [0, rows) (a multiple of RB), with p
  * key-major as the scores are (32 row lanes per key): per chunk of DC dims, RB rows at a time
  * (2·RB vector chains). */
 static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const float *alpha,
-                             const float (*vf)[DMAX], int64_t nk, int64_t d, int64_t rows) {
+                             const float (*v)[DMAX], int64_t nk, int64_t d, int64_t rows) {
     for (int64_t r0 = 0; r0 < rows; r0 += RB) {
         for (int64_t c = 0; c < d; c += DC) {
-            v16 a[RB][2];
+            vf a[RB][2];
             for (int rr = 0; rr < RB; rr++) {
                 const float scale = alpha[r0 + rr];
-                a[rr][0] = *(v16 *)&acc[r0 + rr][c] * scale;
-                a[rr][1] = *(v16 *)&acc[r0 + rr][c + 16] * scale;
+                a[rr][0] = *(vf *)&acc[r0 + rr][c] * scale;
+                a[rr][1] = *(vf *)&acc[r0 + rr][c + VL] * scale;
             }
             for (int64_t t = 0; t < nk; t++) {
-                const v16 va = *(const v16 *)&vf[t][c], vc = *(const v16 *)&vf[t][c + 16];
+                const vf va = *(const vf *)&v[t][c], vc = *(const vf *)&v[t][c + VL];
                 for (int rr = 0; rr < RB; rr++) {
                     const float w = p[t][r0 + rr];
                     a[rr][0] += w * va;
@@ -122,8 +125,8 @@ static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const flo
                 }
             }
             for (int rr = 0; rr < RB; rr++) {
-                *(v16 *)&acc[r0 + rr][c] = a[rr][0];
-                *(v16 *)&acc[r0 + rr][c + 16] = a[rr][1];
+                *(vf *)&acc[r0 + rr][c] = a[rr][0];
+                *(vf *)&acc[r0 + rr][c + VL] = a[rr][1];
             }
         }
     }
@@ -165,14 +168,14 @@ static inline void mask_from(v16 *s0, v16 *s1, int64_t left) {
     *s1 = vselect(iota + 16.0f < lf, *s1, ninf);
 }
 
-/* Output row `row` of [T·H, D] = a·inv, in the call's dtype (D a multiple of 16). */
+/* Output row `row` of [T·H, D] = a·inv, in the call's dtype (D a multiple of VL). */
 static inline void store_out(const struct call *c, int64_t row, const float *a, float inv) {
     const size_t elem = c->is_bf16 ? 2 : 4;
     char *dst = (char *)c->out + row * c->d * elem;
-    for (int64_t i = 0; i < c->d; i += 16) {
-        v16 v;
+    for (int64_t i = 0; i < c->d; i += VL) {
+        vf v;
         memcpy(&v, a + i, sizeof v);
-        store16(dst + i * elem, v * inv, c->is_bf16);
+        vstore(dst + i * elem, v * inv, c->is_bf16);
     }
 }
 
@@ -201,29 +204,30 @@ static void attend_item(const struct call *c, const struct item *it) {
     const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
     const float scaling = c->scaling;
-    const int nv = nq > 16 ? 2 : 1;
-    v16 qt[DMAX][2];                                /* q transposed: qt[dim][rows], scaled */
+    const int nv = (int)((nq + VL - 1) / VL);
+    vf qt[DMAX][QV];                                /* q transposed: qt[dim][rows], scaled */
     float acc[QB][DMAX] __attribute__((aligned(64)));
     float kf[KB][DMAX] __attribute__((aligned(64))); /* the block's keys, float32 */
-    float vf[KB][DMAX] __attribute__((aligned(64))); /* its values */
-    v16 st[KB][2];                                  /* scores, then probabilities: [key][rows] */
-    v16 m[2], l[2];
+    float vals[KB][DMAX] __attribute__((aligned(64))); /* its values */
+    vf st[KB][QV];                                  /* scores, then probabilities: [key][rows] */
+    vf m[QV], l[QV];
     float row[DMAX] __attribute__((aligned(64)));
-    v16 lim[2]; /* each row's number of keys */
+    vf lim[QV]; /* each row's number of keys */
 
-    for (int64_t r = 0; r < QB; r++) lim[r / 16][r % 16] = (float)row_limit(it, g, r);
+    for (int64_t r = 0; r < QB; r++) lim[r / VL][r % VL] = (float)row_limit(it, g, r);
     const int64_t first_limit = row_limit(it, g, 0); /* blocks past it need masking */
-    for (int64_t i = 0; i < d; i++) qt[i][0] = qt[i][1] = (v16){0};
+    for (int64_t i = 0; i < d; i++)
+        for (int v = 0; v < QV; v++) qt[i][v] = (vf){0};
     for (int64_t r = 0; r < nq; r++) {
         const int64_t b = members[(q0 + r) / g], head = j * g + (q0 + r) % g;
         load_row(q, b * c->q_rows + head, d, is_bf16, row);
-        for (int64_t i = 0; i < d; i++) qt[i][r / 16][r % 16] = row[i] * scaling;
+        for (int64_t i = 0; i < d; i++) qt[i][r / VL][r % VL] = row[i] * scaling;
     }
     for (int64_t r = 0; r < QB; r++)
         for (int64_t i = 0; i < d; i++) acc[r][i] = 0.0f;
-    for (int v = 0; v < 2; v++) {
-        m[v] = (v16){0} - INFINITY;
-        l[v] = (v16){0};
+    for (int v = 0; v < QV; v++) {
+        m[v] = (vf){0} - INFINITY;
+        l[v] = (vf){0};
     }
     const int64_t rb_end = (nq + RB - 1) / RB * RB;
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
@@ -231,32 +235,39 @@ static void attend_item(const struct call *c, const struct item *it) {
         for (int64_t t = 0; t < nk; t++) {
             const int64_t kv_row = slots[k0 + t] * kh + j;
             load_row(k_buf, kv_row, d, is_bf16, kf[t]);
-            load_row(v_buf, kv_row, d, is_bf16, vf[t]);
+            load_row(v_buf, kv_row, d, is_bf16, vals[t]);
         }
-        if (nv == 1)
-            scores(1, qt, kf, nk, d, st);
-        else
-            scores(2, qt, kf, nk, d, st);
+        switch (nv) { /* a constant row-vector count per instance, so the chains stay in registers */
+        case 1: scores(1, qt, kf, nk, d, st); break;
+        case 2: scores(2, qt, kf, nk, d, st); break;
+#if QV > 2
+        case 3: scores(3, qt, kf, nk, d, st); break;
+        case 4: scores(4, qt, kf, nk, d, st); break;
+#endif
+#if QV > 4
+        default: scores(QV, qt, kf, nk, d, st); break;
+#endif
+        }
         if (k0 + nk > first_limit) { /* causal: -inf on the keys past each row's limit */
             for (int64_t t = 0; t < nk; t++)
                 for (int v = 0; v < nv; v++)
-                    st[t][v] = vselect(lim[v] > (float)(k0 + t), st[t][v], (v16){0} - INFINITY);
+                    st[t][v] = vsel(lim[v] > (float)(k0 + t), st[t][v], (vf){0} - INFINITY);
         }
         /* online softmax, lane by lane (a lane is a query row) */
-        v16 alpha[2];
+        vf alpha[QV];
         for (int v = 0; v < nv; v++) {
-            v16 mx = m[v];
-            for (int64_t t = 0; t < nk; t++) mx = vselect(st[t][v] > mx, st[t][v], mx);
-            alpha[v] = vexp(m[v] - mx); /* 0 on the first block (m = -inf) */
-            v16 sum = {0};
+            vf mx = m[v];
+            for (int64_t t = 0; t < nk; t++) mx = vsel(st[t][v] > mx, st[t][v], mx);
+            alpha[v] = vexpf(m[v] - mx); /* 0 on the first block (m = -inf) */
+            vf sum = {0};
             for (int64_t t = 0; t < nk; t++) {
-                st[t][v] = vexp(st[t][v] - mx);
+                st[t][v] = vexpf(st[t][v] - mx);
                 sum += st[t][v];
             }
             m[v] = mx;
             l[v] = l[v] * alpha[v] + sum;
         }
-        pv_update(acc, (const float (*)[32])st, (const float *)alpha, vf, nk, d, rb_end);
+        pv_update(acc, (const float (*)[32])st, (const float *)alpha, vals, nk, d, rb_end);
     }
     write_rows(c, it, &acc[0][0], DMAX, (const float *)m, (const float *)l);
 }
@@ -645,7 +656,7 @@ static struct call call_of(const struct attn_call *c) {
 
 int radixrt_attn_prepare(struct attn_call *c) {
     const struct attention_args *a = &c->a;
-    if (a->d > DMAX || a->d <= 0 || a->d % DC != 0 || a->kh <= 0 || a->h % a->kh != 0 || a->q_stride % a->d != 0)
+    if (a->d > DMAX || a->d <= 0 || a->d % 32 != 0 || a->kh <= 0 || a->h % a->kh != 0 || a->q_stride % a->d != 0)
         return -1;
     const int64_t g = a->h / a->kh;
 #ifdef HAVE_AMX
@@ -739,11 +750,11 @@ void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) 
         const float total = part_l[a0] * w0 + part_l[a1] * w1;
         const float *o0 = part_acc + a0 * d, *o1 = part_acc + a1 * d;
         float merged[DMAX] __attribute__((aligned(64)));
-        for (int64_t i = 0; i < d; i += 16) {
-            v16 x0, x1;
+        for (int64_t i = 0; i < d; i += VL) {
+            vf x0, x1;
             memcpy(&x0, o0 + i, sizeof x0);
             memcpy(&x1, o1 + i, sizeof x1);
-            const v16 sum = w1 != 0.0f ? w0 * x0 + w1 * x1 : w0 * x0; /* w1 = 0: an empty part's 0·NaN */
+            const vf sum = w1 != 0.0f ? w0 * x0 + w1 * x1 : w0 * x0; /* w1 = 0: an empty part's 0·NaN */
             memcpy(merged + i, &sum, sizeof sum);
         }
         store_out(&call, th, merged, total > 0.0f ? 1.0f / total : 0.0f);

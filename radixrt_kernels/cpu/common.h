@@ -162,6 +162,75 @@ static inline float hsum(v16 x) {
     return (f[0] + f[2]) + (f[1] + f[3]);
 }
 
+/* The build's widest float32 vector: VL lanes (16 with AVX-512, 8 with AVX, else 4). Without
+ * AVX-512 GCC keeps a 64-byte v16 in memory and moves it piecewise, so hot loops there are
+ * written on vf; with AVX-512 vf is v16 and its functions are v16's. */
+#ifdef __AVX512F__
+#define VL 16
+typedef v16 vf;
+typedef v16i vfi;
+#define vload vload16
+#define vstore vstore16
+#define vsel vselect
+#define vexpf vexp
+static inline vf vload16(const void *p, int is_bf16) { return load16(p, is_bf16); }
+static inline void vstore16(void *p, vf x, int is_bf16) { store16(p, x, is_bf16); }
+#else
+#if defined(__AVX__)
+#define VL 8
+#else
+#define VL 4
+#endif
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vfi __attribute__((vector_size(4 * VL)));
+typedef uint32_t vfu __attribute__((vector_size(4 * VL)));
+typedef uint16_t vfh __attribute__((vector_size(2 * VL)));
+
+/* VL values at p (float32, or bf16 when is_bf16) as float32. */
+static inline vf vload(const void *p, int is_bf16) {
+    vf x;
+    if (is_bf16) {
+        vfh h;
+        memcpy(&h, p, sizeof h);
+        x = (vf)(__builtin_convertvector(h, vfu) << 16);
+    } else {
+        memcpy(&x, p, sizeof x);
+    }
+    return x;
+}
+
+/* VL float32 values to p (rounded to bf16 as to_bf16 rounds when is_bf16). */
+static inline void vstore(void *p, vf x, int is_bf16) {
+    if (is_bf16) {
+        const vfu bits = (vfu)x, nan = (vfu)((bits & 0x7fffffffu) > 0x7f800000u);
+        const vfu rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+        const vfh h = __builtin_convertvector((rounded & ~nan) | (((bits | 0x400000u) >> 16) & nan), vfh);
+        memcpy(p, &h, sizeof h);
+    } else {
+        memcpy(p, &x, sizeof x);
+    }
+}
+
+static inline vf vsel(vfi mask, vf a, vf b) {
+    return (vf)(((vfi)a & mask) | ((vfi)b & ~mask));
+}
+
+/* vexp's portable form on vf (the same values lane by lane). */
+static inline vf vexpf(vf x) {
+    static const float inverse_factorial[8] = {1.0f, 1.0f, 1.0f / 2, 1.0f / 6, 1.0f / 24, 1.0f / 120,
+                                               1.0f / 720, 1.0f / 5040};
+    const vfi lo = x < -87.3f;
+    const vf zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
+    x = vsel(lo, floor, vsel(x > 88.0f, ceiling, x));
+    const vfi n = __builtin_convertvector(x * 1.44269504088896341f, vfi);
+    const vf nf = __builtin_convertvector(n, vf);
+    const vf r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
+    vf p = zero + inverse_factorial[7];
+    for (int i = 6; i >= 0; i--) p = p * r + inverse_factorial[i];
+    return vsel(lo, zero, (vf)((vfi)p + (n << 23)));
+}
+#endif
+
 #ifdef HAVE_AMX
 /* 1 if the OS grants this process AMX state (ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA:
  * Linux hands it out on request), asked once. */
