@@ -173,6 +173,9 @@ typedef v16i vfi;
 #define vstore vstore16
 #define vsel vselect
 #define vexpf vexp
+#define vrecipf vrecip
+#define vround round16
+#define vhsum hsum
 static inline vf vload16(const void *p, int is_bf16) { return load16(p, is_bf16); }
 static inline void vstore16(void *p, vf x, int is_bf16) { store16(p, x, is_bf16); }
 #else
@@ -213,6 +216,23 @@ static inline void vstore(void *p, vf x, int is_bf16) {
 
 static inline vf vsel(vfi mask, vf a, vf b) {
     return (vf)(((vfi)a & mask) | ((vfi)b & ~mask));
+}
+
+/* x rounded to bf16 precision, as round16 rounds, still as float32. */
+static inline vf vround(vf x) {
+    const vfu bits = (vfu)x, nan = (vfu)((bits & 0x7fffffffu) > 0x7f800000u);
+    const vfu rounded = ((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16) << 16;
+    return (vf)((rounded & ~nan) | ((bits | 0x400000u) & 0xffff0000u & nan));
+}
+
+static inline float vhsum(vf x) {
+    float s = 0.0f;
+    for (int i = 0; i < VL; i++) s += x[i];
+    return s;
+}
+
+static inline vf vrecipf(vf d) {
+    return 1.0f / d;
 }
 
 /* vexp's portable form on vf (the same values lane by lane). */

@@ -9,8 +9,8 @@
  * normal range (|x| < 2^-126) to zero where PyTorch keeps them as denormals. Rows are split
  * over the caller's OpenMP threads (PyTorch's libgomp) when there is enough work.
  *
- * Each row is done 16 values at a time, then value by value for the rest; the row bodies are
- * inlined once per dtype (is_bf16 a constant there).
+ * Each row is done VL values at a time (the build's vector width, common.h), then value by
+ * value for the rest; the row bodies are inlined once per dtype (is_bf16 a constant there).
  */
 #include <math.h>
 #include <stdint.h>
@@ -39,8 +39,8 @@ INLINE void store1(void *p, int64_t i, float x, int is_bf16) {
         ((float *)p)[i] = x;
 }
 
-INLINE v16 round16_to(v16 x, int is_bf16) {
-    return is_bf16 ? round16(x) : x;
+INLINE vf round_to(vf x, int is_bf16) {
+    return is_bf16 ? vround(x) : x;
 }
 
 /* One row of radixrt_rms_norm: a pass for the sum of squares (writing s = x + residual into
@@ -49,17 +49,17 @@ INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *w
                          float eps, int is_bf16) {
     const size_t elem = is_bf16 ? 2 : 4;
     const void *s = residual != NULL ? residual : x;
-    v16 acc0 = {0}, acc1 = {0};
+    vf acc0 = {0}, acc1 = {0};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        v16 v = load16((const char *)x + i * elem, is_bf16);
+    for (; i + VL <= n; i += VL) {
+        vf v = vload((const char *)x + i * elem, is_bf16);
         if (residual != NULL) {
-            v = round16_to(v + load16((const char *)residual + i * elem, is_bf16), is_bf16);
-            store16((char *)residual + i * elem, v, is_bf16);
+            v = round_to(v + vload((const char *)residual + i * elem, is_bf16), is_bf16);
+            vstore((char *)residual + i * elem, v, is_bf16);
         }
-        if ((i / 16) % 2) acc1 += v * v; else acc0 += v * v;
+        if ((i / VL) % 2) acc1 += v * v; else acc0 += v * v;
     }
-    float sq = hsum(acc0 + acc1);
+    float sq = vhsum(acc0 + acc1);
     for (; i < n; i++) {
         float v = load1(x, i, is_bf16);
         if (residual != NULL) {
@@ -69,10 +69,10 @@ INLINE void rms_norm_row(const void *x, void *residual, void *out, const void *w
         sq += v * v;
     }
     const float inv = 1.0f / sqrtf(sq / (float)n + eps);
-    for (i = 0; i + 16 <= n; i += 16) {
-        const v16 v = load16((const char *)s + i * elem, is_bf16);
-        store16((char *)out + i * elem, load16((const char *)weight + i * elem, is_bf16) * round16_to(v * inv, is_bf16),
-                is_bf16);
+    for (i = 0; i + VL <= n; i += VL) {
+        const vf v = vload((const char *)s + i * elem, is_bf16);
+        vstore((char *)out + i * elem, vload((const char *)weight + i * elem, is_bf16) * round_to(v * inv, is_bf16),
+               is_bf16);
     }
     for (; i < n; i++) store1(out, i, load1(weight, i, is_bf16) * round1(load1(s, i, is_bf16) * inv, is_bf16), is_bf16);
 }
@@ -132,13 +132,13 @@ INLINE void rope_token(void *x, int64_t heads, int64_t d, const float *cos_row, 
     for (int64_t hd = 0; hd < heads; hd++) {
         char *row = (char *)x + hd * d * elem;
         int64_t i = 0;
-        for (; i + 16 <= half; i += 16) { /* x_a = x[i..], x_b = x[half + i..]: roll pairs them */
-            const v16 xa = load16(row + i * elem, is_bf16), xb = load16(row + (half + i) * elem, is_bf16);
-            const v16 ca = load16(c + i, 0), cb = load16(c + half + i, 0);
-            const v16 sa = load16(s + i, 0), sb = load16(s + half + i, 0);
-            store16(row + i * elem, round16_to(xa * ca, is_bf16) + round16_to(xb * sa, is_bf16), is_bf16);
-            store16(row + (half + i) * elem, round16_to(xb * cb, is_bf16) + round16_to(xa * sb, is_bf16),
-                    is_bf16);
+        for (; i + VL <= half; i += VL) { /* x_a = x[i..], x_b = x[half + i..]: roll pairs them */
+            const vf xa = vload(row + i * elem, is_bf16), xb = vload(row + (half + i) * elem, is_bf16);
+            const vf ca = vload(c + i, 0), cb = vload(c + half + i, 0);
+            const vf sa = vload(s + i, 0), sb = vload(s + half + i, 0);
+            vstore(row + i * elem, round_to(xa * ca, is_bf16) + round_to(xb * sa, is_bf16), is_bf16);
+            vstore(row + (half + i) * elem, round_to(xb * cb, is_bf16) + round_to(xa * sb, is_bf16),
+                   is_bf16);
         }
         for (; i < half; i++) {
             const float xa = load1(row, i, is_bf16), xb = load1(row, half + i, is_bf16);
@@ -183,10 +183,10 @@ INLINE void silu_mul_row(const void *x, void *out, int64_t n, int is_bf16) {
     const size_t elem = is_bf16 ? 2 : 4;
     const char *gate = x, *up = (const char *)x + n * elem;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
-        const v16 g = load16(gate + i * elem, is_bf16);
-        const v16 silu = round16_to(g * vrecip(1.0f + vexp(-g)), is_bf16);
-        store16((char *)out + i * elem, silu * load16(up + i * elem, is_bf16), is_bf16);
+    for (; i + VL <= n; i += VL) {
+        const vf g = vload(gate + i * elem, is_bf16);
+        const vf silu = round_to(g * vrecipf(1.0f + vexpf(-g)), is_bf16);
+        vstore((char *)out + i * elem, silu * vload(up + i * elem, is_bf16), is_bf16);
     }
     for (; i < n; i++) {
         const float g = load1(gate, i, is_bf16);
