@@ -214,27 +214,27 @@ int radixrt_silu_mul(const void *x, void *out, int64_t t, int64_t n, int is_bf16
 /* One row of radixrt_argmax. */
 INLINE int64_t argmax_row(const void *x, int64_t n, int is_bf16) {
     const size_t elem = is_bf16 ? 2 : 4;
-    v16 best = (v16){0} - INFINITY;
-    v16i at = (v16i){0} - 1, idx = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    v16i nan = {0};
+    vf best = (vf){0} - INFINITY;
+    vfi at = (vfi){0} - 1, idx, nan = {0};
+    for (int lane = 0; lane < VL; lane++) idx[lane] = lane;
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16, idx += 16) {
-        const v16 v = load16((const char *)x + i * elem, is_bf16);
-        const v16i more = v > best; /* strict: a lane keeps its first maximum */
-        best = vselect(more, v, best);
+    for (; i + VL <= n; i += VL, idx += VL) {
+        const vf v = vload((const char *)x + i * elem, is_bf16);
+        const vfi more = v > best; /* strict: a lane keeps its first maximum */
+        best = vsel(more, v, best);
         at = (more & idx) | (~more & at);
         nan |= v != v;
     }
     float top = -INFINITY;
     int64_t arg = 0; /* every value -inf: index 0 */
-    for (int lane = 0; lane < 16; lane++) { /* the largest value, at its smallest index */
+    for (int lane = 0; lane < VL; lane++) { /* the largest value, at its smallest index */
         if (at[lane] >= 0 && (best[lane] > top || (best[lane] == top && at[lane] < arg))) {
             top = best[lane];
             arg = at[lane];
         }
     }
     int any_nan = 0;
-    for (int lane = 0; lane < 16; lane++) any_nan |= nan[lane] != 0;
+    for (int lane = 0; lane < VL; lane++) any_nan |= nan[lane] != 0;
     for (; i < n; i++) {
         const float v = load1(x, i, is_bf16);
         if (v > top) {

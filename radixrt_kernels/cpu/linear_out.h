@@ -40,40 +40,48 @@ struct results {
 /* One block's results (r->acc[0]) plus the bias, rounded to bf16 (then widened with f32);
  * features past n dropped. */
 static inline void write_block(const struct output *o, const struct results *r) {
-    for (int h = 0; h < 2; h++) {
-        const int64_t cols = o->n - r->f0 - 16 * h;
+    for (int h = 0; h < NB / VL; h++) {
+        const int64_t cols = o->n - r->f0 - VL * h;
         if (cols <= 0) break;
-        v16 b = {0};
+        vf b = {0};
         if (o->bias != NULL) {
-            bf16 part[16] = {0};
-            memcpy(part, o->bias + r->f0 + 16 * h, (size_t)(cols < 16 ? cols : 16) * 2);
-            b = load16(part, 1);
+            bf16 part[VL] = {0};
+            memcpy(part, o->bias + r->f0 + VL * h, (size_t)(cols < VL ? cols : VL) * 2);
+            b = vload(part, 1);
         }
-        const size_t elem = o->f32 ? 4 : 2, bytes = (size_t)(cols < 16 ? cols : 16) * elem;
+        const size_t elem = o->f32 ? 4 : 2, bytes = (size_t)(cols < VL ? cols : VL) * elem;
         for (int row = 0; row < r->rows; row++) {
-            const v16h v = to_bf16(*(const v16 *)&r->acc[0][row][16 * h] + b);
-            const v16 wide = widen16(v);
-            const int64_t at = (r->r0 + row) * o->stride + r->f0 + 16 * h;
-            memcpy((char *)o->y + at * (int64_t)elem, o->f32 ? (const void *)&wide : (const void *)&v, bytes);
+            const vf x = *(const vf *)&r->acc[0][row][VL * h] + b;
+            const int64_t at = (r->r0 + row) * o->stride + r->f0 + VL * h;
+            char *dst = (char *)o->y + at * (int64_t)elem;
+            float part[VL] __attribute__((aligned(64))); /* a short last block's values */
+            void *to = cols >= VL ? (void *)dst : (void *)part;
+            if (o->f32) {
+                const vf wide = vround(x);
+                memcpy(to, &wide, sizeof wide);
+            } else {
+                vstore(to, x, 1);
+            }
+            if (to == part) memcpy(dst, part, bytes);
         }
     }
 }
 
 /* Gated output: silu(gate)·up of bf16-rounded results, rounded as radixrt_silu_mul rounds. */
 static inline void write_gated(const struct output *o, const struct results *r) {
-    for (int h = 0; h < 2; h++) {
+    for (int h = 0; h < NB / VL; h++) {
         for (int row = 0; row < r->rows; row++) {
-            const v16 g = round16(*(const v16 *)&r->acc[0][row][16 * h]);
-            const v16 u = round16(*(const v16 *)&r->acc[1][row][16 * h]);
-            const v16 silu = round16(g * vrecip(1.0f + vexp(-g)));
-            store16((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + 16 * h, silu * u, 1);
+            const vf g = vround(*(const vf *)&r->acc[0][row][VL * h]);
+            const vf u = vround(*(const vf *)&r->acc[1][row][VL * h]);
+            const vf silu = vround(g * vrecipf(1.0f + vexpf(-g)));
+            vstore((bf16 *)o->y + (r->r0 + row) * o->stride + r->f0 + VL * h, silu * u, 1);
         }
     }
 }
 
-/* 16 bias values from feature f as float32 (0 without a bias). */
-static inline v16 bias16(const struct output *o, int64_t f) {
-    return o->bias != NULL ? load16(o->bias + f, 1) : (v16){0};
+/* VL bias values from feature f as float32 (0 without a bias). */
+static inline vf bias_at(const struct output *o, int64_t f) {
+    return o->bias != NULL ? vload(o->bias + f, 1) : (vf){0};
 }
 
 /* A rotary head (features f0 .. f0 + D - 1, D = rope_dim): x = the results plus the bias,
@@ -82,19 +90,19 @@ static inline v16 bias16(const struct output *o, int64_t f) {
 static inline void write_rope(const struct output *o, const struct results *r) {
     const int64_t d = o->rope_dim, half_blocks = d / NB / 2;
     for (int64_t i = 0; i < half_blocks; i++) {
-        for (int h = 0; h < 2; h++) {
-            const int64_t da = i * NB + 16 * h, db = da + d / 2; /* paired dims of the head */
-            const v16 ba = bias16(o, r->f0 + da), bb = bias16(o, r->f0 + db);
+        for (int h = 0; h < NB / VL; h++) {
+            const int64_t da = i * NB + VL * h, db = da + d / 2; /* paired dims of the head */
+            const vf ba = bias_at(o, r->f0 + da), bb = bias_at(o, r->f0 + db);
             for (int row = 0; row < r->rows; row++) {
                 const float *cos_row = o->cos + o->positions[r->r0 + row] * d;
                 const float *sin_row = o->sin + o->positions[r->r0 + row] * d;
-                const v16 xa = round16(*(const v16 *)&r->acc[i][row][16 * h] + ba);
-                const v16 xb = round16(*(const v16 *)&r->acc[i + half_blocks][row][16 * h] + bb);
-                const v16 ca = round16(load16(cos_row + da, 0)), sa = round16(load16(sin_row + da, 0));
-                const v16 cb = round16(load16(cos_row + db, 0)), sb = round16(load16(sin_row + db, 0));
+                const vf xa = vround(*(const vf *)&r->acc[i][row][VL * h] + ba);
+                const vf xb = vround(*(const vf *)&r->acc[i + half_blocks][row][VL * h] + bb);
+                const vf ca = vround(vload(cos_row + da, 0)), sa = vround(vload(sin_row + da, 0));
+                const vf cb = vround(vload(cos_row + db, 0)), sb = vround(vload(sin_row + db, 0));
                 bf16 *out = (bf16 *)o->y + (r->r0 + row) * o->stride + r->f0;
-                store16(out + da, round16(xa * ca) + round16(xb * sa), 1);
-                store16(out + db, round16(xb * cb) + round16(xa * sb), 1);
+                vstore(out + da, vround(xa * ca) + vround(xb * sa), 1);
+                vstore(out + db, vround(xb * cb) + vround(xa * sb), 1);
             }
         }
     }

@@ -6,7 +6,8 @@
  * - FMA: bf16 weights widened to float32 on the fly (the low half shifted up, the high half
  *   masked: one instruction per 16 values) and multiplied with float32 FMA by x converted to
  *   float32 once per call. Built for AVX-512 (MR_FMA rows × 2 tiles of accumulators in
- *   registers) or the build's narrower vectors (AVX2, SSE, NEON: 4 rows, one tile at a time).
+ *   registers) or the build's narrower vectors (AVX2, SSE, NEON: 4 rows, one tile at a
+ *   time; 1-2 rows over both tiles).
  * - DPBF16 (AVX512-BF16): vdpbf16ps on the pairs as they are, x's pairs broadcast.
  * Both add the products in input-feature order into float32 sums per row and feature; the
  * results are written by linear_out.h, as the AMX kernel's are (bias in float32, one rounding
@@ -118,40 +119,52 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
 }
 
 #else
-/* fma_rows for builds without AVX-512 (one tile, NT_FMA 1): the tile's 16 features as
- * 16 / VL vectors of VL lanes, the same sums in the same order. */
-static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
-                                                           const uint32_t *w, int64_t c0, int64_t c1,
-                                                           int t0, int pf, float (*acc)[NB]) {
-    vn a[MR_FMA][16 / VL];
+/* fma_rows for builds without AVX-512, over nt tiles from t0 (nt 2: a pass of 1-2 rows reads
+ * each weight line once): the tiles' features as vectors of VL lanes, the same sums in the
+ * same order. */
+static inline __attribute__((always_inline)) void fma_rows_nt(int mr, int nt, const float *x,
+                                                              const uint32_t *w, int64_t c0, int64_t c1,
+                                                              int t0, int pf, float (*acc)[NB]) {
+    vn a[MR_FMA][2][16 / VL];
     for (int i = 0; i < MR_FMA; i++)
-        for (int h = 0; h < 16 / VL; h++) {
-            a[i][h] = (vn){0};
-            if (c0 > 0 && i < mr) memcpy(&a[i][h], &acc[i][16 * t0 + VL * h], sizeof(vn));
-        }
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < 16 / VL; h++) {
+                a[i][t][h] = (vn){0};
+                if (c0 > 0 && i < mr) memcpy(&a[i][t][h], &acc[i][16 * (t0 + t) + VL * h], sizeof(vn));
+            }
     for (int64_t c = c0; c < c1; c++) {
         for (int p = 0; p < 16; p++) {
-            vn lo[16 / VL], hi[16 / VL];
-            for (int h = 0; h < 16 / VL; h++) {
-                vnw d;
-                memcpy(&d, w + (c * 2 + t0) * TILE_DWORDS + p * 16 + VL * h, sizeof d);
-                lo[h] = (vn)(d << 16);
-                hi[h] = (vn)(d & 0xffff0000u);
-            }
             if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p, pf);
             const float *xk = x + (c * KC + 2 * p) * mr;
-#pragma GCC unroll 16
-            for (int i = 0; i < mr; i++) {
-                const float x0 = xk[i], x1 = xk[mr + i];
+            for (int t = 0; t < nt; t++) {
+                vn lo[16 / VL], hi[16 / VL];
                 for (int h = 0; h < 16 / VL; h++) {
-                    a[i][h] += x0 * lo[h];
-                    a[i][h] += x1 * hi[h];
+                    vnw d;
+                    memcpy(&d, w + (c * 2 + t0 + t) * TILE_DWORDS + p * 16 + VL * h, sizeof d);
+                    lo[h] = (vn)(d << 16);
+                    hi[h] = (vn)(d & 0xffff0000u);
+                }
+#pragma GCC unroll 16
+                for (int i = 0; i < mr; i++) {
+                    const float x0 = xk[i], x1 = xk[mr + i];
+                    for (int h = 0; h < 16 / VL; h++) {
+                        a[i][t][h] += x0 * lo[h];
+                        a[i][t][h] += x1 * hi[h];
+                    }
                 }
             }
         }
     }
     for (int i = 0; i < mr; i++)
-        for (int h = 0; h < 16 / VL; h++) memcpy(&acc[i][16 * t0 + VL * h], &a[i][h], sizeof(vn));
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < 16 / VL; h++)
+                memcpy(&acc[i][16 * (t0 + t) + VL * h], &a[i][t][h], sizeof(vn));
+}
+
+static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
+                                                           const uint32_t *w, int64_t c0, int64_t c1,
+                                                           int t0, int pf, float (*acc)[NB]) {
+    fma_rows_nt(mr, 1, x, w, c0, c1, t0, pf, acc);
 }
 #endif
 
@@ -183,6 +196,15 @@ static void fma_block(const float *x, int64_t k, const uint32_t *w, int64_t chun
                       float (*acc)[NB]) {
     for (int64_t c0 = 0; c0 < chunks; c0 += SEGMENT) {
         const int64_t c1 = c0 + SEGMENT < chunks ? c0 + SEGMENT : chunks;
+#ifndef __AVX512F__
+        if (rows <= 2) { /* both tiles in one pass: the weight stream read once, fetched into L1 */
+            if (rows == 1)
+                fma_rows_nt(1, 2, x, w, c0, c1, 0, PF_NEAR, acc);
+            else
+                fma_rows_nt(2, 2, x, w, c0, c1, 0, PF_NEAR, acc);
+            continue;
+        }
+#endif
         for (int t0 = 0; t0 < 2; t0 += NT_FMA) fma_segment(x, k, w, c0, c1, t0, rows, acc);
     }
 }
@@ -344,7 +366,7 @@ double radixrt_peak(int kind, int64_t iters, int num_threads) {
 #else /* the same flops in the registers the build has: 12 narrow chains, 16 / VL rounds */
             vn b[12];
             for (int j = 0; j < 12; j++) memcpy(&b[j], &a[j], sizeof(vn));
-            const vn sn = (vn){0} + 0.999f, tn = (vn){0} + 1e-7f;
+            const vn sn = (vn){0} + s[0], tn = (vn){0} + t[0];
             for (int64_t it = 0; it < iters; it++)
                 for (int h = 0; h < 16 / VL; h++)
                     for (int j = 0; j < 12; j++) b[j] = b[j] * sn + tn;
