@@ -92,6 +92,7 @@ static inline v16 vselect(v16i mask, v16 a, v16 b) {
     return (v16)(((v16i)a & mask) | ((v16i)b & ~mask));
 }
 
+#ifdef __AVX512F__
 /* e^r ≈ 1 + r + r²/2! + ... + r^degree/degree! per lane (Horner; degree <= 7, a constant at
  * each call, so the loop unrolls). */
 static inline v16 taylor_exp(v16 r, int degree) {
@@ -103,12 +104,10 @@ static inline v16 taylor_exp(v16 r, int degree) {
 }
 
 /* e^x per lane (relative error ~2e-7; lanes below -87.3 give 0, so e^-inf = 0; x clamped
- * to 88 above). With AVX-512: x = n·ln2 + r, n rounded to nearest (|r| <= ln2/2), e^r by its
- * degree-6 Taylor polynomial, times 2^n by vscalefps (no result below the normal range: a
- * denormal would cost a microcode assist per lane). Elsewhere: n truncated toward zero
- * (|r| <= ln2), degree 7, 2^n added to the exponent. */
+ * to 88 above): x = n·ln2 + r, n rounded to nearest (|r| <= ln2/2), e^r by its degree-6
+ * Taylor polynomial, times 2^n by vscalefps (no result below the normal range: a denormal
+ * would cost a microcode assist per lane). Builds without AVX-512 have vexpf below. */
 static inline v16 vexp(v16 x) {
-#ifdef __AVX512F__
     const __mmask16 lo = _mm512_cmp_ps_mask((__m512)x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
     const __m512 xc = _mm512_min_ps(_mm512_set1_ps(88.0f), _mm512_max_ps(_mm512_set1_ps(-87.3f), (__m512)x));
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
@@ -116,28 +115,15 @@ static inline v16 vexp(v16 x) {
     const v16 r = (v16)_mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
                                         _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), xc));
     return (v16)_mm512_maskz_scalef_ps(~lo, (__m512)taylor_exp(r, 6), n);
-#else
-    const v16i lo = x < -87.3f;
-    const v16 zero = {0}, floor = zero - 87.3f, ceiling = zero + 88.0f;
-    x = vselect(lo, floor, vselect(x > 88.0f, ceiling, x));
-    const v16i n = __builtin_convertvector(x * 1.44269504088896341f, v16i);
-    const v16 nf = __builtin_convertvector(n, v16);
-    const v16 r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;
-    const v16 p = (v16)((v16i)taylor_exp(r, 7) + (n << 23));
-    return vselect(lo, zero, p);
-#endif
 }
 
 /* 1 / d per lane: the 14-bit estimate refined once (within ~1 ulp of a division, at a
- * fraction of its cost), where the CPU has AVX-512. */
+ * fraction of its cost). */
 static inline v16 vrecip(v16 d) {
-#ifdef __AVX512F__
     const v16 r = (v16)_mm512_rcp14_ps((__m512)d);
     return r * (2.0f - d * r);
-#else
-    return 1.0f / d;
-#endif
 }
+#endif
 
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
@@ -235,7 +221,9 @@ static inline vf vrecipf(vf d) {
     return 1.0f / d;
 }
 
-/* vexp's portable form on vf (the same values lane by lane). */
+/* e^x per lane, as vexp (lanes below -87.3 give 0; x clamped to 88 above): x = n·ln2 + r, n
+ * truncated toward zero (|r| <= ln2), e^r by its degree-7 Taylor polynomial (Horner), 2^n
+ * added to the exponent. */
 static inline vf vexpf(vf x) {
     static const float inverse_factorial[8] = {1.0f, 1.0f, 1.0f / 2, 1.0f / 6, 1.0f / 24, 1.0f / 120,
                                                1.0f / 720, 1.0f / 5040};
