@@ -155,15 +155,13 @@ static inline float hsum(v16 x) {
 #define VL 16
 typedef v16 vf;
 typedef v16i vfi;
-#define vload vload16
-#define vstore vstore16
+#define vload load16
+#define vstore store16
 #define vsel vselect
 #define vexpf vexp
 #define vrecipf vrecip
 #define vround round16
 #define vhsum hsum
-static inline vf vload16(const void *p, int is_bf16) { return load16(p, is_bf16); }
-static inline void vstore16(void *p, vf x, int is_bf16) { store16(p, x, is_bf16); }
 #else
 #if defined(__AVX__)
 #define VL 8

@@ -39,15 +39,8 @@
 #define MR_FMA 12 /* rows per FMA register block (2 tiles: 24 accumulators) */
 #define NT_FMA 2  /* tiles per FMA register block */
 #else
-#define MR_FMA 4 /* 4 rows × one tile (16 features) in the narrow vectors below */
+#define MR_FMA 4 /* 4 rows × one tile (16 features) in the build's vectors (vf, common.h) */
 #define NT_FMA 1
-#if defined(__AVX__)
-#define VL 8 /* float32 lanes of the widest vector the build has (a 64-byte vector type */
-#else        /* on a build without AVX-512 would live in memory, not registers) */
-#define VL 4
-#endif
-typedef float vn __attribute__((vector_size(4 * VL)));
-typedef uint32_t vnw __attribute__((vector_size(4 * VL)));
 #endif
 #define MR_DP 12
 #define SEGMENT 8 /* chunks per segment: 16 KiB of weights */
@@ -125,24 +118,24 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
 static inline __attribute__((always_inline)) void fma_rows_nt(int mr, int nt, const float *x,
                                                               const uint32_t *w, int64_t c0, int64_t c1,
                                                               int t0, int pf, float (*acc)[NB]) {
-    vn a[MR_FMA][2][16 / VL];
+    vf a[MR_FMA][2][16 / VL];
     for (int i = 0; i < MR_FMA; i++)
         for (int t = 0; t < nt; t++)
             for (int h = 0; h < 16 / VL; h++) {
-                a[i][t][h] = (vn){0};
-                if (c0 > 0 && i < mr) memcpy(&a[i][t][h], &acc[i][16 * (t0 + t) + VL * h], sizeof(vn));
+                a[i][t][h] = (vf){0};
+                if (c0 > 0 && i < mr) memcpy(&a[i][t][h], &acc[i][16 * (t0 + t) + VL * h], sizeof(vf));
             }
     for (int64_t c = c0; c < c1; c++) {
         for (int p = 0; p < 16; p++) {
             if (pf) stream_ahead(w + c * 2 * TILE_DWORDS, p, pf);
             const float *xk = x + (c * KC + 2 * p) * mr;
             for (int t = 0; t < nt; t++) {
-                vn lo[16 / VL], hi[16 / VL];
+                vf lo[16 / VL], hi[16 / VL];
                 for (int h = 0; h < 16 / VL; h++) {
-                    vnw d;
+                    vfu d;
                     memcpy(&d, w + (c * 2 + t0 + t) * TILE_DWORDS + p * 16 + VL * h, sizeof d);
-                    lo[h] = (vn)(d << 16);
-                    hi[h] = (vn)(d & 0xffff0000u);
+                    lo[h] = (vf)(d << 16);
+                    hi[h] = (vf)(d & 0xffff0000u);
                 }
 #pragma GCC unroll 16
                 for (int i = 0; i < mr; i++) {
@@ -158,7 +151,7 @@ static inline __attribute__((always_inline)) void fma_rows_nt(int mr, int nt, co
     for (int i = 0; i < mr; i++)
         for (int t = 0; t < nt; t++)
             for (int h = 0; h < 16 / VL; h++)
-                memcpy(&acc[i][16 * (t0 + t) + VL * h], &a[i][t][h], sizeof(vn));
+                memcpy(&acc[i][16 * (t0 + t) + VL * h], &a[i][t][h], sizeof(vf));
 }
 
 static inline __attribute__((always_inline)) void fma_rows(int mr, const float *x,
@@ -356,35 +349,27 @@ double radixrt_peak(int kind, int64_t iters, int num_threads) {
     if (kind == 1 && !radixrt_linear_vec_available(KERNEL_DPBF16)) return -1;
 #pragma omp parallel num_threads(num_threads) reduction(+ : total)
     {
-        v16 a[12];
-        for (int j = 0; j < 12; j++) a[j] = (v16){0} + 1e-3f * (float)j;
-        const v16 s = (v16){0} + 0.999f, t = (v16){0} + 1e-7f;
-        if (kind == 0) {
-#ifdef __AVX512F__
-            for (int64_t it = 0; it < iters; it++)
-                for (int j = 0; j < 12; j++) a[j] = a[j] * s + t;
-#else /* the same flops in the registers the build has: 12 narrow chains, 16 / VL rounds */
-            vn b[12];
-            for (int j = 0; j < 12; j++) memcpy(&b[j], &a[j], sizeof(vn));
-            const vn sn = (vn){0} + s[0], tn = (vn){0} + t[0];
+        if (kind == 0) { /* 12 chains of the build's vectors, 16 / VL rounds: 12 × 32 flops a round */
+            vf a[12];
+            for (int j = 0; j < 12; j++) a[j] = (vf){0} + 1e-3f * (float)j;
+            const vf s = (vf){0} + 0.999f, t = (vf){0} + 1e-7f;
             for (int64_t it = 0; it < iters; it++)
                 for (int h = 0; h < 16 / VL; h++)
-                    for (int j = 0; j < 12; j++) b[j] = b[j] * sn + tn;
-            for (int j = 0; j < 12; j++) {
-                a[j] = (v16){0};
-                memcpy(&a[j], &b[j], sizeof(vn));
-            }
-#endif
+                    for (int j = 0; j < 12; j++) a[j] = a[j] * s + t;
+            for (int j = 0; j < 12; j++) total += vhsum(a[j]);
         }
 #ifdef __AVX512BF16__
         else {
+            v16 a[12];
+            for (int j = 0; j < 12; j++) a[j] = (v16){0} + 1e-3f * (float)j;
+            const v16 s = (v16){0} + 0.999f, t = (v16){0} + 1e-7f;
             const __m512bh u = _mm512_cvtne2ps_pbh((__m512)s, (__m512)s);
             const __m512bh v = _mm512_cvtne2ps_pbh((__m512)t, (__m512)t);
             for (int64_t it = 0; it < iters; it++)
                 for (int j = 0; j < 12; j++) a[j] = (v16)_mm512_dpbf16_ps((__m512)a[j], u, v);
+            for (int j = 0; j < 12; j++) total += hsum(a[j]);
         }
 #endif
-        for (int j = 0; j < 12; j++) total += hsum(a[j]);
     }
     return total;
 }
@@ -397,29 +382,16 @@ double radixrt_stream_read(const void *p, int64_t bytes, int num_threads) {
     {
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t l0 = lines * id / threads, l1 = lines * (id + 1) / threads;
-#ifdef __AVX512F__
-        v16 s0 = {0}, s1 = {0};
-        for (int64_t l = l0; l + 1 < l1; l += 2) {
-            v16 a, b;
-            memcpy(&a, (const char *)p + l * 64, 64);
-            memcpy(&b, (const char *)p + (l + 1) * 64, 64);
-            s0 += a;
-            s1 += b;
-        }
-        total += hsum(s0 + s1);
-#else
-        vn s[2][16 / VL] = {{{0}}};
+        vf s[2][16 / VL] = {{{0}}}; /* two lines a step, each as 16 / VL vectors */
         for (int64_t l = l0; l + 1 < l1; l += 2)
             for (int u = 0; u < 2; u++)
                 for (int h = 0; h < 16 / VL; h++) {
-                    vn a;
+                    vf a;
                     memcpy(&a, (const char *)p + (l + u) * 64 + h * 4 * VL, sizeof a);
                     s[u][h] += a;
                 }
         for (int u = 0; u < 2; u++)
-            for (int h = 0; h < 16 / VL; h++)
-                for (int i = 0; i < VL; i++) total += s[u][h][i];
-#endif
+            for (int h = 0; h < 16 / VL; h++) total += vhsum(s[u][h]);
     }
     return total;
 }
