@@ -41,7 +41,7 @@ __all__ = [
 
 #: Bump when the output of :func:`make_tiny_model` changes, so that cached
 #: folders built by an older version are not reused.
-TINY_MODEL_VERSION = 1
+TINY_MODEL_VERSION = 2
 
 ARCHS = ("llama", "qwen2", "qwen3")
 
@@ -260,12 +260,12 @@ def make_tiny_model(
     ``arch`` and the keyword arguments ``sizes`` (``num_layers``,
     ``hidden_size``, ..., ``max_position_embeddings``, ``rope_scaling``) are
     those of :func:`tiny_config`.  Weights are float32 and depend only on the
-    arguments: linear and embedding weights come from the transformers
-    initialiser (normal with std ``initializer_range``) under
-    ``torch.manual_seed(seed)``; the RMSNorm weights and the qwen2 biases are
-    then drawn from a generator seeded with ``seed`` too (around 1 and 0 rather
-    than exactly 1 and 0), so that a runtime that ignores them does not match
-    transformers.
+    arguments: every parameter is drawn, in name order, from a generator of its
+    own seeded with ``seed`` (not torch's global one, which other threads of the
+    calling process may be drawing from): linear and embedding weights normal
+    with std ``initializer_range`` (the embedding's padding row 0), the RMSNorm
+    weights around 1 and the qwen2 biases around 0 rather than exactly 1 and 0,
+    so that a runtime that ignores them does not match transformers.
 
     The tokenizer is a byte-level BPE with ``vocab_size`` tokens trained on
     stdlib sources; ids 0, 1, 2 are ``<|endoftext|>`` (bos/pad),
@@ -287,15 +287,18 @@ def _random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
+            drawn = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=gen))
-            elif name.endswith(".bias"):
-                param.copy_(config.initializer_range * torch.randn(param.shape, generator=gen))
+                param.copy_(1.0 + 0.1 * drawn)
+            else:
+                param.copy_(config.initializer_range * drawn)
+        embed = model.get_input_embeddings()
+        if embed.padding_idx is not None:
+            embed.weight[embed.padding_idx] = 0.0
     model.eval()
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[2, 0], pad_token_id=0)
     return model

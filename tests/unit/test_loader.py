@@ -7,6 +7,7 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -485,7 +486,21 @@ def test_default_model_uses_marked_cache_only(tmp_path, monkeypatch):
 
 
 def test_make_tiny_model_is_deterministic(tiny_models, tmp_path):
-    again = Path(make_tiny_model(tmp_path / "again", arch="llama", seed=0))
+    # made again while another thread draws from torch's global generator (as a test process's
+    # engine threads may): the weights come from a generator of their own
+    stop = threading.Event()
+
+    def draw() -> None:
+        while not stop.is_set():
+            torch.randn(64)
+
+    drawing = threading.Thread(target=draw)
+    drawing.start()
+    try:
+        again = Path(make_tiny_model(tmp_path / "again", arch="llama", seed=0))
+    finally:
+        stop.set()
+        drawing.join()
     first = Path(tiny_models["llama"])
     for name in ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"):
         assert _sha(again / name) == _sha(first / name), name
