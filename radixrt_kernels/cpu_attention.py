@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from radixrt_kernels import cpu_capture
+
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
 MAX_DIM = 256  # ... and at most this
 DTYPES = (torch.float32, torch.bfloat16)
@@ -117,6 +119,8 @@ def attention(
     buffers at those slots first (one call instead of a store and an attention).
     ``bf16_dots``: bf16 work that AMX does not take runs on AVX512-BF16 dot products where the
     build has them (``dots_available``), else it is widened to float32 for FMA."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        return recorder.attention(q, k_buf, v_buf, scaling, new_kv, bf16_dots, out)
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError("attention: k_buf and v_buf must be contiguous")
     call = AttentionCall(lib, q, k_buf, seg, scaling, new_kv, bf16_dots, out)
@@ -152,7 +156,7 @@ class AttentionCall:
         new_k = new_v = new_slots = None
         if new_kv is not None:
             new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
-            if new_k.stride(0) != new_v.stride(0):
+            if new_k.shape[0] > 1 and new_k.stride(0) != new_v.stride(0):  # one stride for both
                 new_k, new_v = new_k.contiguous(), new_v.contiguous()
             if not (
                 new_k.dtype == new_v.dtype == k_buf.dtype

@@ -19,14 +19,17 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from typing import Any, NamedTuple
 
 import torch
 
-from radixrt_kernels import cpu_linear
+from radixrt_kernels import cpu_attention, cpu_linear
+from radixrt_kernels.cpu_capture import CHAIN_LINEAR_KERNELS, Recorder, Step, storage, tensors
 
 LINEAR, NORM, ROPE, ATTENTION = 1, 2, 3, 4  # chain.c's step kinds
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
-KERNELS = tuple(_VEC_KERNEL)  # the linear kernels a chain runs
+KERNELS = CHAIN_LINEAR_KERNELS  # the linear kernels a chain runs
+ALIGN = 64  # bytes: every tensor of a replay's arena starts on a cache line
 
 
 def _rows(t: torch.Tensor, what: str, width: int) -> int:
@@ -231,3 +234,121 @@ class Chain:
         )
         if rc != 0:
             raise ValueError(f"chain: step {-rc - 1} does not fit the kernels here")
+
+
+# ---- a captured forward, replayed ---------------------------------------------------------------
+
+
+def replay(lib: ctypes.CDLL, recorder: Recorder, outputs: tuple[torch.Tensor, ...]) -> Replay:
+    """A finished capture (``cpu_capture.capture``) as a chain over one arena; ``outputs`` (what
+    the captured code returned) become the tensors the chain leaves its results in."""
+    arena = _Arena(recorder.allocated, recorder.steps, outputs)
+    steps = [Step(s.kind, arena.move(s.args)) for s in recorder.steps]
+    return Replay(lib, steps, arena, outputs)
+
+
+class _Arena:
+    """One buffer for every tensor a capture allocated: each gets its own stretch for the steps
+    between its first and last use (and to the end, for the forward's outputs), first fit."""
+
+    def __init__(self, allocated: dict[int, torch.Tensor], steps: list[Step], outputs) -> None:
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for i, step in enumerate(steps):
+            for t in tensors(step.args):
+                key = storage(t)
+                if key in allocated:
+                    first.setdefault(key, i)
+                    last[key] = i
+        for t in tensors(outputs):
+            if storage(t) in allocated:
+                last[storage(t)] = len(steps)
+        self.offsets: dict[int, int] = {}
+        placed: list[tuple[int, int, int]] = []  # (last use, offset, end)
+        for key in sorted(first, key=first.get):
+            live = sorted((o, e) for end, o, e in placed if end >= first[key])
+            size = -(-allocated[key].untyped_storage().nbytes() // ALIGN) * ALIGN
+            offset = 0
+            for o, e in live:
+                if offset + size <= o:
+                    break
+                offset = max(offset, e)
+            self.offsets[key] = offset
+            placed.append((last[key], offset, offset + size))
+        self.buffer = torch.zeros(max((e for _, _, e in placed), default=0), dtype=torch.uint8)
+        self.allocated = allocated
+
+    def move(self, value: Any) -> Any:
+        """``value`` with every tensor the capture allocated (or a view of one) replaced by the
+        same view of the arena."""
+        if isinstance(value, torch.Tensor):
+            key = storage(value)
+            if key not in self.allocated:
+                return value
+            base = self.buffer.view(value.dtype)
+            start = self.offsets[key] // value.element_size() + value.storage_offset()
+            return base.as_strided(value.shape, value.stride(), start)
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)._make(self.move(v) for v in value)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.move(v) for v in value)
+        return value
+
+
+class _Attention(NamedTuple):
+    """An attention step's arguments (int64 [fields]) and the call they are filled from."""
+
+    args: torch.Tensor
+    q: torch.Tensor
+    k_buf: torch.Tensor
+    new_k: torch.Tensor
+    new_v: torch.Tensor
+    out: torch.Tensor
+    scaling: float
+    bf16_dots: bool
+
+
+class Replay:
+    """A captured forward as one chain: ``run(segments, slots)`` computes what the forward
+    computed on the inputs now in its input buffers, into ``outputs``."""
+
+    def __init__(self, lib: ctypes.CDLL, steps: list[Step], arena: _Arena, outputs) -> None:
+        self.lib, self.arena = lib, arena
+        self.outputs = arena.move(tuple(outputs))
+        self.chain = Chain(lib)
+        self.attention: dict[tuple, _Attention] = {}  # steps with equal arguments share them
+        self.kernels = sorted({s.args[0] for s in steps if s.kind == "linear"})
+        for step in steps:
+            if step.kind == "attention":
+                self._add_attention(*step.args)
+            else:
+                getattr(self.chain, step.kind)(*step.args)
+
+    def _add_attention(self, q, k_buf, v_buf, new_k, new_v, out, scaling, bf16_dots) -> None:
+        key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (q, new_k, new_v, out)) + (
+            k_buf.shape,
+            k_buf.dtype,
+            scaling,
+            bf16_dots,
+        )
+        if key not in self.attention:
+            fields = self.lib.radixrt_chain_attention_fields()
+            args = torch.zeros(fields, dtype=torch.int64)
+            self.attention[key] = _Attention(args, q, k_buf, new_k, new_v, out, scaling, bf16_dots)
+        self.chain.attention(self.attention[key].args, k_buf, v_buf)
+
+    def run(self, segments: cpu_attention.Segments | None, slots: torch.Tensor | None) -> None:
+        """Every step, the attentions over ``segments`` storing the new K/V at ``slots``."""
+        for a in self.attention.values():
+            call = cpu_attention.AttentionCall(
+                self.lib,
+                a.q,
+                a.k_buf,
+                segments,
+                a.scaling,
+                (a.new_k, a.new_v, slots),
+                a.bf16_dots,
+                a.out,
+            )
+            a.args.copy_(torch.tensor(call.fields, dtype=torch.int64))
+        self.chain.run()

@@ -38,6 +38,8 @@ from typing import NamedTuple
 
 import torch
 
+from radixrt_kernels import cpu_capture
+
 K_MULTIPLE = 32  # in_features must be a multiple of this (the kernel's chunk)
 
 
@@ -125,6 +127,8 @@ def linear(
     silu(gate)·up [..., n / 2] (bf16, no bias); with ``rope``, rotated (see ``Rope``); by
     ``kernel`` (one of ``KERNELS``). Called for every linear of every step: the checks are
     kept to a few attribute reads."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        return recorder.linear(kernel, x, packed, n, bias, float_out, gated, rope)
     k = x.shape[-1]
     if x.dtype != torch.bfloat16 or (
         bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (n,))

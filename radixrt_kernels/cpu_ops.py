@@ -16,6 +16,8 @@ import ctypes
 
 import torch
 
+from radixrt_kernels import cpu_capture
+
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -41,13 +43,17 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """weight · x / sqrt(mean(x²) + eps) for x [T, N] (rows may be strided), weight [N] in x's
     dtype. With ``residual`` (contiguous [T, N], x's dtype) the norm is of x + residual, and
     that sum is written into ``residual``. x [T, H, N] (heads contiguous, token rows may be
-    strided; no residual): each head's norm, into a new contiguous [T, H, N]."""
+    strided; no residual): each head's norm, into a new contiguous [T, H, N], or into ``out``
+    laid out as x (``out`` may be x: in place)."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        return recorder.norm(x, weight, eps, residual, out)
     if x.dim() == 3:
-        return _rms_norm_heads(lib, x, weight, eps)
+        return _rms_norm_heads(lib, x, weight, eps, out)
     t, n = x.shape
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -76,20 +82,33 @@ def rms_norm(
     return out
 
 
-def _rms_norm_heads(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float):
+def _rms_norm_heads(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     t, heads, n = x.shape
+    if out is not None and (
+        out.shape != x.shape or out.dtype != x.dtype or out.stride() != x.stride()
+    ):
+        raise ValueError("rms_norm: out must be laid out as x")
     if x.stride(2) != 1 or x.stride(1) != n:
+        if out is not None:
+            raise ValueError("rms_norm: a norm into out needs x's heads contiguous")
         x = x.contiguous()
     if weight.dtype != x.dtype:
         raise ValueError("rms_norm: the weight must be in x's dtype")
     weight = weight.contiguous()
-    out = torch.empty(t, heads, n, dtype=x.dtype)
+    if out is None:
+        out = torch.empty(t, heads, n, dtype=x.dtype)
     _check(
         lib.radixrt_rms_norm_heads(
             x.data_ptr(),
             x.stride(0),
             out.data_ptr(),
-            heads * n,
+            out.stride(0),
             weight.data_ptr(),
             t,
             heads,
@@ -112,6 +131,8 @@ def rope_(
 ) -> torch.Tensor:
     """Neox rotary embedding of x [T, N, D] in place (token rows may be strided, heads not),
     with float32 tables cos and sin± [max_position, D] at positions (int64 [T]); returns x."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        return recorder.rope(x, positions, cos, sin_signed)
     t, heads, d = x.shape
     if (
         x.stride(2) != 1
@@ -145,6 +166,8 @@ def rope_(
 
 def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     """silu(x[:, :N]) · x[:, N:] for x [T, 2N] → [T, N]."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        recorder.refuse("silu_mul")
     t, n2 = x.shape
     if not x.is_contiguous():
         x = x.contiguous()

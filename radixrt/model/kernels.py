@@ -113,6 +113,8 @@ class CRMSNorm(TorchRMSNorm):
             or (x.dim() == 3 and residual is not None)
         ):
             return super().__call__(x, weight, eps, residual)
+        if x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return cpu_ops.rms_norm(self.lib, x, weight, eps, out=x)  # each head, in place
         if residual is None:
             return cpu_ops.rms_norm(self.lib, x, weight, eps)
         residual = residual.contiguous()  # receives x + residual

@@ -188,7 +188,8 @@ def prepare_weights(model: nn.Module) -> None:
 
 class RMSNorm(nn.Module):
     """RMS norm with a learned scale; given a residual, the norm of x + residual, returned with
-    that sum (the next residual)."""
+    that sum (the next residual). Each head's norm of x [T, H, D] may happen in place: callers
+    pass a tensor of their own and use the result."""
 
     def __init__(self, dim: int, eps: float, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__()

@@ -124,11 +124,11 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
+        self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the last layer's output, the residual before it): the final hidden state is their
-        sum."""
-        h, residual = self.embed_tokens(input_ids), None
+        """The decoder layers over the embedded tokens h [T, hidden]: (the last layer's output,
+        the residual before it); the final hidden state is their sum."""
+        residual = None
         for layer in self.layers:
             h, residual = layer(positions, h, residual, batch)
         return h, residual
@@ -165,6 +165,27 @@ class LlamaForCausalLM(nn.Module):
         with forward_context(batch):
             return self.compiled(batch.input_ids, batch.positions, idx)
 
+    # A forward is three parts: ``embed`` and ``head`` around ``body``, the decoder layers.
+    # The runner may capture ``body`` and replay it as one chain of CPU kernels
+    # (``radixrt.model.decode_chain``), so everything a layer computes belongs in it.
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The tokens' embeddings [T, hidden]."""
+        return self.model.embed_tokens(input_ids)
+
+    def body(
+        self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder layers over h [T, hidden]: (the last layer's output, the residual before
+        it)."""
+        return self.model(h, positions, batch)
+
+    def head(self, h: torch.Tensor, residual: torch.Tensor, idx) -> torch.Tensor:
+        """float32 logits of the rows ``idx`` (an index tensor or a slice) of the final hidden
+        state h + residual."""
+        normed, _ = self.model.norm(h[idx], residual[idx])
+        return self.lm_head(normed)
+
     def logits(
         self,
         input_ids: torch.Tensor,
@@ -172,9 +193,8 @@ class LlamaForCausalLM(nn.Module):
         idx: torch.Tensor,
         batch: ForwardBatch | None = None,
     ) -> torch.Tensor:
-        h, residual = self.model(input_ids, positions, batch)
-        normed, _ = self.model.norm(h[idx], residual[idx])
-        return self.lm_head(normed)
+        h, residual = self.body(self.embed(input_ids), positions, batch)
+        return self.head(h, residual, idx)
 
     def enable_torch_compile(self) -> None:
         """Compile ``logits`` with dynamic shapes: a graph serves every batch size (sizes of 1

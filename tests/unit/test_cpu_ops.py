@@ -65,8 +65,8 @@ def test_rms_norm_with_and_without_residual(lib, dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_head_rms_norm_of_a_qkv_view(lib, dtype: torch.dtype) -> None:
-    """q or k [T, H, D] as a view into a qkv row (a q/k norm): each head normed by the C kernel,
-    as the 2-D norm does each row, and as PyTorch's ops do up to the last bit."""
+    """q or k [T, H, D] as a view into a qkv row (a q/k norm): each head normed in place by the C
+    kernel, as the 2-D norm does each row, and as PyTorch's ops do up to the last bit."""
     torch.manual_seed(1)
     fast, plain = _pair(RMSNorm, 64, 1e-6)
     weight = (1 + 0.1 * torch.randn(64)).to(dtype)
@@ -74,10 +74,14 @@ def test_per_head_rms_norm_of_a_qkv_view(lib, dtype: torch.dtype) -> None:
         m.weight.data = weight
     qkv = (torch.randn(9, (4 + 2 + 2) * 64) * 2).to(dtype)
     k = qkv[:, 4 * 64 : 6 * 64].view(9, 2, 64)  # strided token rows, contiguous heads
+    rows = fast(k.reshape(18, 64))  # the rows' kernel, per head (on a copy)
+    want = plain(k)
+    q_and_v = torch.cat([qkv[:, : 4 * 64], qkv[:, 6 * 64 :]], 1)
     got = fast(k)
-    assert got.shape == (9, 2, 64) and got.is_contiguous()
-    assert torch.equal(got.view(18, 64), fast(k.reshape(18, 64)))  # the rows' kernel, per head
-    _close(got, plain(k))
+    assert got.shape == (9, 2, 64) and got.data_ptr() == k.data_ptr()  # in place
+    assert torch.equal(got.reshape(18, 64), rows)
+    assert torch.equal(torch.cat([qkv[:, : 4 * 64], qkv[:, 6 * 64 :]], 1), q_and_v)
+    _close(got, want)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

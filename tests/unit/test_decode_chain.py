@@ -1,5 +1,6 @@
-"""The decode chain (``radixrt.model.decode_chain``): small decode batches run as one C call per
-layer and give the layer-by-layer forward's logits bit for bit."""
+"""The decode chain (``radixrt.model.decode_chain``): the model's decoder layers captured and
+replayed as one C call give the layer-by-layer forward's logits bit for bit; a body it cannot
+replay is refused with the reason."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
+from radixrt.model.decode_chain import decode_chain_for
+from radixrt.model.layers import RMSNorm
+from radixrt.model.llama import LlamaDecoderLayer
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_chain, cpu_library, cpu_linear
 
@@ -79,7 +83,8 @@ def test_the_chain_stays_off_where_it_does_not_apply(tiny_llama: str) -> None:
         model=tiny_llama, dtype="bfloat16", max_total_tokens=256, linear_kernel="torch"
     ) as eng:
         assert eng.runner.decode_chain is None
-        assert "do not all run packed weights" in eng.runner.decode_chain_info
+        info = eng.runner.decode_chain_info  # PyTorch's linear: named, with where it ran
+        assert info.startswith("off: linear at linear_methods.py"), info
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
         assert eng.runner.decode_chain is None
         assert eng.runner.decode_chain_info.startswith("off: ")
@@ -91,7 +96,7 @@ def test_the_chain_stays_off_where_it_does_not_apply(tiny_llama: str) -> None:
             attention_backend="torch",
             linear_kernel="fma",
         ) as eng:
-            assert "CPU kernel's on a bf16 pool" in eng.runner.decode_chain_info
+            assert "attention is not the CPU kernel's" in eng.runner.decode_chain_info
 
 
 def test_batches_beyond_the_chains_rows_run_layer_by_layer(tiny_llama: str) -> None:
@@ -103,9 +108,10 @@ def test_batches_beyond_the_chains_rows_run_layer_by_layer(tiny_llama: str) -> N
     ) as eng:
         chain = eng.runner.decode_chain
         chain.max_rows = 4  # smaller than the batch: these decode steps run layer by layer
+        captured = set(chain.plans)
         sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
         got = [o.token_ids for o in eng.generate(prompts, sp)]
-        assert not chain.plans
+        assert set(chain.plans) == captured
     with Engine(
         model=tiny_llama,
         dtype="bfloat16",
@@ -115,3 +121,63 @@ def test_batches_beyond_the_chains_rows_run_layer_by_layer(tiny_llama: str) -> N
     ) as eng:
         assert got == [o.token_ids for o in eng.generate(prompts, sp)]
     assert torch.get_num_threads() >= 1
+
+
+class ScaledResidual(LlamaDecoderLayer):
+    """A decoder step written in PyTorch: a chain has no kernel for it."""
+
+    def forward(self, positions, h, residual, batch):
+        h, residual = super().forward(positions, h, residual, batch)
+        return h * 0.5, residual
+
+
+class PostNorm(LlamaDecoderLayer):
+    """A decoder step on the model's own kernel objects (a norm of the MLP's output, as
+    Gemma's post-feedforward norm): the chain runs it with no change of its own."""
+
+    def forward(self, positions, h, residual, batch):
+        h, residual = super().forward(positions, h, residual, batch)
+        return self.post_norm(h), residual
+
+
+def greedy(eng: Engine) -> list:
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True, logprobs=True)
+    return [(o.token_ids, o.logprobs) for o in eng.generate(PROMPTS, sp)]
+
+
+def test_a_new_decoder_step_runs_in_the_chain_or_is_refused_by_name(tiny_llama: str) -> None:
+    kernels = chain_kernels()
+    if not kernels:
+        pytest.skip("no linear kernel a chain runs works here")
+    lib = cpu_library.load(cache_dir())
+    with Engine(
+        model=tiny_llama, dtype="bfloat16", max_total_tokens=1024, linear_kernel=kernels[0]
+    ) as eng:
+        runner = eng.runner
+        model, layers = runner.model, runner.model.model.layers
+        for layer in layers:
+            layer.__class__ = ScaledResidual
+        chain, info = decode_chain_for(model, runner.attn_backend, lib)
+        assert chain is None
+        assert info.startswith("off: ") and "mul at test_decode_chain.py" in info, info
+
+        hidden, gen = model.config.hidden_size, torch.Generator().manual_seed(0)
+        for layer in layers:
+            layer.__class__ = PostNorm
+            layer.post_norm = RMSNorm(hidden, 1e-6, runner.kernels)
+            weight = 1 + 0.5 * torch.randn(hidden, generator=gen)
+            layer.post_norm.weight.data = weight.bfloat16()
+        runner.decode_chain, info = decode_chain_for(model, runner.attn_backend, lib)
+        assert runner.decode_chain is not None, info
+        steps = len(runner.decode_chain.plans[runner.decode_chain.max_rows].chain.steps)
+        chained = greedy(eng)
+        assert len(runner.decode_chain.plans) > 1  # the decode batches ran as chains
+        runner.decode_chain = None
+        eng.flush_cache()
+        assert greedy(eng) == chained
+    # one more norm step per layer than the plain model's chain
+    with Engine(
+        model=tiny_llama, dtype="bfloat16", max_total_tokens=1024, linear_kernel=kernels[0]
+    ) as eng:
+        plain = eng.runner.decode_chain.plans[eng.runner.decode_chain.max_rows]
+        assert steps == len(plain.chain.steps) + len(layers)
