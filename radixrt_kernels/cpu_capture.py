@@ -52,7 +52,12 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def storage(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+    """The address of t's storage (an opaque tensor, such as oneDNN's packed weight: a key of
+    its own)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except NotImplementedError:
+        return -id(t)
 
 
 def _heads_in_place(x: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """Model building blocks. Each holds the kernel objects it was built with
-(``radixrt.model.kernels``) and runs them in a single-path ``forward``.
+(``radixrt.model.kernel_set``) and runs them in a single-path ``forward``.
 
 Parameters carry a ``weight_loader`` that copies a checkpoint tensor (or its
 shard of a stacked parameter) into them. After loading, ``prepare_weights``
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.model import rope
-from radixrt.model.kernels import Kernels
+from radixrt.model.kernel_set import Kernels
 from radixrt.model.linear_methods import QKVShape
 
 DEFAULT_KERNELS = Kernels()  # PyTorch's ops: for layers built outside a model runner

@@ -1,6 +1,6 @@
 """Linear methods: how a linear layer's weight is laid out and multiplied.
 
-A method is chosen once, when the model is built (``radixrt.model.kernels``),
+A method is chosen once, when the model is built (``radixrt.model.kernel_set``),
 and the layer calls it on every forward:
 
 - ``prepare(w)`` runs once after the weights are loaded and returns the

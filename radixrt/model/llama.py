@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from radixrt.attention.base import ForwardBatch, attention, forward_context
-from radixrt.model.kernels import Kernels
+from radixrt.model.kernel_set import Kernels
 from radixrt.model.layers import (
     DEFAULT_KERNELS,
     GateUpLinear,

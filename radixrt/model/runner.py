@@ -20,7 +20,7 @@ from radixrt.memory import (
     keep_freed_memory,
 )
 from radixrt.model.decode_chain import decode_chain_for
-from radixrt.model.kernels import Kernels, choose_kernels
+from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
 from radixrt_kernels import cpu_library

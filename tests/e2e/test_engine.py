@@ -104,7 +104,7 @@ def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, 
     time, so no forward has over 32 rows, where the kernel adds the products in oneDNN's order
     (bit-equal logits)."""
     from radixrt.model import runner
-    from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels
+    from radixrt.model.kernel_set import CRMSNorm, CRotary, CSiluMul, Kernels
     from radixrt_kernels import cpu_linear
 
     if not cpu_linear.available(cpu_library.load(cache_dir())):

@@ -9,7 +9,14 @@ import shutil
 import pytest
 import torch
 
-from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels, TorchSiluMul, choose_kernels
+from radixrt.model.kernel_set import (
+    CRMSNorm,
+    CRotary,
+    CSiluMul,
+    Kernels,
+    TorchSiluMul,
+    choose_kernels,
+)
 from radixrt.model.layers import RMSNorm, RotaryEmbedding
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_ops

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from radixrt.model import linear_methods
-from radixrt.model.kernels import Kernels, choose_kernels
+from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
 from radixrt.model.loader import cache_dir
 from radixrt_kernels import cpu_library, cpu_linear
