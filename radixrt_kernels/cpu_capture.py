@@ -31,6 +31,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 CHAIN_LINEAR_KERNELS = ("fma", "avx512_bf16")  # the linear kernels chain.c runs
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _COMPUTING_SCALARS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 
 
@@ -67,11 +68,11 @@ def _heads_in_place(x: torch.Tensor) -> bool:
 
 
 def _caller() -> str:
-    """file:line of the innermost frame outside torch and this module."""
+    """file:line of the innermost frame outside torch and the kernels' package."""
     frame = sys._getframe(2)
     while frame is not None:
         path = frame.f_code.co_filename
-        if f"{os.sep}torch{os.sep}" not in path and path != __file__:
+        if f"{os.sep}torch{os.sep}" not in path and not path.startswith(_PACKAGE):
             return f"{os.path.basename(path)}:{frame.f_lineno} ({frame.f_code.co_name})"
         frame = frame.f_back
     return "?"
@@ -93,7 +94,8 @@ class Recorder(TorchFunctionMode):
         result = func(*args, **kwargs)
         if self.in_kernel or self._passive(func, args, kwargs, result):
             return result
-        name = getattr(func, "__name__", repr(func)).strip("_")
+        name = getattr(func, "__name__", repr(func))
+        name = name[2:-2] if name.startswith("__") and name.endswith("__") else name
         raise ChainRefused(f"{name} at {_caller()} computes outside the kernels a chain runs")
 
     @staticmethod

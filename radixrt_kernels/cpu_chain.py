@@ -24,7 +24,14 @@ from typing import Any, NamedTuple
 import torch
 
 from radixrt_kernels import cpu_attention, cpu_linear
-from radixrt_kernels.cpu_capture import CHAIN_LINEAR_KERNELS, Recorder, Step, storage, tensors
+from radixrt_kernels.cpu_capture import (
+    CHAIN_LINEAR_KERNELS,
+    Recorder,
+    Step,
+    capturing,
+    storage,
+    tensors,
+)
 
 LINEAR, NORM, ROPE, ATTENTION = 1, 2, 3, 4  # chain.c's step kinds
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
@@ -242,6 +249,8 @@ class Chain:
 def replay(lib: ctypes.CDLL, recorder: Recorder, outputs: tuple[torch.Tensor, ...]) -> Replay:
     """A finished capture (``cpu_capture.capture``) as a chain over one arena; ``outputs`` (what
     the captured code returned) become the tensors the chain leaves its results in."""
+    if capturing() is recorder:
+        raise RuntimeError("replay: the capture has not ended")
     arena = _Arena(recorder.allocated, recorder.steps, outputs)
     steps = [Step(s.kind, arena.move(s.args)) for s in recorder.steps]
     return Replay(lib, steps, arena, outputs)
