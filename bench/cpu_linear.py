@@ -1,6 +1,6 @@
 """Every bf16 CPU linear path on the default model's linear shapes, against this CPU's ceilings.
 
-Paths: the three kernels of ``radixrt_kernels.cpu_linear`` (``amx``,
+Paths: the three kernels of ``radixrt_kernels.cpu.linear`` (``amx``,
 ``avx512_bf16``, ``fma``: one packed weight, shared), oneDNN's linear on a
 weight reordered once (``OneDNNLinear``), PyTorch's bf16 ``F.linear`` and its
 float32 ``F.linear`` (x widened inside the clock, the float32 weight made once
@@ -46,7 +46,7 @@ freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's we
 collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a
 decode step meets it: each call's weight is cold, and each call pays its own fixed costs
 (the Python wrapper, the ctypes call, the OpenMP team). The kernels a decode chain runs
-(``radixrt_kernels.cpu_chain``) are timed that way too ("<kernel> chain"): all the layers'
+(``radixrt_kernels.cpu.chain``) are timed that way too ("<kernel> chain"): all the layers'
 linears as one chain, as the engine's decode chain runs them (with the norms and attentions
 between), then the LM head's call.
 
@@ -78,7 +78,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 BENCH = Path(__file__).parent
 RESULTS = BENCH / "results"
@@ -329,8 +330,8 @@ def chained_steps(
     steps: list[Shape], ws: list, lib: Any, kernel: str, m: int, xs: dict
 ) -> Callable[[], None]:
     """The decode step's linears as the engine's decode chain runs them: every layer's qkv, o,
-    gate_up and down as one chain (``radixrt_kernels.cpu_chain``), then the LM head's call."""
-    from radixrt_kernels import cpu_chain
+    gate_up and down as one chain (``radixrt_kernels.cpu.chain``), then the LM head's call."""
+    from radixrt_kernels.cpu import chain as cpu_chain
 
     chain = cpu_chain.Chain(lib)
     for shape, w in zip(steps[:-1], ws[:-1]):
@@ -355,7 +356,7 @@ def measure_decode_step(
     (call by call, and for the kernels a chain runs, as chains: "<kernel> chain"), each step
     followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
     from radixrt.memory import anonymous_regions, collapse_anonymous_memory
-    from radixrt_kernels import cpu_chain
+    from radixrt_kernels.cpu import chain as cpu_chain
 
     paths = [p for p in paths if p.layout in ("packed", "onednn")]
     rows = sorted({m for m in args.rows if m <= MEMORY_BOUND_MAX})

@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
 
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT = '{"type": "object", "additionalProperties": true}'

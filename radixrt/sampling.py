@@ -56,7 +56,8 @@ from typing import Any, NamedTuple
 import torch
 
 from radixrt import grammar
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1

@@ -26,7 +26,8 @@ from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.calibrate import Calibrator
 from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_attention, cpu_library
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import library as cpu_library
 
 MIN_GROUP_SIZE = 2
 MIN_SHARED_PREFIX = 16

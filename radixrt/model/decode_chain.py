@@ -35,7 +35,9 @@ from radixrt.model.linear_methods import (
     PackedRotaryQKV,
     RotateAfter,
 )
-from radixrt_kernels import cpu_attention, cpu_chain, cpu_linear
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import chain as cpu_chain
+from radixrt_kernels.cpu import linear as cpu_linear
 
 
 def _decode_side(layer, cls) -> tuple[str, torch.Tensor, int] | None:

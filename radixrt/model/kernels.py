@@ -41,7 +41,9 @@ from radixrt.model.linear_methods import (
     RotateAfter,
     onednn_works,
 )
-from radixrt_kernels import cpu_library, cpu_linear, cpu_ops
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 # ---- elementwise kernels: PyTorch's ops --------------------------------------------------------
 

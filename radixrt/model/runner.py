@@ -23,7 +23,7 @@ from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
-from radixrt_kernels import cpu_library
+from radixrt_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,6 +1,6 @@
-"""The elementwise CPU kernels (radixrt_kernels.cpu_ops) against the PyTorch ops they replace
-in the model's layers: RMS norm with and without the residual add, the rotary embedding in place
-on a strided q/k view, SiLU-and-mul; float32 and bfloat16."""
+"""The elementwise CPU kernels (radixrt_kernels.cpu.elementwise) against the PyTorch ops they
+replace in the model's layers: RMS norm with and without the residual add, the rotary embedding
+in place on a strided q/k view, SiLU-and-mul; float32 and bfloat16."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels, TorchSiluMul, choose_kernels
 from radixrt.model.layers import RMSNorm, RotaryEmbedding
 from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None and shutil.which("cc") is None,

@@ -11,7 +11,8 @@ from radixrt.model import linear_methods
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
 from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 HAS_ONEDNN = linear_methods.onednn_works()
 needs_onednn = pytest.mark.skipif(
@@ -146,7 +147,7 @@ def test_vector_kernels_equal_pytorch_within_bf16_rounding(kernel: str, rows: in
 def test_gated_linear_is_silu_and_mul_of_the_two_products(rows: int, kernel: str) -> None:
     # [gate; up] packed gated: silu(gate)·up in the same pass, bit-equal to the two steps apart
     # (the linear, then cpu_ops.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
-    from radixrt_kernels import cpu_ops
+    from radixrt_kernels.cpu import elementwise as cpu_ops
 
     lib = library_with(kernel)
     torch.manual_seed(rows)
@@ -200,7 +201,7 @@ def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool, k
     # same kernel's plain output followed by the rotary embedding (cpu_ops.rope_), eager and under
     # torch.compile.
     from radixrt.model.layers import QKVLinear, RotaryEmbedding, RotaryQKVLinear
-    from radixrt_kernels import cpu_ops
+    from radixrt_kernels.cpu import elementwise as cpu_ops
 
     kernels = kernels_for(kernel)
     lib = kernels.lib
@@ -364,7 +365,7 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
     """The library as built on CPUs without AMX, without AVX512-BF16, without AVX-512 (AVX2:
     the FMA kernel on 8 lanes) or without AVX (4 lanes, as on SSE or NEON): AMX is refused, the
     vector kernels that build give the native build's results, with every epilogue."""
-    from radixrt_kernels import cpu_library as library
+    from radixrt_kernels.cpu import library
 
     native = library.load(cache_dir())
     monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, *flags])
@@ -390,7 +391,8 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
             # (gated: the portable build's exp and reciprocal may move a result by one bf16 step)
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
         # this build's chain gives this build's separate calls
-        from radixrt_kernels import cpu_chain, cpu_ops
+        from radixrt_kernels.cpu import chain as cpu_chain
+        from radixrt_kernels.cpu import elementwise as cpu_ops
 
         chain, normed = cpu_chain.Chain(lib), torch.empty(37, 192, dtype=torch.bfloat16)
         y, act = (

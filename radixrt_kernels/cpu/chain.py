@@ -22,7 +22,7 @@ import struct
 
 import torch
 
-from radixrt_kernels import cpu_linear
+from radixrt_kernels.cpu import linear as cpu_linear
 
 LINEAR, NORM, ROPE, ATTENTION = 1, 2, 3, 4  # chain.c's step kinds
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}

@@ -1,13 +1,13 @@
-"""The CPU kernels' library: the C sources in ``cpu/``, built on first use.
+"""The CPU kernels' library: the C sources beside this module, built on first use.
 
-``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
-``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
-see ``cpu_ops``), ``cpu/linear.c`` and ``cpu/linear_vec.c`` (bf16 linear
-layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) and ``cpu/chain.c``
-(several norm and linear steps in one call, see ``cpu_chain``) are compiled with
-the system C compiler (``-O3 -march=native``, OpenMP) into one library in
-``CACHE_DIR/kernels/`` and loaded with ctypes. The library links against the
-OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's threads.
+``attention.c`` (attention through slot indices, see ``attention``),
+``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax; see
+``elementwise``), ``linear.c`` and ``linear_vec.c`` (bf16 linear layers with AMX,
+AVX512-BF16 or FMA, see ``linear``) and ``chain.c`` (several norm and linear steps in
+one call, see ``chain``) are compiled with the system C compiler (``-O3 -march=native``,
+OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The library
+links against the OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's
+threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
@@ -28,7 +28,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FOLDER = Path(__file__).with_name("cpu")
+FOLDER = Path(__file__).parent
 SOURCES = [
     FOLDER / n for n in ("attention.c", "chain.c", "elementwise.c", "linear.c", "linear_vec.c")
 ]
