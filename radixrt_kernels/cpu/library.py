@@ -1,13 +1,13 @@
 """The CPU kernels' library: the C sources beside this module, built on first use.
 
-``attention.c`` (attention through slot indices, see ``attention``),
-``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax; see
-``elementwise``), ``linear.c`` and ``linear_vec.c`` (bf16 linear layers with AMX,
-AVX512-BF16 or FMA, see ``linear``) and ``chain.c`` (several norm and linear steps in
-one call, see ``chain``) are compiled with the system C compiler (``-O3 -march=native``,
-OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The library
-links against the OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's
-threads.
+One C file per concern, each with its wrapper module: ``attention.c`` (attention through slot
+indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul,
+``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
+``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
+``linear``) and ``chain.c`` (several steps in one call, ``chain``). They are compiled with the
+system C compiler (``-O3 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/``
+and loaded with ctypes. The library links against the OpenMP runtime PyTorch already loaded, so
+its loops run on PyTorch's threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
@@ -30,7 +30,15 @@ from pathlib import Path
 
 FOLDER = Path(__file__).parent
 SOURCES = [
-    FOLDER / n for n in ("attention.c", "chain.c", "elementwise.c", "linear.c", "linear_vec.c")
+    FOLDER / n
+    for n in (
+        "attention.c",
+        "chain.c",
+        "elementwise.c",
+        "linear_amx.c",
+        "linear_vec.c",
+        "sampling.c",
+    )
 ]
 HEADERS = [FOLDER / n for n in ("common.h", "linear_out.h", "parts.h")]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]

@@ -1,12 +1,12 @@
 """bfloat16 linear layers on the CPU, on weights packed once (``pack``), by one of three kernels.
 
-- ``"amx"`` (``cpu/linear.c``): AMX tile products. A decode step is bound by
+- ``"amx"`` (``linear_amx.c``): AMX tile products. A decode step is bound by
   streaming the weights; this kernel reads each weight as one sequential
   stream per thread. Its sums are added in the order oneDNN's AMX kernels add
   them, so for up to 32 rows its results equal ``F.linear``'s bit for bit
   (beyond, within the last bf16 bit: oneDNN picks kernels of other orders).
-- ``"avx512_bf16"`` (``cpu/linear_vec.c``): vdpbf16ps dot products.
-- ``"fma"`` (``cpu/linear_vec.c``): the bf16 weights widened to float32 as
+- ``"avx512_bf16"`` (``linear_vec.c``): vdpbf16ps dot products.
+- ``"fma"`` (``linear_vec.c``): the bf16 weights widened to float32 as
   they are read and multiplied with float32 FMA (AVX-512, or AVX2 on CPUs
   without it), x widened once per call.
 All three read the same packed weights, add in float32 and round once to
@@ -20,13 +20,13 @@ CPU's ceilings (register-only FMA and vdpbf16ps loops, a read-only stream).
 
 Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
 ``gated=True`` gives silu(x·gateᵀ)·(x·upᵀ) [M, N'] in the same pass, rounded
-as ``cpu_ops.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
+as ``elementwise.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
 without its own call, and without writing and re-reading the [M, 2N'] products
 (a prefill's are megabytes).
 
 Rotary: ``linear(..., rope=Rope(positions, cos, sin_signed, head_dim, cols))``
 rotates the output's first ``cols`` features (q and k heads of ``head_dim``,
-a multiple of 64) in the same pass, as ``cpu_ops.rope_`` rotates them.
+a multiple of 64) in the same pass, as ``elementwise.rope_`` rotates them.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-/* Linear layers on the CPU without AMX: y = x·Wᵀ (+ bias) on the packed weights of linear.c.
+/* Linear layers on the CPU without AMX: y = x·Wᵀ (+ bias) on the packed weights of linear_amx.c.
  *
  * Two kernels read the same packed layout (per block of NB output features and chunk of KC
  * input features, two tiles of 16 K-pairs × 16 features × 2), a K-pair of 16 features being

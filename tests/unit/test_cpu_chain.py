@@ -9,7 +9,7 @@ import torch
 from radixrt.model import rope
 from radixrt.model.loader import cache_dir
 from radixrt_kernels.cpu import chain as cpu_chain
-from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import elementwise
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
 
@@ -48,11 +48,11 @@ def layer_weights(lib, seed: int = 0) -> dict:
 def separate(lib, kernel, p, h, residual, positions, attn_out):
     """A layer's steps as separate calls: (qkv, the layer's output, the residual after it)."""
     residual = residual.clone()
-    x = cpu_ops.rms_norm(lib, h, p["norm1"], 1e-5, residual)
+    x = elementwise.rms_norm(lib, h, p["norm1"], 1e-5, residual)
     r = cpu_linear.Rope(positions, p["cos"], p["sin"], HEAD, (HEADS + KV_HEADS) * HEAD)
     qkv = cpu_linear.linear(lib, x, p["qkv"], p["qkv_out"], p["qkv_bias"], rope=r, kernel=kernel)
     o = cpu_linear.linear(lib, attn_out, p["o"], HIDDEN, kernel=kernel)
-    x = cpu_ops.rms_norm(lib, o, p["norm2"], 1e-5, residual)
+    x = elementwise.rms_norm(lib, o, p["norm2"], 1e-5, residual)
     act = cpu_linear.linear(lib, x, p["gate_up"], 2 * INTER, gated=True, kernel=kernel)
     return qkv, cpu_linear.linear(lib, act, p["down"], HIDDEN, kernel=kernel), residual
 
