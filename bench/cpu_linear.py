@@ -26,7 +26,7 @@ be one that found its weight there). Larger cells report the fastest call
 (noise only adds time) and reuse one
 copy: they are bound by arithmetic, not by the weight's stream.
 
-The ceilings are measured in the same run, on the same threads: a
+The ceilings (``bench/ceilings.py``) are measured in the same run, on the same threads: a
 register-only float32 FMA loop, a vdpbf16ps loop (0 where the build lacks it)
 and a read-only stream over 2× the last-level cache. Compute-bound cells
 (rows >= 64) are given as a fraction of the FMA peak (and of the vdpbf16ps
@@ -81,6 +81,9 @@ import torch.nn.functional as F
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
 
+sys.path.insert(0, str(Path(__file__).parent))
+import ceilings  # noqa: E402  (this CPU's ceilings: bench/ceilings.c)
+
 BENCH = Path(__file__).parent
 RESULTS = BENCH / "results"
 FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512_bf16", "avx512_fp16", "avx2", "fma")
@@ -130,13 +133,14 @@ class Ceilings(NamedTuple):
     stream_gbps: float  # read-only stream over 2x the LLC
 
 
-def measure_ceilings(lib: Any, threads: int, llc: int) -> Ceilings:
-    if lib is None:
+def measure_ceilings(clib: Any, threads: int, llc: int) -> Ceilings:
+    """The ceilings, by ``clib`` (``ceilings.load``; None: none measured, all 0)."""
+    if clib is None:
         return Ceilings(0.0, 0.0, 0.0)
     return Ceilings(
-        cpu_linear.peak_gflops(lib, "fma", threads),
-        cpu_linear.peak_gflops(lib, "avx512_bf16", threads),
-        cpu_linear.stream_gbps(lib, threads, nbytes=2 * llc),
+        ceilings.peak_gflops(clib, "fma", threads),
+        ceilings.peak_gflops(clib, "avx512_bf16", threads),
+        ceilings.stream_gbps(clib, threads, nbytes=2 * llc),
     )
 
 
@@ -350,6 +354,7 @@ def measure_decode_step(
     paths: list[LinearPath],
     layouts: dict[str, Callable],
     lib: Any,
+    clib: Any,
     args: argparse.Namespace,
 ) -> list[dict]:
     """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back
@@ -394,7 +399,7 @@ def measure_decode_step(
                     t0 = time.perf_counter()
                     run()
                     t1 = time.perf_counter()
-                    lib.radixrt_stream_read(stream.data_ptr(), nbytes, args.threads)
+                    ceilings.stream_read(clib, stream, args.threads)
                     t2 = time.perf_counter()
                     times.setdefault((name, m), []).append((t1 - t0, t2 - t1))
     out = []
@@ -611,14 +616,15 @@ def main() -> None:
     args.llc = llc_bytes()
     model, flags = cpu_model_and_flags()
     paths, layouts, missing = available_paths(lib)
-    ceil = measure_ceilings(lib, args.threads, args.llc)
+    clib = ceilings.load(cache_dir()) if lib is not None else None
+    ceil = measure_ceilings(clib, args.threads, args.llc)
     print_header(model, flags, args, ceil)
     print(f"paths: {', '.join(p.name for p in paths)}; left out: {', '.join(missing) or '-'}")
     shapes = [s for s in model_shapes(args.model) if s.name in args.shapes]
     cells = measure_all(shapes, paths, layouts, ceil, args)
     print_cells(shapes, cells)
     steps = decode_step_shapes(args.model)
-    decode_step = measure_decode_step(steps, paths, layouts, lib, args)
+    decode_step = measure_decode_step(steps, paths, layouts, lib, clib, args)
     print_decode_step(steps, decode_step)
     offline = run_offline(args.threads) if args.offline else {}
     if offline:

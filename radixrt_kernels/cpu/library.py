@@ -116,8 +116,6 @@ RESTYPES = {
         ctypes.c_int64,
         [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
-    "radixrt_peak": (ctypes.c_double, [_int, _i64, _int]),
-    "radixrt_stream_read": (ctypes.c_double, [_ptr, _i64, _int]),
 }  # the others: int
 
 _lib: ctypes.CDLL | None = None
@@ -169,30 +167,42 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _build_and_load(folder: Path) -> ctypes.CDLL:
+def compile_library(sources: list[Path], folder: Path, name: str) -> Path:
+    """``sources`` compiled as this library is (its compiler, ``CFLAGS`` and
+    ``RADIXRT_KERNEL_CFLAGS``, its headers on the include path, linked to PyTorch's libgomp) into
+    ``folder/<name>-<key>.so``; returns that path. The key hashes the sources, the headers,
+    flags, compiler, OpenMP runtime and CPU, so a change to any of them builds a new file.
+    Raises RuntimeError naming the failed command."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [f.read_text() for f in SOURCES + HEADERS]
+    texts = [f.read_text() for f in sources + HEADERS]
     flags = [*CFLAGS, *os.environ.get("RADIXRT_KERNEL_CFLAGS", "").split()]
     key = hashlib.sha256(
         "\0".join([*texts, " ".join(flags), cc, version, gomp, _cpu_features()]).encode()
     ).hexdigest()[:16]
-    target = folder / f"radixrt-cpu-{key}.so"
+    target = folder / f"{name}-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+            objs = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
             lib = Path(tmp) / "k.so"
-            cmds = [[cc, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
+            cmds = [
+                [cc, *flags, f"-I{FOLDER}", "-c", str(src), "-o", obj]
+                for src, obj in zip(sources, objs)
+            ]
             for cmd in [*cmds, [cc, "-shared", *objs, gomp, "-lm", "-o", str(lib)]]:
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
             os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def _build_and_load(folder: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(compile_library(SOURCES, folder, "radixrt-cpu")))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int

@@ -15,8 +15,7 @@ for decode-sized and prefill-sized batches. ``available(lib)`` says whether
 AMX runs here (the CPU has it and the OS grants it), ``kernel_available(lib,
 name)`` for any of the three; ``pack(lib, w)`` packs a [N, K] bf16 weight (K
 a multiple of 32); ``linear(lib, x, packed, n, bias, float_out, ...,
-kernel=...)`` multiplies. ``peak_gflops`` and ``stream_gbps`` measure this
-CPU's ceilings (register-only FMA and vdpbf16ps loops, a read-only stream).
+kernel=...)`` multiplies.
 
 Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
 ``gated=True`` gives silu(x·gateᵀ)·(x·upᵀ) [M, N'] in the same pass, rounded
@@ -33,7 +32,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from typing import NamedTuple
 
 import torch
@@ -187,38 +185,3 @@ def linear(
             f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here"
         )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
-
-
-def peak_gflops(
-    lib: ctypes.CDLL, kind: str, threads: int, seconds: float = 0.1, repeats: int = 5
-) -> float:
-    """The register-only throughput of ``kind`` ("fma": float32 FMA; "avx512_bf16": vdpbf16ps)
-    on ``threads`` threads, in GFLOP/s: the best of ``repeats`` runs of about ``seconds`` each
-    (a slow spell of a shared machine lowers one run, not the ceiling); 0 where this build lacks
-    it."""
-    code, flops_per_op = {"fma": (0, 32), "avx512_bf16": (1, 64)}[kind]
-    iters, best = 1 << 16, 0.0
-    while True:  # size a run
-        t0 = time.perf_counter()
-        if lib.radixrt_peak(code, iters, threads) == -1:
-            return 0.0
-        if time.perf_counter() - t0 >= seconds / 4:
-            break
-        iters *= 2
-    iters = int(iters * seconds / max(time.perf_counter() - t0, 1e-9)) + 1
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        lib.radixrt_peak(code, iters, threads)
-        best = max(best, iters * 12 * flops_per_op * threads / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
-def stream_gbps(lib: ctypes.CDLL, threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """The best of ``repeats`` read-only passes over ``nbytes`` (far past the caches), in GB/s."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        lib.radixrt_stream_read(buf.data_ptr(), buf.numel() * 4, threads)
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9
