@@ -155,7 +155,8 @@ class Shape(NamedTuple):
 
 def model_shapes(model: str | None) -> list[Shape]:
     """The (N, K) of the model's linears, in ``SHAPES`` order."""
-    from radixrt.model.loader import ModelConfig, default_model_path
+    from radixrt.model.default_model import default_model_path
+    from radixrt.model.hf_config import ModelConfig
 
     c = ModelConfig.from_pretrained(model or default_model_path())
     h, q = c.hidden_size, c.num_heads * c.head_dim
@@ -323,7 +324,8 @@ def measure_shape(
 
 def decode_step_shapes(model: str | None) -> list[Shape]:
     """The linears of one decode step, in the order the model calls them."""
-    from radixrt.model.loader import ModelConfig, default_model_path
+    from radixrt.model.default_model import default_model_path
+    from radixrt.model.hf_config import ModelConfig
 
     layers = ModelConfig.from_pretrained(model or default_model_path()).num_layers
     shapes = model_shapes(model)
@@ -610,7 +612,7 @@ def main() -> None:
     keep_freed_memory()  # as the engine runs
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from radixrt.model.loader import cache_dir
+    from radixrt.model.weights import cache_dir
 
     lib = cpu_library.load(cache_dir())
     args.llc = llc_bytes()

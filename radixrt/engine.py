@@ -8,7 +8,8 @@ from collections.abc import Sequence
 from radixrt.cache.hicache import make_hierarchical_cache
 from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, GrammarError, preload
-from radixrt.model.loader import ModelConfig, resolve_model_path
+from radixrt.model.default_model import resolve_model_path
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.runner import ModelRunner
 from radixrt.output import make_output
 from radixrt.protocol import GenerateOutput

@@ -25,7 +25,7 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.calibrate import Calibrator
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import attention as cpu_attention
 from radixrt_kernels.cpu import library as cpu_library
 

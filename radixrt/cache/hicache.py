@@ -408,7 +408,7 @@ def make_hierarchical_cache(config, pool: KVPool, model_path: str) -> Hierarchic
     ``enable_hierarchical_cache``."""
     if not config.enable_hierarchical_cache:
         return None
-    from radixrt.model.loader import model_fingerprint
+    from radixrt.model.weights import model_fingerprint
 
     block = block_tokens(config.page_size)
     block_bytes = block * KVPool.bytes_per_slot(

@@ -20,9 +20,10 @@ from radixrt.memory import (
     keep_freed_memory,
 )
 from radixrt.model.decode_chain import decode_chain_for
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
-from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
+from radixrt.model.weights import cache_dir, iter_weights
 from radixrt_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from radixrt import SamplingParams
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import library as cpu_library
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import library as cpu_library
 
 pytestmark = pytest.mark.skipif(

@@ -24,7 +24,7 @@ from radixrt.model.linear_methods import (
     PackedLinear,
     TorchFP32Linear,
 )
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import attention as cpu_attention
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear

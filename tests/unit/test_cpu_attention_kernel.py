@@ -19,8 +19,8 @@ from radixrt.attention.cpu_backend import (
 )
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
-from radixrt.model.loader import cache_dir
 from radixrt.model.runner import make_attention_backend
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import attention as cpu_kernel
 from radixrt_kernels.cpu import library as cpu_library
 

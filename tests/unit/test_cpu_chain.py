@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixrt.model import rope
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import elementwise
 from radixrt_kernels.cpu import library as cpu_library

@@ -12,7 +12,7 @@ import torch
 
 from radixrt.model.kernels import CRMSNorm, CRotary, CSiluMul, Kernels, TorchSiluMul, choose_kernels
 from radixrt.model.layers import RMSNorm, RotaryEmbedding
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import elementwise, sampling_ops
 from radixrt_kernels.cpu import library as cpu_library
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear

@@ -10,7 +10,7 @@ from torch import nn
 from radixrt.model import linear_methods
 from radixrt.model.kernels import Kernels, choose_kernels
 from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
 
