@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ from radixrt.grammar import GrammarCompiler, GrammarError, preload
 from radixrt.model.default_model import resolve_model_path
 from radixrt.model.hf_config import ModelConfig
 from radixrt.model.runner import ModelRunner
+from radixrt.model.weights import model_fingerprint
 from radixrt.output import make_output
 from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams, make_generator
@@ -70,7 +72,9 @@ class Engine:
             list(self.model_config.eos_token_ids),
             any_whitespace=not self.config.constrained_json_disable_any_whitespace,
         )
-        self.hicache = make_hierarchical_cache(self.config, self.runner.pool, self.model_path)
+        self.hicache = make_hierarchical_cache(
+            self.config, self.runner.pool, functools.partial(model_fingerprint, self.model_path)
+        )
         self.scheduler = Scheduler(
             self.config,
             self.runner,
