@@ -1,6 +1,6 @@
 """Every bf16 CPU linear path on the default model's linear shapes, against this CPU's ceilings.
 
-Paths: the three kernels of ``radixrt_kernels.cpu_linear`` (``amx``,
+Paths: the three kernels of ``radixrt_kernels.cpu.linear`` (``amx``,
 ``avx512_bf16``, ``fma``: one packed weight, shared), oneDNN's linear on a
 weight reordered once (``OneDNNLinear``), PyTorch's bf16 ``F.linear`` and its
 float32 ``F.linear`` (x widened inside the clock, the float32 weight made once
@@ -26,7 +26,7 @@ be one that found its weight there). Larger cells report the fastest call
 (noise only adds time) and reuse one
 copy: they are bound by arithmetic, not by the weight's stream.
 
-The ceilings are measured in the same run, on the same threads: a
+The ceilings (``bench/ceilings.py``) are measured in the same run, on the same threads: a
 register-only float32 FMA loop, a vdpbf16ps loop (0 where the build lacks it)
 and a read-only stream over 2× the last-level cache. Compute-bound cells
 (rows >= 64) are given as a fraction of the FMA peak (and of the vdpbf16ps
@@ -46,7 +46,7 @@ freed activation memory (``radixrt.memory.keep_freed_memory``) and the step's we
 collapsed into huge pages (the stream's buffer too). This is the memory-bound regime as a
 decode step meets it: each call's weight is cold, and each call pays its own fixed costs
 (the Python wrapper, the ctypes call, the OpenMP team). The kernels a decode chain runs
-(``radixrt_kernels.cpu_chain``) are timed that way too ("<kernel> chain"): all the layers'
+(``radixrt_kernels.cpu.chain``) are timed that way too ("<kernel> chain"): all the layers'
 linears as one chain, as the engine's decode chain runs them (with the norms and attentions
 between), then the LM head's call.
 
@@ -78,7 +78,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
+
+sys.path.insert(0, str(Path(__file__).parent))
+import ceilings  # noqa: E402  (this CPU's ceilings: bench/ceilings.c)
 
 BENCH = Path(__file__).parent
 RESULTS = BENCH / "results"
@@ -129,13 +133,14 @@ class Ceilings(NamedTuple):
     stream_gbps: float  # read-only stream over 2x the LLC
 
 
-def measure_ceilings(lib: Any, threads: int, llc: int) -> Ceilings:
-    if lib is None:
+def measure_ceilings(clib: Any, threads: int, llc: int) -> Ceilings:
+    """The ceilings, by ``clib`` (``ceilings.load``; None: none measured, all 0)."""
+    if clib is None:
         return Ceilings(0.0, 0.0, 0.0)
     return Ceilings(
-        cpu_linear.peak_gflops(lib, "fma", threads),
-        cpu_linear.peak_gflops(lib, "avx512_bf16", threads),
-        cpu_linear.stream_gbps(lib, threads, nbytes=2 * llc),
+        ceilings.peak_gflops(clib, "fma", threads),
+        ceilings.peak_gflops(clib, "avx512_bf16", threads),
+        ceilings.stream_gbps(clib, threads, nbytes=2 * llc),
     )
 
 
@@ -150,7 +155,8 @@ class Shape(NamedTuple):
 
 def model_shapes(model: str | None) -> list[Shape]:
     """The (N, K) of the model's linears, in ``SHAPES`` order."""
-    from radixrt.model.loader import ModelConfig, default_model_path
+    from radixrt.model.default_model import default_model_path
+    from radixrt.model.hf_config import ModelConfig
 
     c = ModelConfig.from_pretrained(model or default_model_path())
     h, q = c.hidden_size, c.num_heads * c.head_dim
@@ -318,7 +324,8 @@ def measure_shape(
 
 def decode_step_shapes(model: str | None) -> list[Shape]:
     """The linears of one decode step, in the order the model calls them."""
-    from radixrt.model.loader import ModelConfig, default_model_path
+    from radixrt.model.default_model import default_model_path
+    from radixrt.model.hf_config import ModelConfig
 
     layers = ModelConfig.from_pretrained(model or default_model_path()).num_layers
     shapes = model_shapes(model)
@@ -329,8 +336,8 @@ def chained_steps(
     steps: list[Shape], ws: list, lib: Any, kernel: str, m: int, xs: dict
 ) -> Callable[[], None]:
     """The decode step's linears as the engine's decode chain runs them: every layer's qkv, o,
-    gate_up and down as one chain (``radixrt_kernels.cpu_chain``), then the LM head's call."""
-    from radixrt_kernels import cpu_chain
+    gate_up and down as one chain (``radixrt_kernels.cpu.chain``), then the LM head's call."""
+    from radixrt_kernels.cpu import chain as cpu_chain
 
     chain = cpu_chain.Chain(lib)
     for shape, w in zip(steps[:-1], ws[:-1]):
@@ -349,13 +356,14 @@ def measure_decode_step(
     paths: list[LinearPath],
     layouts: dict[str, Callable],
     lib: Any,
+    clib: Any,
     args: argparse.Namespace,
 ) -> list[dict]:
     """Per path and row count (up to MEMORY_BOUND_MAX): the decode step's linears back to back
     (call by call, and for the kernels a chain runs, as chains: "<kernel> chain"), each step
     followed by a stream over as many bytes; medians over ``args.step_rounds`` rounds."""
     from radixrt.memory import anonymous_regions, collapse_anonymous_memory
-    from radixrt_kernels import cpu_chain
+    from radixrt_kernels.cpu import chain as cpu_chain
 
     paths = [p for p in paths if p.layout in ("packed", "onednn")]
     rows = sorted({m for m in args.rows if m <= MEMORY_BOUND_MAX})
@@ -393,7 +401,7 @@ def measure_decode_step(
                     t0 = time.perf_counter()
                     run()
                     t1 = time.perf_counter()
-                    lib.radixrt_stream_read(stream.data_ptr(), nbytes, args.threads)
+                    ceilings.stream_read(clib, stream, args.threads)
                     t2 = time.perf_counter()
                     times.setdefault((name, m), []).append((t1 - t0, t2 - t1))
     out = []
@@ -604,20 +612,21 @@ def main() -> None:
     keep_freed_memory()  # as the engine runs
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    from radixrt.model.loader import cache_dir
+    from radixrt.model.weights import cache_dir
 
     lib = cpu_library.load(cache_dir())
     args.llc = llc_bytes()
     model, flags = cpu_model_and_flags()
     paths, layouts, missing = available_paths(lib)
-    ceil = measure_ceilings(lib, args.threads, args.llc)
+    clib = ceilings.load(cache_dir()) if lib is not None else None
+    ceil = measure_ceilings(clib, args.threads, args.llc)
     print_header(model, flags, args, ceil)
     print(f"paths: {', '.join(p.name for p in paths)}; left out: {', '.join(missing) or '-'}")
     shapes = [s for s in model_shapes(args.model) if s.name in args.shapes]
     cells = measure_all(shapes, paths, layouts, ceil, args)
     print_cells(shapes, cells)
     steps = decode_step_shapes(args.model)
-    decode_step = measure_decode_step(steps, paths, layouts, lib, args)
+    decode_step = measure_decode_step(steps, paths, layouts, lib, clib, args)
     print_decode_step(steps, decode_step)
     offline = run_offline(args.threads) if args.offline else {}
     if offline:

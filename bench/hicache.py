@@ -122,7 +122,7 @@ def estimate_sizes(args, scripts: list[Script]) -> Sizes:
     """Token counts of the whole workload with the model's tokenizer and chat template."""
     from transformers import AutoTokenizer
 
-    from radixrt.model.loader import resolve_model_path
+    from radixrt.model.default_model import resolve_model_path
 
     tok = AutoTokenizer.from_pretrained(resolve_model_path(args.model))
     reply = " ".join(random.Random(args.seed).choices(serving.WORDS, k=args.max_new_tokens))

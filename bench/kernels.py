@@ -119,7 +119,7 @@ def gathered(buf: torch.Tensor, indices: torch.Tensor, batch: int, length: int) 
 
 
 def bench_decode(batch: int, context: int, copy_gbps: float, num_sms: int) -> DecodeRow:
-    from radixrt_kernels.decode_attention import (
+    from radixrt_kernels.triton.decode_attention import (
         DecodeWorkspace,
         choose_num_kv_splits,
         decode_attention,
@@ -158,7 +158,7 @@ def causal_flops(batch: int, prefix: int, suffix: int) -> float:
 def bench_extend(prefix: int, suffix: int, peak_tflops: float) -> ExtendRow:
     from torch.nn.attention.bias import causal_lower_right
 
-    from radixrt_kernels.extend_attention import extend_attention
+    from radixrt_kernels.triton.extend_attention import extend_attention
 
     batch = max(1, EXTEND_TOKENS // suffix)
     k_buf, v_buf, kv_indptr, kv_indices = paged_pool([prefix] * batch)

@@ -265,7 +265,8 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from radixrt.model.loader import ModelConfig, default_model_path
+    from radixrt.model.default_model import default_model_path
+    from radixrt.model.hf_config import ModelConfig
 
     path = default_model_path()
     vocab = ModelConfig.from_pretrained(path).vocab_size

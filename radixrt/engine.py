@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 
 from radixrt.cache.hicache import make_hierarchical_cache
 from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, GrammarError, preload
-from radixrt.model.loader import ModelConfig, resolve_model_path
+from radixrt.model.default_model import resolve_model_path
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.runner import ModelRunner
+from radixrt.model.weights import model_fingerprint
 from radixrt.output import make_output
 from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams, make_generator
@@ -69,7 +72,9 @@ class Engine:
             list(self.model_config.eos_token_ids),
             any_whitespace=not self.config.constrained_json_disable_any_whitespace,
         )
-        self.hicache = make_hierarchical_cache(self.config, self.runner.pool, self.model_path)
+        self.hicache = make_hierarchical_cache(
+            self.config, self.runner.pool, functools.partial(model_fingerprint, self.model_path)
+        )
         self.scheduler = Scheduler(
             self.config,
             self.runner,

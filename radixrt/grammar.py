@@ -38,7 +38,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import sampling_ops
 
 KINDS = ("json_schema", "regex", "ebnf")
 JSON_OBJECT = '{"type": "object", "additionalProperties": true}'
@@ -203,7 +204,7 @@ class Matcher:
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that matchers[i] does not allow next
     (logits [B, V] float32, in place; the other rows are not touched). The bitmask is applied by
-    the CPU kernels' library where the process has it (``cpu_ops.apply_token_bitmask``), else
+    the CPU kernels' library where the process has it (``sampling_ops.apply_token_bitmask``), else
     by xgrammar's ``apply_token_bitmask_inplace``."""
     xgr = _xgrammar()
     bsz, vocab = logits.shape
@@ -213,7 +214,9 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) 
     lib = cpu_library.loaded()
     with torch.inference_mode():  # the forward's logits are inference tensors
         if lib is not None and logits.is_cpu and logits.dtype == torch.float32:
-            cpu_ops.apply_token_bitmask(lib, logits, bitmask, torch.tensor(rows, dtype=torch.int64))
+            sampling_ops.apply_token_bitmask(
+                lib, logits, bitmask, torch.tensor(rows, dtype=torch.int64)
+            )
         else:
             xgr.apply_token_bitmask_inplace(
                 logits, bitmask.to(logits.device), vocab_size=vocab, indices=rows

@@ -56,7 +56,8 @@ from typing import Any, NamedTuple
 import torch
 
 from radixrt import grammar
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import sampling_ops
 
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
@@ -293,8 +294,8 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits.argmax(-1), through the CPU kernels' library where the process has it (same
     result, a tenth of the time)."""
     lib = cpu_library.loaded()
-    if lib is not None and logits.dim() == 2 and cpu_ops.usable(logits):
-        return cpu_ops.argmax(lib, logits)
+    if lib is not None and logits.dim() == 2 and sampling_ops.usable(logits):
+        return sampling_ops.argmax(lib, logits)
     return logits.argmax(dim=-1)
 
 

@@ -3,10 +3,11 @@
 :func:`make_tiny_model` writes a complete model folder (``config.json``,
 ``generation_config.json``, ``model.safetensors`` and tokenizer files) that
 loads with ``transformers.AutoModelForCausalLM`` / ``AutoTokenizer`` as well as
-with :mod:`radixrt.model.loader`.  Everything is derived from the seed and from
-text that ships with the Python standard library, so the result is identical
-from call to call and works offline.  Its sizes, ``max_position_embeddings``
-and ``rope_scaling`` are :func:`tiny_config`'s arguments.
+with radixrt's readers (:mod:`radixrt.model.hf_config`, :mod:`radixrt.model.weights`).
+Everything is derived from the seed and from text that ships with the Python
+standard library, so the result is identical from call to call and works
+offline.  Its sizes, ``max_position_embeddings`` and ``rope_scaling`` are
+:func:`tiny_config`'s arguments.
 
 :func:`tiny_model_path` builds such a folder once into the radixrt cache
 directory and reuses it afterwards.
@@ -24,7 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from radixrt.model.loader import cache_dir, make_shareable
+from radixrt.model.weights import cache_dir, make_shareable
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel

@@ -1,17 +1,7 @@
-"""Triton kernels of the attention path: store new K/V, extend (prefill) and decode attention.
+"""radixrt's kernels, by where they run; no scheduler or model imports.
 
-Modules (each named after its one kernel wrapper, so import from the module:
-``from radixrt_kernels.extend_attention import extend_attention``):
-- :mod:`~radixrt_kernels.store_kv`: ``store_kv`` writes new K/V rows at slots;
-- :mod:`~radixrt_kernels.extend_attention`: prefix + causal attention of new tokens;
-- :mod:`~radixrt_kernels.decode_attention`: split-KV flash decoding, one token per request;
-- :mod:`~radixrt_kernels.reference`: plain-torch twins of the three, for tests.
-Every wrapper checks its arguments and raises ``ValueError`` naming the bad one.
-Set ``TRITON_INTERPRET=1`` before importing a kernel module to run on CPU.
+- :mod:`radixrt_kernels.triton`: the Triton kernels of the attention path (store K/V, extend
+  and decode attention) and their pure-torch references;
+- :mod:`radixrt_kernels.cpu`: the C kernels (sources, built on first use) and their Python
+  wrappers, one wrapper module per concern.
 """
-
-from __future__ import annotations
-
-from radixrt_kernels._common import INTERPRET
-
-__all__ = ["INTERPRET"]

@@ -1,12 +1,12 @@
-"""Attention through the C kernel of ``radixrt_kernels.cpu_attention`` (the default on CPU).
+"""Attention through the C kernel of ``radixrt_kernels.cpu.attention`` (the default on CPU).
 
 One kernel call per layer reads K/V in place through the slots and also stores the forward's
-new K/V. Its work is described once per step as segments (``cpu_attention.Segments``):
+new K/V. Its work is described once per step as segments (``attention.Segments``):
 - decode: requests are grouped by the prefix they share through the radix cache (groups of
   >= ``MIN_GROUP_SIZE`` requests whose rows start with the same >= ``MIN_SHARED_PREFIX``
   slots, the prefix capped at seq_len - 1 of each); each group's prefix is one segment for
   all its requests, then every request's private tail one of its own. The grouping is
-  computed in C (``cpu_attention.decode_segments``). When the batch gives fewer work items
+  computed in C (``attention.decode_segments``). When the batch gives fewer work items
   (requests × KV heads) than twice the threads, a request in no group with at least
   ``SPLIT_MIN_KEYS`` keys has them in two halves, two parts merged as a group's are, so the
   threads share one long sequence's keys;
@@ -25,8 +25,9 @@ import torch
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.calibrate import Calibrator
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_attention, cpu_library
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import library as cpu_library
 
 MIN_GROUP_SIZE = 2
 MIN_SHARED_PREFIX = 16

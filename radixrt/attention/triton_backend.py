@@ -23,10 +23,14 @@ import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
-from radixrt_kernels import INTERPRET
-from radixrt_kernels.decode_attention import DecodeWorkspace, choose_num_kv_splits, decode_attention
-from radixrt_kernels.extend_attention import extend_attention
-from radixrt_kernels.store_kv import store_kv
+from radixrt_kernels.triton import INTERPRET
+from radixrt_kernels.triton.decode_attention import (
+    DecodeWorkspace,
+    choose_num_kv_splits,
+    decode_attention,
+)
+from radixrt_kernels.triton.extend_attention import extend_attention
+from radixrt_kernels.triton.store_kv import store_kv
 
 # Split sizing under the interpreter: a pretend 4-SM device and short splits, so that the
 # short sequences of CPU tests still take several splits.

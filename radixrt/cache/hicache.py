@@ -403,13 +403,16 @@ class HierarchicalCache:
 GB = 10**9
 
 
-def make_hierarchical_cache(config, pool: KVPool, model_path: str) -> HierarchicalCache | None:
+def make_hierarchical_cache(
+    config, pool: KVPool, model_fingerprint: Callable[..., bytes]
+) -> HierarchicalCache | None:
     """The lower tiers ``config`` (an ``EngineConfig``) asks for over ``pool``; None without
-    ``enable_hierarchical_cache``."""
+    ``enable_hierarchical_cache``. ``model_fingerprint(*layout)`` names the model's KV laid out
+    as ``layout`` (dtype, block tokens, layers, KV heads, head dim): the caller's, as the cache
+    knows no model. It is called once, and only where a storage tier is configured (it may read
+    every weight file)."""
     if not config.enable_hierarchical_cache:
         return None
-    from radixrt.model.loader import model_fingerprint
-
     block = block_tokens(config.page_size)
     block_bytes = block * KVPool.bytes_per_slot(
         pool.num_layers, pool.kv_heads, pool.head_dim, pool.dtype
@@ -421,7 +424,7 @@ def make_hierarchical_cache(config, pool: KVPool, model_path: str) -> Hierarchic
         storage = StorageTier(
             config.hicache_storage_dir,
             int(config.hicache_storage_size * GB),
-            model_fingerprint(model_path, *layout),
+            model_fingerprint(*layout),
             block_bytes,
             pool.dtype,
         )

@@ -52,7 +52,10 @@ from radixrt.model.linear_methods import (
     TorchFP32Linear,
     onednn_works,
 )
-from radixrt_kernels import cpu_attention, cpu_chain, cpu_library, cpu_linear
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import chain as cpu_chain
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +176,7 @@ def time_paths(
 ) -> dict:
     """Seconds per call of each method on [rows, k] · [n, k]ᵀ: the best of ROUNDS rounds, in
     each of which every method runs once over its weight copies. ``chained``: the packed
-    kernels a decode chain runs (``radixrt_kernels.cpu_chain``) take the copies as one chain,
+    kernels a decode chain runs (``radixrt_kernels.cpu.chain``) take the copies as one chain,
     as the model's decode steps will run them."""
     gen = torch.Generator().manual_seed(n * 7919 + k)
     w = (torch.randn(n, k, generator=gen) * 0.05).bfloat16()

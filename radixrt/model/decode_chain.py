@@ -5,8 +5,8 @@ rotary, attention), each through a Python wrapper, ctypes and an OpenMP team of
 its own; for a forward of a few rows those fixed costs are of the order of
 streaming a small layer's weights. A ``DecodeChain`` runs the model's ``body``
 (its decoder layers, exactly as the model file writes them) once per row count
-under ``cpu_capture.capture``: the CPU kernels' wrappers note their calls
-instead of computing, and ``cpu_chain.replay`` turns the notes into one chain,
+under ``capture.capture``: the CPU kernels' wrappers note their calls
+instead of computing, and ``chain.replay`` turns the notes into one chain,
 one call and one thread team with a barrier between steps. A forward of up to
 ``max_rows`` tokens (a decode batch, or a few new tokens after a cached prefix)
 is then the model's ``embed``, the replay, and the model's ``head``.
@@ -25,7 +25,8 @@ import torch
 
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.model.calibrate import THRESHOLD
-from radixrt_kernels import cpu_capture, cpu_chain
+from radixrt_kernels.cpu import capture as cpu_capture
+from radixrt_kernels.cpu import chain as cpu_chain
 
 
 def unavailable_reason(model, backend, lib) -> str | None:
@@ -56,7 +57,7 @@ def decode_chain_for(model, backend, lib) -> tuple[DecodeChain | None, str]:
 class DecodeChain:
     """The model's forwards of up to ``max_rows`` tokens, each row count's body captured once
     and replayed (see the module's text). The constructor captures ``max_rows`` rows and
-    raises ``cpu_capture.ChainRefused`` where the body cannot be replayed."""
+    raises ``capture.ChainRefused`` where the body cannot be replayed."""
 
     def __init__(self, model, backend, lib, max_rows: int = THRESHOLD) -> None:
         self.model, self.backend, self.lib, self.max_rows = model, backend, lib, max_rows

@@ -1,7 +1,7 @@
 """The kernels a model's layers run, chosen once when the model is built.
 
 ``choose_kernels(device, dtype, lib, compiled)`` looks at what this process
-has (the CPU kernels' library ``lib`` from ``radixrt_kernels.cpu_library``,
+has (the CPU kernels' library ``lib`` from ``radixrt_kernels.cpu.library``,
 the AMX linear kernel in it, oneDNN in PyTorch) and returns a ``Kernels``:
 the linear method per layer shape, the RMS norm, the rotary embedding and the
 SiLU-and-mul. The layers take their kernel objects from it when constructed
@@ -12,7 +12,7 @@ and never look again, so each ``forward`` has one path.
   other dtype or device, PyTorch. The AMX kernel also takes an MLP's
   SiLU-and-mul and a qkv projection's rotary embedding into its pass.
 - Elementwise steps: on the CPU in float32 or bf16 with the library, one C
-  call each (``radixrt_kernels.cpu_ops``); otherwise PyTorch's ops. A model
+  call each (``radixrt_kernels.cpu.ops``); otherwise PyTorch's ops. A model
   built for ``torch.compile`` keeps PyTorch's elementwise ops, which Inductor
   fuses into the surrounding graph.
 Every path gives PyTorch's results up to the last bit of bf16 rounding (the
@@ -41,7 +41,9 @@ from radixrt.model.linear_methods import (
     RotateAfter,
     onednn_works,
 )
-from radixrt_kernels import cpu_library, cpu_linear, cpu_ops
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 # ---- elementwise kernels: PyTorch's ops --------------------------------------------------------
 

@@ -13,7 +13,7 @@ and the layer calls it on every forward:
 ``LinearMethod`` is PyTorch's ``F.linear``; ``TorchFP32Linear`` PyTorch's
 float32 linear on a float32 copy of the weight; ``OneDNNLinear`` keeps the
 weight in oneDNN's blocked bf16 layout; ``PackedLinear`` in the layout of
-``radixrt_kernels.cpu_linear``, whose kernels (AMX, AVX512-BF16, FMA) all read
+``radixrt_kernels.cpu.linear``, whose kernels (AMX, AVX512-BF16, FMA) all read
 it, so it may run one kernel for decode-sized calls and another for
 prefill-sized ones (``PackedKernels``). ``ByRows`` does the same across
 methods of different layouts, holding the weight in both. Two fused forms
@@ -41,7 +41,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 
 class LinearMethod:
@@ -113,7 +114,7 @@ class PackedKernels(NamedTuple):
 
 
 class PackedLinear(LinearMethod):
-    """The C kernels of ``radixrt_kernels.cpu_linear`` (AMX, AVX512-BF16, FMA) on a bf16
+    """The C kernels of ``radixrt_kernels.cpu.linear`` (AMX, AVX512-BF16, FMA) on a bf16
     weight packed once; all three read the same layout."""
 
     layout = "packed"
@@ -189,7 +190,7 @@ class ActAfter:
 
 class PackedGatedLinear:
     """The packed kernels with SiLU-and-mul in their pass: gate and up blocks interleaved at
-    packing, rounded as ``cpu_ops.silu_mul`` rounds the two products."""
+    packing, rounded as ``elementwise.silu_mul`` rounds the two products."""
 
     layout = "packed-gated"
 
@@ -325,7 +326,7 @@ def packed_linear(
     gated: bool = False,
     rope: cpu_linear.Rope | None = None,
 ) -> torch.Tensor:
-    """x @ W.T + bias for W packed by ``cpu_linear.pack`` (bf16; float32 with ``float_out``;
+    """x @ W.T + bias for W packed by ``linear.pack`` (bf16; float32 with ``float_out``;
     silu(gate)·up, [.., out_features / 2], for a weight packed ``gated``; q and k rotated with
     ``rope``), by the kernel ``kernels`` names for x's row count."""
     if torch.compiler.is_compiling():

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from radixrt.attention.base import ForwardBatch, attention, forward_context
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernel_set import Kernels
 from radixrt.model.layers import (
     DEFAULT_KERNELS,
@@ -32,7 +33,6 @@ from radixrt.model.layers import (
     VocabEmbedding,
     prepare_weights,
 )
-from radixrt.model.loader import ModelConfig
 
 
 class LlamaAttention(nn.Module):

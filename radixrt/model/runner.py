@@ -20,10 +20,11 @@ from radixrt.memory import (
     keep_freed_memory,
 )
 from radixrt.model.decode_chain import decode_chain_for
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
-from radixrt.model.loader import ModelConfig, cache_dir, iter_weights
-from radixrt_kernels import cpu_library
+from radixrt.model.weights import cache_dir, iter_weights
+from radixrt_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

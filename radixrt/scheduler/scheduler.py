@@ -45,7 +45,7 @@ from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, mask_logits
 from radixrt.sampling import Sampler, topk_logprobs
 from radixrt.scheduler.batch import ScheduledBatch
-from radixrt.scheduler.grammars import GrammarWait
+from radixrt.scheduler.grammar_wait import GrammarWait
 from radixrt.scheduler.kv import KVManager
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.req import Req, ReqState

@@ -112,7 +112,7 @@ class Launcher:
 
         for i in range(self.server.dp_size):
             self.spawn_replica(i)
-        from radixrt.model.loader import resolve_model_path
+        from radixrt.model.default_model import resolve_model_path
 
         base = {**self.base_args(), "model_path": resolve_model_path(self.config.model)}
         self._spawn("detokenizer", run_detokenizer, base)

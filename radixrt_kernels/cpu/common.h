@@ -31,6 +31,11 @@ static inline bf16 f32_to_bf16(float f) {
     return (bf16)(bits >> 16);
 }
 
+/* Value i at p (float32, or bf16 when is_bf16) as float32. */
+static inline __attribute__((always_inline)) float load1(const void *p, int64_t i, int is_bf16) {
+    return is_bf16 ? bf16_to_f32(((const bf16 *)p)[i]) : ((const float *)p)[i];
+}
+
 typedef float v16 __attribute__((vector_size(64)));                /* 16 float32 lanes */
 typedef int32_t v16i __attribute__((vector_size(64)));
 

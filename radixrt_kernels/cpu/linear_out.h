@@ -1,5 +1,5 @@
 /* Where a packed linear's results go, and how they are written: shared by the AMX kernel
- * (linear.c) and the vector kernels (linear_vec.c), so every path rounds its sums the same way.
+ * (linear_amx.c) and the vector kernels (linear_vec.c), so every path rounds its sums the same way.
  * A block's sums arrive as float32 acc [32 rows][NB features]; write_results adds the bias,
  * rounds to bf16 and stores them, or applies the gated (SiLU-and-mul) or rotary epilogue. */
 #ifndef RADIXRT_CPU_LINEAR_OUT_H

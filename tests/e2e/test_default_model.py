@@ -13,25 +13,30 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixrt.model import loader
-from radixrt.model.loader import ModelConfig, default_model_path, iter_weights, resolve_model_path
+from radixrt.model import default_model
+from radixrt.model.default_model import default_model_path, resolve_model_path
+from radixrt.model.hf_config import ModelConfig
+from radixrt.model.weights import cache_dir, iter_weights
 
 pytestmark = pytest.mark.slow
 
 try:
-    importlib.metadata.distribution(loader.DEFAULT_MODEL_DIST)
+    importlib.metadata.distribution(default_model.DEFAULT_MODEL_DIST)
 except importlib.metadata.PackageNotFoundError:
     pytest.skip(
-        f"default model not installed; install it with: {loader.INSTALL_COMMAND} "
-        f"(conversion also needs: {loader.CONVERT_DEPS_COMMAND})",
+        f"default model not installed; install it with: {default_model.INSTALL_COMMAND} "
+        f"(conversion also needs: {default_model.CONVERT_DEPS_COMMAND})",
         allow_module_level=True,
     )
 
-_converted = loader._read_marker(Path(loader.cache_dir()) / loader.DEFAULT_MODEL_NAME) is not None
+_converted = (
+    default_model._read_marker(Path(cache_dir()) / default_model.DEFAULT_MODEL_NAME) is not None
+)
 _missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
 if not _converted and _missing:
     pytest.skip(
-        f"converting the default model needs {', '.join(_missing)}: {loader.CONVERT_DEPS_COMMAND}",
+        f"converting the default model needs {', '.join(_missing)}: "
+        f"{default_model.CONVERT_DEPS_COMMAND}",
         allow_module_level=True,
     )
 
@@ -50,13 +55,13 @@ def tokenizer(model_path):
 
 def test_layout(model_path):
     p = Path(model_path)
-    assert p == Path(loader.cache_dir()) / "SmolLM2-135M-Instruct"
+    assert p == Path(cache_dir()) / "SmolLM2-135M-Instruct"
     for name in (
         "config.json",
         "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
-        loader._MARKER,
+        default_model._MARKER,
     ):
         assert (p / name).is_file(), name
     assert resolve_model_path(None) == model_path

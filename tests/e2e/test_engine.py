@@ -8,9 +8,9 @@ import shutil
 import pytest
 import torch
 
-import radixrt_kernels.cpu_library as cpu_library
 from radixrt import SamplingParams
-from radixrt.model.loader import cache_dir
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import library as cpu_library
 
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
 QUESTIONS = [
@@ -98,14 +98,14 @@ def _with_head_dim_64(path: str, folder) -> str:
 
 @pytest.mark.parametrize("model", ["llama", "llama, head dim 64", "qwen2 (qkv bias), head dim 64"])
 def test_bf16_amx_linears_give_pytorchs_ids(model, engine_factory, monkeypatch, request, tmp_path):
-    """bf16 greedy through the AMX linear kernel (radixrt_kernels.cpu_linear: SiLU-and-mul fused
+    """bf16 greedy through the AMX linear kernel (radixrt_kernels.cpu.linear: SiLU-and-mul fused
     into the MLP's gate/up pass, and with heads of 64 the rotary embedding into the qkv pass)
     equals bf16 greedy through PyTorch's own linears and the separate steps: one request at a
     time, so no forward has over 32 rows, where the kernel adds the products in oneDNN's order
     (bit-equal logits)."""
     from radixrt.model import runner
     from radixrt.model.kernel_set import CRMSNorm, CRotary, CSiluMul, Kernels
-    from radixrt_kernels import cpu_linear
+    from radixrt_kernels.cpu import linear as cpu_linear
 
     if not cpu_linear.available(cpu_library.load(cache_dir())):
         pytest.skip("no AMX linear kernel on this CPU")
@@ -142,7 +142,7 @@ def test_bf16_linear_paths_agree(kernel, tiny_llama, engine_factory):
     """Every bf16 linear path computes float32 sums rounded once to bf16: through the whole model
     the first token and its logprob agree with PyTorch's bf16 linears (not bit for bit: the sums
     are added in other orders)."""
-    from radixrt_kernels import cpu_linear
+    from radixrt_kernels.cpu import linear as cpu_linear
 
     lib = cpu_library.load(cache_dir())
     if kernel in cpu_linear.KERNELS and not cpu_linear.kernel_available(lib, kernel):

@@ -26,7 +26,7 @@ PROMPTS = [
 def test_default_model_greedy_matches_transformers(engine_factory):
     from transformers import AutoModelForCausalLM
 
-    from radixrt.model.loader import default_model_path
+    from radixrt.model.default_model import default_model_path
 
     path = default_model_path()
     eng = engine_factory(None, max_total_tokens=4096)

@@ -16,7 +16,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from radixrt_kernels import INTERPRET
+from radixrt_kernels.triton import INTERPRET
 
 DEVICE = torch.device("cpu" if INTERPRET else "cuda")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

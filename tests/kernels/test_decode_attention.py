@@ -11,14 +11,14 @@ import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES, assert_matches, make_generator, paged_kv, poisoned, randn
 
-from radixrt_kernels.decode_attention import (
+from radixrt_kernels.triton.decode_attention import (
     MAX_KV_SPLITS,
     DecodeConfig,
     DecodeWorkspace,
     choose_num_kv_splits,
     decode_attention,
 )
-from radixrt_kernels.reference import decode_attention_ref
+from radixrt_kernels.triton.reference import decode_attention_ref
 
 SEQ_LENS = [1, 17, 64, 100, 33]
 

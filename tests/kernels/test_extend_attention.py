@@ -20,8 +20,8 @@ from kernel_cases import (
     randn,
 )
 
-from radixrt_kernels.extend_attention import ExtendConfig, extend_attention
-from radixrt_kernels.reference import extend_attention_ref
+from radixrt_kernels.triton.extend_attention import ExtendConfig, extend_attention
+from radixrt_kernels.triton.reference import extend_attention_ref
 
 # (prefix_len, extend_len) per request
 RAGGED = [(0, 37), (29, 1), (50, 20), (17, 33)]

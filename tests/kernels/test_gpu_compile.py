@@ -31,9 +31,9 @@ except ImportError as e:  # another Triton layout: nothing to check against
     )
 
 # Below the Triton checks on purpose: the kernel modules import triton (hence noqa: E402).
-import radixrt_kernels.decode_attention as decode  # noqa: E402
-import radixrt_kernels.extend_attention as extend  # noqa: E402
-import radixrt_kernels.store_kv as store  # noqa: E402
+import radixrt_kernels.triton.decode_attention as decode  # noqa: E402
+import radixrt_kernels.triton.extend_attention as extend  # noqa: E402
+import radixrt_kernels.triton.store_kv as store  # noqa: E402
 
 SM90 = 90
 MAX_SHARED_BYTES = 227 * 1024

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from kernel_cases import indptr, make_generator, paged_kv, randn
 
-from radixrt_kernels.reference import decode_attention_ref, extend_attention_ref
+from radixrt_kernels.triton.reference import decode_attention_ref, extend_attention_ref
 
 
 def _sdpa64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from kernel_cases import DEVICE, DTYPES, make_generator, randn
 
-from radixrt_kernels import INTERPRET
-from radixrt_kernels.reference import store_kv_ref
-from radixrt_kernels.store_kv import store_kv
+from radixrt_kernels.triton import INTERPRET
+from radixrt_kernels.triton.reference import store_kv_ref
+from radixrt_kernels.triton.store_kv import store_kv
 
 
 def _case(

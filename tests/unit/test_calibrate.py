@@ -24,8 +24,10 @@ from radixrt.model.linear_methods import (
     PackedLinear,
     TorchFP32Linear,
 )
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_attention, cpu_library, cpu_linear
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 
 @pytest.fixture
@@ -288,7 +290,7 @@ def test_a_packed_path_close_to_the_fastest_is_taken() -> None:
 def test_decode_sized_packed_calls_are_timed_as_a_chain_runs_them(lib, monkeypatch) -> None:
     """With ``chained`` the packed kernels a decode chain takes run their copies as one chain
     (each round), the other paths call by call; without it every path calls."""
-    from radixrt_kernels import cpu_chain
+    from radixrt_kernels.cpu import chain as cpu_chain
 
     kernels = [k for k in cpu_chain.KERNELS if cpu_linear.kernel_available(lib, k)]
     if not kernels:

@@ -1,4 +1,4 @@
-"""The C attention kernel (radixrt_kernels.cpu_attention) through the cpu backend, against a
+"""The C attention kernel (radixrt_kernels.cpu.attention) through the cpu backend, against a
 float64 per-request reference. Decode: shared prefixes read once per group, private tails,
 requests in no group, row blocks over 32 rows. Extend: causal segments over cached prefixes and
 new tokens, with row blocks that end inside a key block. GQA ratios, head dims, fp32 and bf16."""
@@ -10,8 +10,6 @@ import shutil
 import pytest
 import torch
 
-import radixrt_kernels.cpu_attention as cpu_kernel
-import radixrt_kernels.cpu_library as cpu_library
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.attention.cpu_backend import (
     MIN_GROUP_SIZE,
@@ -21,8 +19,10 @@ from radixrt.attention.cpu_backend import (
 )
 from radixrt.attention.torch_backend import TorchAttentionBackend
 from radixrt.cache.kv_pool import KVPool
-from radixrt.model.loader import cache_dir
 from radixrt.model.runner import make_attention_backend
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import attention as cpu_kernel
+from radixrt_kernels.cpu import library as cpu_library
 
 PREFIX = 40
 

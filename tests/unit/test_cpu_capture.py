@@ -1,4 +1,4 @@
-"""Capture and replay (``radixrt_kernels.cpu_capture``, ``cpu_chain.replay``): code calling the CPU
+"""Capture and replay (``radixrt_kernels.cpu.capture``, ``cpu.chain.replay``): code calling the CPU
 kernels' wrappers is recorded as chain steps and replayed bit for bit; anything a chain cannot
 replay is refused by name."""
 
@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_capture, cpu_chain, cpu_library, cpu_linear, cpu_ops
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import capture as cpu_capture
+from radixrt_kernels.cpu import chain as cpu_chain
+from radixrt_kernels.cpu import elementwise as cpu_ops
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 HIDDEN, INTER = 96, 128
 ROWS = torch.tensor([0, 2])

@@ -1,4 +1,4 @@
-"""The chain (``radixrt_kernels.cpu_chain``): norms and packed linears in one C call give the
+"""The chain (``radixrt_kernels.cpu.chain``): norms and packed linears in one C call give the
 separate calls' results bit for bit."""
 
 from __future__ import annotations
@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from radixrt.model import rope
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_chain, cpu_library, cpu_linear, cpu_ops
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import chain as cpu_chain
+from radixrt_kernels.cpu import elementwise
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 HIDDEN, HEAD, HEADS, KV_HEADS, INTER = 160, 64, 3, 1, 192
 
@@ -45,11 +48,11 @@ def layer_weights(lib, seed: int = 0) -> dict:
 def separate(lib, kernel, p, h, residual, positions, attn_out):
     """A layer's steps as separate calls: (qkv, the layer's output, the residual after it)."""
     residual = residual.clone()
-    x = cpu_ops.rms_norm(lib, h, p["norm1"], 1e-5, residual)
+    x = elementwise.rms_norm(lib, h, p["norm1"], 1e-5, residual)
     r = cpu_linear.Rope(positions, p["cos"], p["sin"], HEAD, (HEADS + KV_HEADS) * HEAD)
     qkv = cpu_linear.linear(lib, x, p["qkv"], p["qkv_out"], p["qkv_bias"], rope=r, kernel=kernel)
     o = cpu_linear.linear(lib, attn_out, p["o"], HIDDEN, kernel=kernel)
-    x = cpu_ops.rms_norm(lib, o, p["norm2"], 1e-5, residual)
+    x = elementwise.rms_norm(lib, o, p["norm2"], 1e-5, residual)
     act = cpu_linear.linear(lib, x, p["gate_up"], 2 * INTER, gated=True, kernel=kernel)
     return qkv, cpu_linear.linear(lib, act, p["down"], HIDDEN, kernel=kernel), residual
 
@@ -130,7 +133,7 @@ def test_an_attention_step_reads_what_the_linear_before_it_wrote(kernel: str, sp
     """qkv linear → attention (storing the new K/V, over a shared prefix and private tails, or
     a lone request's keys in two halves: two parts merged) → o linear, as one chain, give the
     separate calls' outputs and KV buffers."""
-    from radixrt_kernels import cpu_attention
+    from radixrt_kernels.cpu import attention as cpu_attention
 
     lib = library_with(kernel)
     p = layer_weights(lib, 7)

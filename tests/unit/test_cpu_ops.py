@@ -1,6 +1,7 @@
-"""The elementwise CPU kernels (radixrt_kernels.cpu_ops) against the PyTorch ops they replace
-in the model's layers: RMS norm with and without the residual add, the rotary embedding in place
-on a strided q/k view, SiLU-and-mul; float32 and bfloat16."""
+"""The elementwise CPU kernels (radixrt_kernels.cpu.elementwise) against the PyTorch ops they
+replace in the model's layers: RMS norm with and without the residual add, the rotary embedding
+in place on a strided q/k view, SiLU-and-mul; float32 and bfloat16. The sampling kernels
+(radixrt_kernels.cpu.sampling_ops: argmax, the grammar bitmask) against PyTorch's."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ from radixrt.model.kernel_set import (
     choose_kernels,
 )
 from radixrt.model.layers import RMSNorm, RotaryEmbedding
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_library, cpu_ops
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import elementwise, sampling_ops
+from radixrt_kernels.cpu import library as cpu_library
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -120,7 +122,7 @@ def test_other_dtypes_get_pytorchs_ops(lib) -> None:
     assert choose_kernels(torch.device("cpu"), torch.float32, lib).norm.name == "c"
     assert choose_kernels(torch.device("cpu"), torch.float32, None).norm.name == "torch"
     with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_ops.silu_mul(lib, torch.randn(4, 16, dtype=torch.float16))
+        elementwise.silu_mul(lib, torch.randn(4, 16, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -133,7 +135,7 @@ def test_argmax_matches_pytorch(lib, dtype: torch.dtype) -> None:
     x[4, :] = float("-inf")  # all -inf: index 0
     x[5, 20] = float("nan")
     x[5, 700] = float("nan")  # the first NaN
-    got = cpu_ops.argmax(lib, x)
+    got = sampling_ops.argmax(lib, x)
     assert torch.equal(got, x.argmax(-1))
     assert got[:6].tolist() == [int(x[0].argmax()), 10, 999, 500, 0, 20]
 
@@ -143,8 +145,10 @@ def test_greedy_sampling_takes_the_kernel_argmax(lib, monkeypatch) -> None:
     from radixrt.sampling import Sampler
 
     calls = []
-    real = cpu_ops.argmax
-    monkeypatch.setattr(cpu_ops, "argmax", lambda lib_, x: calls.append(x.shape) or real(lib_, x))
+    real = sampling_ops.argmax
+    monkeypatch.setattr(
+        sampling_ops, "argmax", lambda lib_, x: calls.append(x.shape) or real(lib_, x)
+    )
     logits = torch.randn(4, 300)
     out = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 4)
     assert calls == [(4, 300)] and torch.equal(out.token_ids, logits.argmax(-1))
@@ -161,23 +165,26 @@ def test_ops_built_without_avx512_agree(lib, monkeypatch, tmp_path) -> None:
     res = torch.randn(5, 200).bfloat16()
     r1, r2 = res.clone(), res.clone()
     torch.testing.assert_close(
-        cpu_ops.rms_norm(other, x[:, :200], w, 1e-6, r1),
-        cpu_ops.rms_norm(lib, x[:, :200], w, 1e-6, r2),
+        elementwise.rms_norm(other, x[:, :200], w, 1e-6, r1),
+        elementwise.rms_norm(lib, x[:, :200], w, 1e-6, r2),
         atol=1e-2,
         rtol=1e-2,
     )
     assert torch.equal(r1, r2)
     torch.testing.assert_close(
-        cpu_ops.silu_mul(other, x).float(), cpu_ops.silu_mul(lib, x).float(), atol=1e-2, rtol=1e-2
+        elementwise.silu_mul(other, x).float(),
+        elementwise.silu_mul(lib, x).float(),
+        atol=1e-2,
+        rtol=1e-2,
     )
     cos, sin = torch.randn(50, 64), torch.randn(50, 64)
     qk1, qk2 = (torch.randn(5, 4, 64).bfloat16() for _ in range(2))
     qk2.copy_(qk1)
     pos = torch.tensor([0, 3, 49, 7, 7])
     assert torch.equal(
-        cpu_ops.rope_(other, qk1, pos, cos, sin), cpu_ops.rope_(lib, qk2, pos, cos, sin)
+        elementwise.rope_(other, qk1, pos, cos, sin), elementwise.rope_(lib, qk2, pos, cos, sin)
     )
-    assert torch.equal(cpu_ops.argmax(other, x), cpu_ops.argmax(lib, x))
+    assert torch.equal(sampling_ops.argmax(other, x), sampling_ops.argmax(lib, x))
 
 
 @pytest.mark.parametrize("vocab", [31, 64, 1000, 49157])
@@ -194,8 +201,8 @@ def test_token_bitmask_matches_xgrammars_apply(lib, vocab: int) -> None:
     want = logits.clone()
     xgr.apply_token_bitmask_inplace(want, bitmask, vocab_size=vocab, indices=rows)
     got = logits.clone()
-    cpu_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor(rows))
+    sampling_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor(rows))
     assert torch.equal(got, want)
     assert torch.equal(got[[1, 3, 4]], logits[[1, 3, 4]])
     with pytest.raises(ValueError, match="apply_token_bitmask"):
-        cpu_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor([6]))
+        sampling_ops.apply_token_bitmask(lib, got, bitmask, torch.tensor([6]))

@@ -11,8 +11,10 @@ from radixrt import Engine, SamplingParams
 from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.layers import RMSNorm
 from radixrt.model.llama import LlamaDecoderLayer
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_chain, cpu_library, cpu_linear
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import chain as cpu_chain
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 PROMPTS = [
     "The same long system prompt for everyone. Then question one?",

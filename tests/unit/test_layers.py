@@ -10,8 +10,9 @@ from torch import nn
 from radixrt.model import linear_methods
 from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.layers import GateUpLinear, Linear, LMHead, prepare_weights
-from radixrt.model.loader import cache_dir
-from radixrt_kernels import cpu_library, cpu_linear
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 HAS_ONEDNN = linear_methods.onednn_works()
 needs_onednn = pytest.mark.skipif(
@@ -145,8 +146,8 @@ def test_vector_kernels_equal_pytorch_within_bf16_rounding(kernel: str, rows: in
 @pytest.mark.parametrize("kernel", PACKED)
 def test_gated_linear_is_silu_and_mul_of_the_two_products(rows: int, kernel: str) -> None:
     # [gate; up] packed gated: silu(gate)·up in the same pass, bit-equal to the two steps apart
-    # (the linear, then cpu_ops.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
-    from radixrt_kernels import cpu_ops
+    # (the linear, then elementwise.silu_mul, which rounds as PyTorch's F.silu(gate) * up does).
+    from radixrt_kernels.cpu import elementwise
 
     lib = library_with(kernel)
     torch.manual_seed(rows)
@@ -158,7 +159,7 @@ def test_gated_linear_is_silu_and_mul_of_the_two_products(rows: int, kernel: str
     assert got.shape == (rows, 96) and got.dtype == torch.bfloat16
     assert torch.equal(
         got,
-        cpu_ops.silu_mul(
+        elementwise.silu_mul(
             lib, cpu_linear.linear(lib, x, cpu_linear.pack(lib, w), 192, kernel=kernel)
         ),
     )
@@ -196,11 +197,11 @@ def test_llama_mlp_fuses_silu_into_its_gate_up_linear() -> None:
 @pytest.mark.parametrize("kernel", PACKED)
 @pytest.mark.parametrize("head_dim,bias", [(64, False), (64, True), (128, True)])
 def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool, kernel: str) -> None:
-    # RotaryQKVLinear on the AMX kernel: q and k rotated in the linear's own pass, bit-equal to the
-    # same kernel's plain output followed by the rotary embedding (cpu_ops.rope_), eager and under
-    # torch.compile.
+    # RotaryQKVLinear on the AMX kernel: q and k rotated in the linear's own pass, bit-equal to
+    # the same kernel's plain output followed by the rotary embedding (elementwise.rope_), eager
+    # and under torch.compile.
     from radixrt.model.layers import QKVLinear, RotaryEmbedding, RotaryQKVLinear
-    from radixrt_kernels import cpu_ops
+    from radixrt_kernels.cpu import elementwise
 
     kernels = kernels_for(kernel)
     lib = kernels.lib
@@ -226,7 +227,7 @@ def test_qkv_linear_rotates_q_and_k_in_its_own_pass(head_dim: int, bias: bool, k
             x = torch.randn(rows, 96, dtype=torch.bfloat16)
             positions = torch.randint(0, 4096, (rows,))
             want = flat(x, positions, unrotated)
-            cpu_ops.rope_(
+            elementwise.rope_(
                 lib,
                 want[:, : 6 * head_dim].view(rows, 6, head_dim),
                 positions,
@@ -364,7 +365,7 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
     """The library as built on CPUs without AMX, without AVX512-BF16, without AVX-512 (AVX2:
     the FMA kernel on 8 lanes) or without AVX (4 lanes, as on SSE or NEON): AMX is refused, the
     vector kernels that build give the native build's results, with every epilogue."""
-    from radixrt_kernels import cpu_library as library
+    from radixrt_kernels.cpu import library
 
     native = library.load(cache_dir())
     monkeypatch.setattr(library, "CFLAGS", [*library.CFLAGS, *flags])
@@ -390,7 +391,8 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
             # (gated: the portable build's exp and reciprocal may move a result by one bf16 step)
             torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2e-2)
         # this build's chain gives this build's separate calls
-        from radixrt_kernels import cpu_chain, cpu_ops
+        from radixrt_kernels.cpu import chain as cpu_chain
+        from radixrt_kernels.cpu import elementwise
 
         chain, normed = cpu_chain.Chain(lib), torch.empty(37, 192, dtype=torch.bfloat16)
         y, act = (
@@ -403,6 +405,6 @@ def test_builds_for_cpus_without_amx_or_avx512(flags: list[str], monkeypatch, tm
         chain.run()
         want = cpu_linear.linear(lib, x, packed, 192, bias, kernel=kernel)
         assert torch.equal(y, want)
-        assert torch.equal(normed, cpu_ops.rms_norm(lib, want, bias, 1e-5))
+        assert torch.equal(normed, elementwise.rms_norm(lib, want, bias, 1e-5))
         assert torch.equal(act, cpu_linear.linear(lib, x, gated, 192, gated=True, kernel=kernel))
     assert choose_kernels(CPU, torch.bfloat16, lib, linear="fma").linear_for(192, 128).name == "fma"

@@ -1,4 +1,5 @@
-"""Fast tests for radixrt.model.loader and radixrt.testing (tiny random models only)."""
+"""Fast tests for reading models (radixrt.model.hf_config, weights, default_model) and
+radixrt.testing (tiny random models only)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from radixrt.model import loader
-from radixrt.model.loader import (
-    INSTALL_COMMAND,
-    ModelConfig,
-    ModelNotInstalledError,
-    iter_weights,
-    resolve_model_path,
-)
+from radixrt.model import default_model
+from radixrt.model.default_model import INSTALL_COMMAND, ModelNotInstalledError, resolve_model_path
+from radixrt.model.hf_config import ModelConfig
+from radixrt.model.weights import iter_weights
 from radixrt.testing import ARCHS, make_tiny_model, tiny_model_path
 
 
@@ -453,7 +450,7 @@ def test_default_model_not_installed_message(tmp_path, monkeypatch):
     def no_dist(name):
         raise importlib.metadata.PackageNotFoundError(name)
 
-    monkeypatch.setattr(loader.importlib.metadata, "distribution", no_dist)
+    monkeypatch.setattr(default_model.importlib.metadata, "distribution", no_dist)
     with pytest.raises(ModelNotInstalledError) as e:
         resolve_model_path(None)
     assert isinstance(e.value, RuntimeError)
@@ -465,19 +462,19 @@ def test_default_model_not_installed_message(tmp_path, monkeypatch):
 def test_default_model_uses_marked_cache_only(tmp_path, monkeypatch):
     monkeypatch.setenv("RADIXRT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(
-        loader,
+        default_model,
         "_find_default_gguf",
         lambda: (_ for _ in ()).throw(ModelNotInstalledError("not here")),
     )
-    folder = tmp_path / loader.DEFAULT_MODEL_NAME
+    folder = tmp_path / default_model.DEFAULT_MODEL_NAME
     folder.mkdir()
     (folder / "config.json").write_text("{}")
     with pytest.raises(ModelNotInstalledError):  # no marker: half-written folders are not used
-        loader.default_model_path()
-    (folder / loader._MARKER).write_text(
-        json.dumps({"conversion_version": loader.CONVERSION_VERSION})
+        default_model.default_model_path()
+    (folder / default_model._MARKER).write_text(
+        json.dumps({"conversion_version": default_model.CONVERSION_VERSION})
     )
-    assert loader.default_model_path() == str(folder)
+    assert default_model.default_model_path() == str(folder)
 
 
 # --------------------------------------------------------------------------- #

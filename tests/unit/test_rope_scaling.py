@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
-from radixrt.model.loader import ModelConfig
+from radixrt.model.hf_config import ModelConfig
 from radixrt.model.rope import cos_sin_tables
 from radixrt.testing import make_tiny_model
 

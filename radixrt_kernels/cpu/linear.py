@@ -1,12 +1,12 @@
 """bfloat16 linear layers on the CPU, on weights packed once (``pack``), by one of three kernels.
 
-- ``"amx"`` (``cpu/linear.c``): AMX tile products. A decode step is bound by
+- ``"amx"`` (``linear_amx.c``): AMX tile products. A decode step is bound by
   streaming the weights; this kernel reads each weight as one sequential
   stream per thread. Its sums are added in the order oneDNN's AMX kernels add
   them, so for up to 32 rows its results equal ``F.linear``'s bit for bit
   (beyond, within the last bf16 bit: oneDNN picks kernels of other orders).
-- ``"avx512_bf16"`` (``cpu/linear_vec.c``): vdpbf16ps dot products.
-- ``"fma"`` (``cpu/linear_vec.c``): the bf16 weights widened to float32 as
+- ``"avx512_bf16"`` (``linear_vec.c``): vdpbf16ps dot products.
+- ``"fma"`` (``linear_vec.c``): the bf16 weights widened to float32 as
   they are read and multiplied with float32 FMA (AVX-512, or AVX2 on CPUs
   without it), x widened once per call.
 All three read the same packed weights, add in float32 and round once to
@@ -15,30 +15,28 @@ for decode-sized and prefill-sized batches. ``available(lib)`` says whether
 AMX runs here (the CPU has it and the OS grants it), ``kernel_available(lib,
 name)`` for any of the three; ``pack(lib, w)`` packs a [N, K] bf16 weight (K
 a multiple of 32); ``linear(lib, x, packed, n, bias, float_out, ...,
-kernel=...)`` multiplies. ``peak_gflops`` and ``stream_gbps`` measure this
-CPU's ceilings (register-only FMA and vdpbf16ps loops, a read-only stream).
+kernel=...)`` multiplies.
 
 Gated: a weight [gate; up] (2N' rows, N' a multiple of 32) packed with
 ``gated=True`` gives silu(x·gateᵀ)·(x·upᵀ) [M, N'] in the same pass, rounded
-as ``cpu_ops.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
+as ``elementwise.silu_mul`` of the two products rounds: the MLP's SiLU-and-mul
 without its own call, and without writing and re-reading the [M, 2N'] products
 (a prefill's are megabytes).
 
 Rotary: ``linear(..., rope=Rope(positions, cos, sin_signed, head_dim, cols))``
 rotates the output's first ``cols`` features (q and k heads of ``head_dim``,
-a multiple of 64) in the same pass, as ``cpu_ops.rope_`` rotates them.
+a multiple of 64) in the same pass, as ``elementwise.rope_`` rotates them.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import time
 from typing import NamedTuple
 
 import torch
 
-from radixrt_kernels import cpu_capture
+from radixrt_kernels.cpu import capture as cpu_capture
 
 K_MULTIPLE = 32  # in_features must be a multiple of this (the kernel's chunk)
 
@@ -191,38 +189,3 @@ def linear(
             f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here"
         )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
-
-
-def peak_gflops(
-    lib: ctypes.CDLL, kind: str, threads: int, seconds: float = 0.1, repeats: int = 5
-) -> float:
-    """The register-only throughput of ``kind`` ("fma": float32 FMA; "avx512_bf16": vdpbf16ps)
-    on ``threads`` threads, in GFLOP/s: the best of ``repeats`` runs of about ``seconds`` each
-    (a slow spell of a shared machine lowers one run, not the ceiling); 0 where this build lacks
-    it."""
-    code, flops_per_op = {"fma": (0, 32), "avx512_bf16": (1, 64)}[kind]
-    iters, best = 1 << 16, 0.0
-    while True:  # size a run
-        t0 = time.perf_counter()
-        if lib.radixrt_peak(code, iters, threads) == -1:
-            return 0.0
-        if time.perf_counter() - t0 >= seconds / 4:
-            break
-        iters *= 2
-    iters = int(iters * seconds / max(time.perf_counter() - t0, 1e-9)) + 1
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        lib.radixrt_peak(code, iters, threads)
-        best = max(best, iters * 12 * flops_per_op * threads / (time.perf_counter() - t0) / 1e9)
-    return best
-
-
-def stream_gbps(lib: ctypes.CDLL, threads: int, nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """The best of ``repeats`` read-only passes over ``nbytes`` (far past the caches), in GB/s."""
-    buf = torch.ones(nbytes // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        lib.radixrt_stream_read(buf.data_ptr(), buf.numel() * 4, threads)
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * 4 / best / 1e9

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrt_kernels._common import (
+from radixrt_kernels.triton._common import (
     INTERPRET,
     check_device,
     check_float,

@@ -1,9 +1,9 @@
 """A forward's CPU kernel calls captured once and replayed as one chain.
 
-While ``capture()`` is active, the CPU kernels' wrappers (``cpu_ops.rms_norm``,
-``cpu_ops.rope_``, ``cpu_linear.linear``, ``cpu_attention.attention``) compute
+While ``capture()`` is active, the CPU kernels' wrappers (``elementwise.rms_norm``,
+``elementwise.rope_``, ``linear.linear``, ``attention.attention``) compute
 nothing: each hands its call to the ``Recorder``, which allocates the output the
-wrapper would return and notes the call as a step of ``cpu_chain.Chain``. The
+wrapper would return and notes the call as a step of ``chain.Chain``. The
 code calling them (a model's forward) runs as it always does, so the steps are
 its steps, in its order; the recorder knows no model.
 
@@ -14,7 +14,7 @@ and where it was called, as does a kernel call a chain has no step for
 (SiLU-and-mul on its own, the AMX linear, a float32 output, a copy the wrapper
 would make of a badly strided input).
 
-``cpu_chain.replay(lib, recorder, outputs)`` turns a finished capture into a
+``chain.replay(lib, recorder, outputs)`` turns a finished capture into a
 chain that replays it. This module imports nothing of the library, so every
 wrapper can ask ``capturing()`` first.
 """

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radixrt_kernels._common import (
+from radixrt_kernels.triton._common import (
     check_device,
     check_float,
     check_index,

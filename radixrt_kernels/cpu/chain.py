@@ -7,8 +7,8 @@ of RMS norms, rotary embeddings, packed linears (the ``"avx512_bf16"`` and
 ``"fma"`` kernels of ``cpu_linear``) and attentions over buffers fixed when it
 is built, as a table of int64 rows; ``run`` executes it in one call and one
 parallel region, a barrier between each step and the next. Each step gives
-the results of the call it stands for (``cpu_ops.rms_norm``, ``cpu_ops.rope_``,
-``cpu_linear.linear``, ``cpu_attention.attention``) bit for bit.
+the results of the call it stands for (``elementwise.rms_norm``, ``elementwise.rope_``,
+``linear.linear``, ``attention.attention``) bit for bit.
 
 A chain names its tensors by address: it keeps them alive, and callers write
 a step's inputs into the buffers it was built on (``Chain`` checks shapes,
@@ -23,8 +23,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from radixrt_kernels import cpu_attention, cpu_linear
-from radixrt_kernels.cpu_capture import (
+from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu.capture import (
     CHAIN_LINEAR_KERNELS,
     Recorder,
     Step,
@@ -87,7 +88,7 @@ class Chain:
         out: torch.Tensor,
         residual: torch.Tensor | None = None,
     ) -> None:
-        """out = ``cpu_ops.rms_norm(x, weight, eps, residual)`` (the sum into ``residual``):
+        """out = ``elementwise.rms_norm(x, weight, eps, residual)`` (the sum into ``residual``):
         x [m, n] bf16 (rows may be strided), out and residual contiguous [m, n]; or each head's
         norm of x [m, heads, n] (heads contiguous, token rows may be strided) into out laid out
         alike (out may be x), without a residual."""
@@ -140,7 +141,7 @@ class Chain:
         gated: bool = False,
         rope: cpu_linear.Rope | None = None,
     ) -> None:
-        """out = ``cpu_linear.linear(x, packed, n, bias, gated=gated, rope=rope,
+        """out = ``linear.linear(x, packed, n, bias, gated=gated, rope=rope,
         kernel=kernel)``: x [m, k] and out [m, n (gated: n / 2)] bf16 with contiguous rows."""
         if kernel not in _VEC_KERNEL:
             raise ValueError(f"chain: unknown linear kernel {kernel!r} (one of {KERNELS})")
@@ -186,7 +187,7 @@ class Chain:
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
     ) -> None:
-        """``cpu_ops.rope_(x, positions[:m], cos, sin_signed)``: x [m, heads, d] bf16 (token
+        """``elementwise.rope_(x, positions[:m], cos, sin_signed)``: x [m, heads, d] bf16 (token
         rows may be strided, heads contiguous), rotated in place."""
         m, heads, d = x.shape
         if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != d:
@@ -216,9 +217,9 @@ class Chain:
         )
 
     def attention(self, args: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> None:
-        """``cpu_attention.attention`` on the KV buffers k_buf, v_buf [N, KH, D] (contiguous)
+        """``attention.attention`` on the KV buffers k_buf, v_buf [N, KH, D] (contiguous)
         with the rest of its arguments as ``args`` holds them when the chain runs: int64
-        [``attention_fields(lib)``], ``cpu_attention.AttentionCall.fields`` (several layers'
+        [``attention_fields(lib)``], ``attention.AttentionCall.fields`` (several layers'
         steps may share one ``args``). The kernel checks them when the chain runs."""
         if args.dtype != torch.int64 or args.shape != (self.lib.radixrt_chain_attention_fields(),):
             raise ValueError("chain: attention args must be int64 [attention fields]")
@@ -247,7 +248,7 @@ class Chain:
 
 
 def replay(lib: ctypes.CDLL, recorder: Recorder, outputs: tuple[torch.Tensor, ...]) -> Replay:
-    """A finished capture (``cpu_capture.capture``) as a chain over one arena; ``outputs`` (what
+    """A finished capture (``capture.capture``) as a chain over one arena; ``outputs`` (what
     the captured code returned) become the tensors the chain leaves its results in."""
     if capturing() is recorder:
         raise RuntimeError("replay: the capture has not ended")

@@ -4,7 +4,7 @@ The Triton kernels need a GPU; on the CPU this C kernel reads K/V straight
 from the KV buffers through slot indices (no gathered copy), reads a prefix
 shared by several requests once for all of them, and merges each query
 token's parts by their log-sum-exps in the same call. It is part of the library
-``radixrt_kernels.cpu_library`` builds on first use; where that library is
+``radixrt_kernels.cpu.library`` builds on first use; where that library is
 missing, callers fall back to PyTorch's kernels.
 
 Segments: a query token's keys are one or two segments; a segment is a list
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from radixrt_kernels import cpu_capture
+from radixrt_kernels.cpu import capture as cpu_capture
 
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
 MAX_DIM = 256  # ... and at most this
@@ -133,7 +133,7 @@ class AttentionCall:
     ``k_buf`` (a step's layers: the same queries' buffers, segments and new K/V rows, each
     layer's own pool buffers): ``call(k_address, v_address)`` runs the kernel into ``out``;
     ``fields`` are the same arguments as a decode chain's attention step reads them
-    (``cpu_chain.Chain.attention``)."""
+    (``chain.Chain.attention``)."""
 
     def __init__(
         self,

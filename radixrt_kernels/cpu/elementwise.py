@@ -1,13 +1,11 @@
-"""The model's elementwise steps on the CPU, one C call each (``cpu/elementwise.c``).
+"""The model's elementwise steps on the CPU, one C call each (``elementwise.c``).
 
 In eager mode PyTorch runs each of these as several kernels, each with its
 own dispatch and its own pass over memory: an RMS norm in float32 is a cast,
 a square, a mean, an rsqrt, two products and a cast back. Here each is one
-call into the library ``cpu_library`` builds, with the same roundings as the
-PyTorch ops it replaces (see the C file). ``argmax`` (greedy sampling) is
-here too: PyTorch's CPU argmax over a decode step's logits costs many times
-what reading them does. Tensors are on the CPU,
-float32 or bfloat16 (``usable``); the library comes from ``cpu_library.load``.
+call into the library ``library`` builds, with the same roundings as the
+PyTorch ops it replaces (see the C file). Tensors are on the CPU, float32 or
+bfloat16 (``usable``); the library comes from ``library.load``.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import ctypes
 
 import torch
 
-from radixrt_kernels import cpu_capture
+from radixrt_kernels.cpu import capture as cpu_capture
 
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -25,14 +23,15 @@ def usable(x: torch.Tensor) -> bool:
     return x.is_cpu and x.dtype in DTYPES
 
 
-def _is_bf16(x: torch.Tensor, what: str) -> int:
+def dtype_flag(x: torch.Tensor, what: str) -> int:
     """1 for bf16, 0 for float32 (the C functions' dtype flag); other dtypes are refused."""
     if x.dtype not in DTYPES:
         raise ValueError(f"{what}: the CPU kernel takes float32 or bfloat16, got {x.dtype}")
     return int(x.dtype == torch.bfloat16)
 
 
-def _check(rc: int, what: str) -> None:
+def check_rc(rc: int, what: str) -> None:
+    """Raise ValueError naming ``what`` where a C call answered -1 (a size it does not take)."""
     if rc != 0:
         raise ValueError(f"{what}: a size the CPU kernel does not take")
 
@@ -64,7 +63,7 @@ def rms_norm(
     if not weight.is_contiguous():
         weight = weight.contiguous()
     out = torch.empty(t, n, dtype=x.dtype)
-    _check(
+    check_rc(
         lib.radixrt_rms_norm(
             x.data_ptr(),
             x.stride(0),
@@ -74,7 +73,7 @@ def rms_norm(
             t,
             n,
             eps,
-            _is_bf16(x, "rms_norm"),
+            dtype_flag(x, "rms_norm"),
             torch.get_num_threads(),
         ),
         "rms_norm",
@@ -103,7 +102,7 @@ def _rms_norm_heads(
     weight = weight.contiguous()
     if out is None:
         out = torch.empty(t, heads, n, dtype=x.dtype)
-    _check(
+    check_rc(
         lib.radixrt_rms_norm_heads(
             x.data_ptr(),
             x.stride(0),
@@ -114,7 +113,7 @@ def _rms_norm_heads(
             heads,
             n,
             eps,
-            _is_bf16(x, "rms_norm"),
+            dtype_flag(x, "rms_norm"),
             torch.get_num_threads(),
         ),
         "rms_norm",
@@ -146,7 +145,7 @@ def rope_(
         )
     if positions.dtype != torch.int64 or not positions.is_contiguous():
         positions = positions.to(torch.int64).contiguous()
-    _check(
+    check_rc(
         lib.radixrt_rope(
             x.data_ptr(),
             x.stride(0),
@@ -156,7 +155,7 @@ def rope_(
             positions.data_ptr(),
             cos.data_ptr(),
             sin_signed.data_ptr(),
-            _is_bf16(x, "rope_"),
+            dtype_flag(x, "rope_"),
             torch.get_num_threads(),
         ),
         "rope_",
@@ -172,72 +171,15 @@ def silu_mul(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
     if not x.is_contiguous():
         x = x.contiguous()
     out = torch.empty(t, n2 // 2, dtype=x.dtype)
-    _check(
+    check_rc(
         lib.radixrt_silu_mul(
             x.data_ptr(),
             out.data_ptr(),
             t,
             n2 // 2,
-            _is_bf16(x, "silu_mul"),
+            dtype_flag(x, "silu_mul"),
             torch.get_num_threads(),
         ),
         "silu_mul",
     )
     return out
-
-
-def argmax(lib: ctypes.CDLL, x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(-1) for x [B, N] (rows may be strided): int64 [B], the first index on ties and
-    the first NaN where there is one, as PyTorch's."""
-    b, n = x.shape
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    out = torch.empty(b, dtype=torch.int64)
-    _check(
-        lib.radixrt_argmax(
-            x.data_ptr(),
-            b,
-            n,
-            x.stride(0),
-            _is_bf16(x, "argmax"),
-            out.data_ptr(),
-            torch.get_num_threads(),
-        ),
-        "argmax",
-    )
-    return out
-
-
-def apply_token_bitmask(
-    lib: ctypes.CDLL, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor
-) -> None:
-    """In place: logits[rows[i], t] = -inf where bit t of bitmask[rows[i]] is 0 (logits [B, V]
-    float32 with unit column stride; bitmask int32 [B, ceil(V / 32)], xgrammar's layout; rows
-    int64). The other rows are not touched."""
-    b, vocab = logits.shape
-    if not (
-        logits.dtype == torch.float32
-        and logits.stride(1) == 1
-        and bitmask.dtype == torch.int32
-        and bitmask.is_contiguous()
-        and bitmask.shape[0] >= b
-        and rows.dtype == torch.int64
-        and rows.is_contiguous()
-        and (rows.numel() == 0 or 0 <= int(rows.min()) and int(rows.max()) < b)
-    ):
-        raise ValueError(
-            "apply_token_bitmask: float32 logits [B, V], int32 bitmask [B, W], int64 rows < B"
-        )
-    _check(
-        lib.radixrt_apply_token_bitmask(
-            logits.data_ptr(),
-            logits.stride(0),
-            bitmask.data_ptr(),
-            bitmask.shape[1],
-            rows.data_ptr(),
-            rows.numel(),
-            vocab,
-            torch.get_num_threads(),
-        ),
-        "apply_token_bitmask",
-    )

@@ -5,6 +5,7 @@
 scheduled) and those whose grammar failed (finished by the caller with ``error_code``
 "invalid_grammar"). ``wait(timeout)`` sleeps until one is ready, for a scheduler with nothing
 else to do. The compilation runs on the compiler's threads, never on the scheduler's loop.
+Compiling, matching and masking are ``radixrt.grammar``'s; this module only holds the requests.
 """
 
 from __future__ import annotations

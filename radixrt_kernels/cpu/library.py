@@ -1,13 +1,13 @@
-"""The CPU kernels' library: the C sources in ``cpu/``, built on first use.
+"""The CPU kernels' library: the C sources beside this module, built on first use.
 
-``cpu/attention.c`` (attention through slot indices, see ``cpu_attention``),
-``cpu/elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul, argmax;
-see ``cpu_ops``), ``cpu/linear.c`` and ``cpu/linear_vec.c`` (bf16 linear
-layers with AMX, AVX512-BF16 or FMA, see ``cpu_linear``) and ``cpu/chain.c``
-(several norm and linear steps in one call, see ``cpu_chain``) are compiled with
-the system C compiler (``-O3 -march=native``, OpenMP) into one library in
-``CACHE_DIR/kernels/`` and loaded with ctypes. The library links against the
-OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's threads.
+One C file per concern, each with its wrapper module: ``attention.c`` (attention through slot
+indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul,
+``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
+``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
+``linear``) and ``chain.c`` (several steps in one call, ``chain``). They are compiled with the
+system C compiler (``-O3 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/``
+and loaded with ctypes. The library links against the OpenMP runtime PyTorch already loaded, so
+its loops run on PyTorch's threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
@@ -28,9 +28,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-FOLDER = Path(__file__).with_name("cpu")
+FOLDER = Path(__file__).parent
 SOURCES = [
-    FOLDER / n for n in ("attention.c", "chain.c", "elementwise.c", "linear.c", "linear_vec.c")
+    FOLDER / n
+    for n in (
+        "attention.c",
+        "chain.c",
+        "elementwise.c",
+        "linear_amx.c",
+        "linear_vec.c",
+        "sampling.c",
+    )
 ]
 HEADERS = [FOLDER / n for n in ("common.h", "linear_out.h", "parts.h")]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
@@ -108,8 +116,6 @@ RESTYPES = {
         ctypes.c_int64,
         [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
-    "radixrt_peak": (ctypes.c_double, [_int, _i64, _int]),
-    "radixrt_stream_read": (ctypes.c_double, [_ptr, _i64, _int]),
 }  # the others: int
 
 _lib: ctypes.CDLL | None = None
@@ -161,30 +167,42 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
-def _build_and_load(folder: Path) -> ctypes.CDLL:
+def compile_library(sources: list[Path], folder: Path, name: str) -> Path:
+    """``sources`` compiled as this library is (its compiler, ``CFLAGS`` and
+    ``RADIXRT_KERNEL_CFLAGS``, its headers on the include path, linked to PyTorch's libgomp) into
+    ``folder/<name>-<key>.so``; returns that path. The key hashes the sources, the headers,
+    flags, compiler, OpenMP runtime and CPU, so a change to any of them builds a new file.
+    Raises RuntimeError naming the failed command."""
     cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     gomp = _torch_libgomp()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    texts = [f.read_text() for f in SOURCES + HEADERS]
+    texts = [f.read_text() for f in sources + HEADERS]
     flags = [*CFLAGS, *os.environ.get("RADIXRT_KERNEL_CFLAGS", "").split()]
     key = hashlib.sha256(
         "\0".join([*texts, " ".join(flags), cc, version, gomp, _cpu_features()]).encode()
     ).hexdigest()[:16]
-    target = folder / f"radixrt-cpu-{key}.so"
+    target = folder / f"{name}-{key}.so"
     if not target.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
-            objs = [str(Path(tmp) / f"{src.stem}.o") for src in SOURCES]
+            objs = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
             lib = Path(tmp) / "k.so"
-            cmds = [[cc, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
+            cmds = [
+                [cc, *flags, f"-I{FOLDER}", "-c", str(src), "-o", obj]
+                for src, obj in zip(sources, objs)
+            ]
             for cmd in [*cmds, [cc, "-shared", *objs, gomp, "-lm", "-o", str(lib)]]:
                 done = subprocess.run(cmd, capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
             os.replace(lib, target)  # atomic: concurrent builders each publish a whole file
-    lib = ctypes.CDLL(str(target))
+    return target
+
+
+def _build_and_load(folder: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(compile_library(SOURCES, folder, "radixrt-cpu")))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int

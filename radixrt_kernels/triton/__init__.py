@@ -1,0 +1,18 @@
+"""Triton kernels of the attention path: store new K/V, extend (prefill) and decode attention.
+
+Modules (each named after its one kernel wrapper, so import from the module:
+``from radixrt_kernels.triton.extend_attention import extend_attention``):
+- :mod:`~radixrt_kernels.triton.store_kv`: ``store_kv`` writes new K/V rows at slots;
+- :mod:`~radixrt_kernels.triton.extend_attention`: prefix + causal attention of new tokens;
+- :mod:`~radixrt_kernels.triton.decode_attention`: split-KV flash decoding, one token per
+  request;
+- :mod:`~radixrt_kernels.triton.reference`: plain-torch twins of the three, for tests.
+Every wrapper checks its arguments and raises ``ValueError`` naming the bad one.
+Set ``TRITON_INTERPRET=1`` before importing a kernel module to run on CPU (``INTERPRET``).
+"""
+
+from __future__ import annotations
+
+from radixrt_kernels.triton._common import INTERPRET
+
+__all__ = ["INTERPRET"]
