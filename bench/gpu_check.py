@@ -117,10 +117,12 @@ def environment() -> dict:
         env["triton"] = triton.__version__
     except ImportError:
         env["triton"] = None
-    commit = subprocess.run(
-        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
-    )
-    env["commit"] = commit.stdout.strip() if commit.returncode == 0 else None
+    try:  # a copy of the tree without git history has no commit to name
+        git = ["git", "-C", str(ROOT), "describe", "--always", "--dirty"]
+        commit = subprocess.run(git, capture_output=True, text=True)
+        env["commit"] = commit.stdout.strip() if commit.returncode == 0 else None
+    except OSError:
+        env["commit"] = None
     return env
 
 
@@ -446,7 +448,7 @@ def render_table(report: dict) -> str:
     lines += ["", "| step | result | seconds | figures |", "| --- | --- | ---: | --- |"]
     for step in report["steps"]:
         first_error = (step["error"] or "").strip().splitlines()[:1]
-        figures = step["summary"] or " ".join(first_error)
+        figures = (step["summary"] or " ".join(first_error)).replace("|", "/")
         result = "pass" if step["passed"] else "FAIL"
         lines.append(f"| {step['name']} | {result} | {step['seconds']:.1f} | {figures} |")
     return "\n".join(lines) + "\n"
