@@ -3,6 +3,8 @@ or oneDNN's) and the fused forms give the plain layers' results."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -324,10 +326,22 @@ def test_a_path_that_does_not_run_here_is_refused(monkeypatch) -> None:
         choose_kernels(CPU, torch.bfloat16, lib, linear="amx")
 
 
-def test_bf16_cpu_engine_runs_the_chosen_paths(tiny_llama: str) -> None:
+def test_bf16_cpu_engine_runs_the_chosen_paths(tiny_llama: str, monkeypatch, tmp_path) -> None:
     from radixrt import Engine
+    from radixrt.model import calibrate
     from radixrt.model.calibrate import PATHS
 
+    # Calibrated afresh in tmp_path, timed on small inputs: the test checks that the engine runs
+    # the paths its calibration chose, not which path is fastest on this CPU.
+    init = calibrate.Calibrator.__init__
+    monkeypatch.setattr(
+        calibrate.Calibrator,
+        "__init__",
+        lambda self, lib, cache_dir, *a, **kw: init(self, lib, str(tmp_path), *a, **kw),
+    )
+    monkeypatch.setattr(calibrate, "COLD_BYTES", 1 << 20)
+    monkeypatch.setattr(calibrate, "LARGE_ROWS", 96)
+    monkeypatch.setattr(calibrate, "ATTEMPTS", 1)
     with Engine(
         model=tiny_llama, dtype="bfloat16", max_total_tokens=256, linear_kernel="fma"
     ) as eng:
@@ -337,6 +351,9 @@ def test_bf16_cpu_engine_runs_the_chosen_paths(tiny_llama: str) -> None:
         assert len(chosen) == 5  # qkv, o, gate_up, down, lm_head
         for path in chosen.values():
             assert all(p.split(" ")[0] in PATHS for p in path.split(", "))
+    kept = [json.loads(f.read_text()) for f in (tmp_path / "calibration").glob("*.json")]
+    measured = {key.split(":")[0] for t in kept for key in t if not key.startswith("attention")}
+    assert measured == set(chosen)  # each path chosen by this test's calibration
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
         assert set(eng.runner.kernels.describe()["linear"].values()) == {"torch"}
 
