@@ -287,7 +287,7 @@ def test_packed_layers_compile(packing: str) -> None:
 
 
 def test_kernels_chosen_for_dtype_device_and_compile(monkeypatch) -> None:
-    from radixrt.model import kernels as kernels_module
+    from radixrt.model import kernel_set as kernels_module
     from radixrt.model.calibrate import Choice
 
     lib = cpu_library.load(cache_dir())
