@@ -12,7 +12,8 @@ gets an ``ErrorReply``; nothing a client sends can stop the loop.
   aborted (their KV is freed). Clients with work in flight are sent a ``Ping``
   when the socket monitor reports a disconnect and every ``PROBE_S`` seconds
   (the disconnect event may arrive before the peer's pipe is gone).
-- Settings: ``args["server"]``, the ``radixrt.config.ServerConfig``.
+- Settings: ``args.server``, the ``radixrt.config.ServerConfig``
+  (``args``: a ``radixrt.server.spawn_args.FrontArgs``).
 - Limits (``radixrt launch --help``): frames over ``max_message_bytes`` get
   ``too_large`` (ZeroMQ drops a connection that sends a frame over four times
   that, unread, so memory stays bounded); prompts over ``max_prompt_tokens``
@@ -101,6 +102,7 @@ from radixrt.server.common import (
 from radixrt.server.controls import Gather, split_id, sub_id
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.routing import Replica, Router
+from radixrt.server.spawn_args import FrontArgs
 
 CONTROL_KINDS = ("server_info", "flush_cache", "health", "kv_snapshot")
 SCHEDULER_START_TIMEOUT_S = 600
@@ -184,12 +186,12 @@ def http_socket(host: str, port: int) -> socket.socket:
 
 
 class TokenizerManager:
-    def __init__(self, args: dict, ctx: zmq.Context) -> None:
+    def __init__(self, args: FrontArgs, ctx: zmq.Context) -> None:
         from transformers import AutoTokenizer
 
         self.args = args
-        self.server: ServerConfig = args["server"]
-        self.tokenizer = AutoTokenizer.from_pretrained(args["model_path"])
+        self.server: ServerConfig = args.server
+        self.tokenizer = AutoTokenizer.from_pretrained(args.model_path)
         grammar.preload()  # requests with a json_schema, regex or ebnf are parsed here
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -204,8 +206,8 @@ class TokenizerManager:
             self.router.curve_server = True
         self.router.bind(f"tcp://{self.server.host}:{self.server.port}")
         self.monitor = self.router.get_monitor_socket(zmq.EVENT_DISCONNECTED)
-        self.from_detok = pull(ctx, args["tokenizer_addr"])
-        self.replicas = [Replica(i, push(ctx, a)) for i, a in enumerate(args["scheduler_addrs"])]
+        self.from_detok = pull(ctx, args.addrs.front)
+        self.replicas = [Replica(i, push(ctx, a)) for i, a in enumerate(args.addrs.schedulers)]
         self.routing = Router(self.server, self.replicas)
         self.events_in, self.events_out = kv_event_sockets(ctx, args, self.server)
         self.limits: dict = {}
@@ -232,7 +234,7 @@ class TokenizerManager:
         """Wait until every replica reported its limits."""
         deadline = time.monotonic() + SCHEDULER_START_TIMEOUT_S
         while time.monotonic() < deadline:
-            exit_if_orphaned(self.args)
+            exit_if_orphaned(self.args.parent_pid)
             if self.from_detok.poll(POLL_MS):
                 msg = decode(self.from_detok.recv())
                 if isinstance(msg, SchedulerReady):
@@ -286,7 +288,7 @@ class TokenizerManager:
 
     def pump(self) -> None:
         """Handle what the sockets hold, probe clients when due, advance a drain."""
-        exit_if_orphaned(self.args)
+        exit_if_orphaned(self.args.parent_pid)
         if self.events_in is not None:  # first: the requests routed next see the trees as of now
             self.drain(self.events_in, lambda frames: self.on_kv_events(frames[0]))
         self.drain(self.from_detok, lambda frames: self.on_backend(frames[0]))
@@ -642,7 +644,7 @@ class TokenizerManager:
         pids = {
             "launcher": os.getppid(),
             "tokenizer_manager": os.getpid(),
-            **self.args.get("pids", {}),
+            **self.args.pids,
             **{replica_name(r.index): r.info["scheduler_pid"] for r in self.replicas if r.up},
         }
         names = (
@@ -815,17 +817,17 @@ class TokenizerManager:
 
 
 def kv_event_sockets(
-    ctx: zmq.Context, args: dict, server: ServerConfig
+    ctx: zmq.Context, args: FrontArgs, server: ServerConfig
 ) -> tuple[zmq.Socket | None, zmq.Socket | None]:
     """(a SUB connected to every replica's KV events, a PUB re-publishing them on
     ``kv_events_endpoint``); None where not wanted."""
     sub = pub = None
-    if args.get("kv_event_addrs"):
+    if args.addrs.kv_events:
         sub = ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
-        for addr in args["kv_event_addrs"]:
+        for addr in args.addrs.kv_events:
             sub.connect(addr)
     if server.kv_events_endpoint is not None:
         pub = ctx.socket(zmq.PUB)
@@ -834,7 +836,7 @@ def kv_event_sockets(
     return sub, pub
 
 
-def run_tokenizer_manager(args: dict) -> None:
+def run_tokenizer_manager(args: FrontArgs) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         tm = TokenizerManager(args, ctx)
         tm.ready_sock = ready
