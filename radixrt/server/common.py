@@ -25,6 +25,7 @@ PR_SET_PDEATHSIG = 1
 # on a small machine every wakeup of a server process preempts one of the
 # scheduler's compute threads in the middle of a forward.
 POLL_MS = 1000
+PENDING_LIMIT = 1024  # messages handled from one socket before the next gets its turn
 
 
 def setup_child(args: ChildArgs) -> None:
@@ -60,6 +61,18 @@ def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.bind(addr)
     return sock
+
+
+def handle_pending(sock: zmq.Socket, handle: Callable[[list[bytes]], object]) -> int:
+    """Handle the messages waiting on ``sock`` (``handle(frames)``), at most ``PENDING_LIMIT``
+    (bounded, so that no socket starves the others); how many."""
+    for n in range(PENDING_LIMIT):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+        handle(frames)
+    return PENDING_LIMIT
 
 
 def run_child(role: str, args: ChildArgs, main: Callable[[zmq.Context, zmq.Socket], None]) -> None:
