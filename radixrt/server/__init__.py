@@ -8,7 +8,7 @@
 - ``tokenizer_manager``: the front, built from small roles: ``rpc`` (the
   ZeroMQ ROUTER), ``http`` (OpenAI and SGLang endpoints, through the
   ``front_api.FrontApi`` interface), ``front`` (the operations both share),
-  ``admission``, ``requests``, ``replicas`` (with ``routing``),
+  ``admission``, ``request_table``, ``replicas`` (with ``routing``),
   ``responses``, ``controls``, ``drain`` and ``metrics``.
 
 ``common`` holds what every child shares (start-up, orphan checks, sockets);

@@ -29,7 +29,7 @@ from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.drain import Drain
 from radixrt.server.front_api import RequestError
-from radixrt.server.requests import RequestTable
+from radixrt.server.request_table import RequestTable
 
 
 class Admission:

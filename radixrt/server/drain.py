@@ -15,7 +15,7 @@ import zmq
 
 from radixrt.protocol import AbortRid, Drained, encode
 from radixrt.server.replicas import ReplicaSet
-from radixrt.server.requests import RequestTable
+from radixrt.server.request_table import RequestTable
 
 
 class Drain:

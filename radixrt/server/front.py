@@ -31,7 +31,7 @@ from radixrt.server.drain import Drain
 from radixrt.server.front_api import FrontStatus, RequestError
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.replicas import ReplicaSet
-from radixrt.server.requests import ClientReq, RequestTable
+from radixrt.server.request_table import ClientReq, RequestTable
 
 LIMIT_NAMES = (
     "max_prompt_tokens",

@@ -27,7 +27,7 @@ from radixrt.protocol import (
 )
 from radixrt.server.front_api import RequestError
 from radixrt.server.metrics import ServerMetrics
-from radixrt.server.requests import ClientReq, RequestTable
+from radixrt.server.request_table import ClientReq, RequestTable
 
 Reply = Callable[[bytes, msgspec.Struct], None]  # (ZeroMQ identity, message) -> sent
 

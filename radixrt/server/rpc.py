@@ -47,7 +47,7 @@ from radixrt.server.common import handle_pending
 from radixrt.server.controls import Controls
 from radixrt.server.front import Front
 from radixrt.server.front_api import RequestError
-from radixrt.server.requests import RequestTable
+from radixrt.server.request_table import RequestTable
 
 PROBE_S = 2.0
 HARD_SIZE_FACTOR = 4  # ZMQ_MAXMSGSIZE = this × max_message_bytes

@@ -7,7 +7,7 @@ It builds the front's roles and runs their loop; each role is a module:
   asyncio loop, through the ``front_api.FrontApi`` interface;
 - ``front``: the operations both share (admit, submit, abort, control, info);
 - ``admission``: API keys, tokenizer and chat template, limits, validation;
-- ``requests``: the requests in flight, by rid and by client;
+- ``request_table``: the requests in flight, by rid and by client;
 - ``replicas``: the replicas, the router, the KV-event mirrors;
 - ``responses``: text deltas back to ZeroMQ clients and HTTP sinks, metrics;
 - ``controls``: control requests fanned out to every replica;
@@ -54,7 +54,7 @@ from radixrt.server.drain import Drain
 from radixrt.server.front import Front
 from radixrt.server.metrics import ServerMetrics
 from radixrt.server.replicas import ReplicaSet
-from radixrt.server.requests import RequestTable
+from radixrt.server.request_table import RequestTable
 from radixrt.server.responses import Responses
 from radixrt.server.rpc import RpcServer
 from radixrt.server.spawn_args import FrontArgs

@@ -26,7 +26,7 @@ from radixrt.server.admission import Admission
 from radixrt.server.drain import Drain
 from radixrt.server.front_api import RequestError
 from radixrt.server.metrics import ServerMetrics
-from radixrt.server.requests import ClientReq, RequestTable
+from radixrt.server.request_table import ClientReq, RequestTable
 from radixrt.server.responses import Responses
 from radixrt.server.routing import Replica, Router
 
@@ -216,3 +216,17 @@ def test_drain_aborts_what_outlives_the_grace_period_once():
         requests.forget(rid)
     drain.step()
     assert drain.launcher.msgs == [Drained(aborted=2)]
+
+
+def test_front_implements_every_member_of_the_http_interface():
+    import inspect
+
+    from radixrt.server.front import Front
+    from radixrt.server.front_api import FrontApi
+
+    for name, member in vars(FrontApi).items():
+        if name.startswith("_") or isinstance(member, property):
+            continue
+        wanted = list(inspect.signature(member).parameters)
+        given = list(inspect.signature(getattr(Front, name)).parameters)
+        assert given[: len(wanted)] == wanted, name
