@@ -1,7 +1,7 @@
 """Configuration: one frozen, slotted dataclass per role, validated on construction.
 
 - ``EngineConfig``: the engine (model, KV pool, scheduling); ``radixrt.Engine``
-  takes its fields as keyword arguments.
+  takes one, its fields as keyword overrides, or both (``engine_config``).
 - ``ServerConfig``: what ``radixrt launch`` adds around the engine (addresses,
   limits, keys, drain). It crosses into the server's child processes as a
   pickled value (spawn), so every child reads the same validated settings.
@@ -195,6 +195,25 @@ class EngineConfig:
     @property
     def running_limit(self) -> int:
         return self.max_running_requests or 256
+
+
+def engine_config(config: EngineConfig | None = None, **overrides: object) -> EngineConfig:
+    """``config`` (None: the defaults) with the fields in ``overrides`` replaced.
+
+    Raises TypeError when ``config`` is not an EngineConfig or an override names no field of
+    it (before anything is loaded), ValueError when a value is invalid.
+    """
+    if config is not None and not isinstance(config, EngineConfig):
+        raise TypeError(
+            f"expected an EngineConfig, got {type(config).__name__} {config!r} "
+            "(a model folder is passed as model=...)"
+        )
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(EngineConfig)})
+    if unknown:
+        raise TypeError(f"unknown EngineConfig fields {unknown}")
+    if config is None:
+        return EngineConfig(**overrides)
+    return dataclasses.replace(config, **overrides)
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ import itertools
 from collections.abc import Sequence
 
 from radixrt.cache.hicache import make_hierarchical_cache
-from radixrt.config import EngineConfig
+from radixrt.config import EngineConfig, engine_config
 from radixrt.grammar import GrammarCompiler, GrammarError, preload
 from radixrt.model.default_model import resolve_model_path
 from radixrt.model.hf_config import ModelConfig
@@ -23,8 +23,11 @@ from radixrt.scheduler.scheduler import Scheduler
 class Engine:
     """Generate with prefix caching in this process.
 
-    ``Engine(model=None, ...)`` loads the default model (SmolLM2-135M-Instruct);
-    every keyword is an ``EngineConfig`` field.
+    ``Engine(config=None, **overrides)``: ``config`` is an ``EngineConfig`` (None: the
+    defaults, which load SmolLM2-135M-Instruct), and each keyword replaces one of its fields:
+    ``Engine(model="path", dtype="float32")``, ``Engine(config, max_total_tokens=4096)``. A
+    keyword that is no ``EngineConfig`` field is a TypeError naming it, raised before any
+    model is loaded.
 
     A request the scheduler failed (a forward pass of its batch raised, or its
     own step did; see ``radixrt.scheduler.scheduler``) finishes with
@@ -34,32 +37,9 @@ class Engine:
     still usable); ``make_output`` returns finish_reason "error" for it.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        max_total_tokens: int | None = None,
-        page_size: int = 1,
-        schedule_policy: str = "lpm",
-        disable_radix_cache: bool = False,
-        chunked_prefill_size: int | None = None,
-        max_running_requests: int | None = None,
-        attention_backend: str = "auto",
-        **kwargs,
-    ) -> None:
-        self.config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            max_total_tokens=max_total_tokens,
-            page_size=page_size,
-            schedule_policy=schedule_policy,
-            disable_radix_cache=disable_radix_cache,
-            chunked_prefill_size=chunked_prefill_size,
-            max_running_requests=max_running_requests,
-            attention_backend=attention_backend,
-            **kwargs,
-        )
-        self.model_path = resolve_model_path(model)
+    def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
+        self.config = engine_config(config, **overrides)
+        self.model_path = resolve_model_path(self.config.model)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         from transformers import AutoTokenizer
 

@@ -1,9 +1,8 @@
 """What every server child process shares: start-up, orphan checks, sockets.
 
-Child entry points take one ``dict``: the ipc addresses, ``parent_pid``, and
-``server``, the ``radixrt.config.ServerConfig`` (the spawn start method pickles
-the dict once, at start); everything on the sockets is ``radixrt.protocol``
-msgpack.
+Child entry points take one frozen dataclass of ``radixrt.server.spawn_args``
+(the spawn start method pickles it once, at start); everything on the sockets
+is ``radixrt.protocol`` msgpack.
 """
 
 from __future__ import annotations
@@ -19,15 +18,17 @@ from collections.abc import Callable
 import zmq
 
 from radixrt.protocol import ProcessFailed, ProcessReady, encode
+from radixrt.server.spawn_args import ChildArgs
 
 PR_SET_PDEATHSIG = 1
 # How often an idle loop wakes to check that its parent lives. Rare on purpose:
 # on a small machine every wakeup of a server process preempts one of the
 # scheduler's compute threads in the middle of a forward.
 POLL_MS = 1000
+PENDING_LIMIT = 1024  # messages handled from one socket before the next gets its turn
 
 
-def setup_child(args: dict) -> None:
+def setup_child(args: ChildArgs) -> None:
     """Ignore SIGINT (the launcher owns shutdown), exit 0 at once on SIGTERM (the scheduler's
     loop stops cleanly instead, once it runs) and die with the launcher."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -37,11 +38,12 @@ def setup_child(args: dict) -> None:
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:
             pass
-    exit_if_orphaned(args)
+    exit_if_orphaned(args.parent_pid)
 
 
-def exit_if_orphaned(args: dict) -> None:
-    if os.getppid() != args["parent_pid"]:
+def exit_if_orphaned(parent_pid: int) -> None:
+    """Exit at once if the launcher (``parent_pid``) is gone."""
+    if os.getppid() != parent_pid:
         os._exit(1)
 
 
@@ -61,11 +63,23 @@ def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return sock
 
 
-def run_child(role: str, args: dict, main: Callable[[zmq.Context, zmq.Socket], None]) -> None:
+def handle_pending(sock: zmq.Socket, handle: Callable[[list[bytes]], object]) -> int:
+    """Handle the messages waiting on ``sock`` (``handle(frames)``), at most ``PENDING_LIMIT``
+    (bounded, so that no socket starves the others); how many."""
+    for n in range(PENDING_LIMIT):
+        try:
+            frames = sock.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return n
+        handle(frames)
+    return PENDING_LIMIT
+
+
+def run_child(role: str, args: ChildArgs, main: Callable[[zmq.Context, zmq.Socket], None]) -> None:
     """Run ``main(ctx, ready_socket)``; report a start-up failure to the launcher."""
     setup_child(args)
     ctx = zmq.Context()
-    ready = push(ctx, args["ready_addr"])
+    ready = push(ctx, args.addrs.ready)
     try:
         main(ctx, ready)
     except Exception:

@@ -7,14 +7,22 @@ replica refused, else the combined data. ``kv_snapshot`` goes to one
 replica. ``combine`` merges per-replica ``server_info`` data: counters and
 gauges summed, the hit rate recomputed from the sums, the model's limits
 taken from one replica, and every replica's own data under ``replicas``.
+``Controls`` keeps the gathers in flight: it sends them, routes the
+replicas' replies to them, and answers them when a replica goes down.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from radixrt.protocol import ControlReply, ErrorReply
+from radixrt.protocol import ControlReply, ControlRequest, ErrorCode, ErrorReply, encode
+
+if TYPE_CHECKING:
+    from radixrt.server.replicas import ReplicaSet
+
+CONTROL_KINDS = ("server_info", "flush_cache", "health", "kv_snapshot")
 
 # server_info fields that describe a replica or the model rather than count something
 NOT_SUMMED = frozenset(
@@ -101,3 +109,55 @@ def combine(replies: dict[int, dict[str, Any]]) -> dict[str, Any]:
     out.pop("scheduler_pid", None)
     out["replicas"] = ordered
     return out
+
+
+class Controls:
+    """The control requests in flight, each a ``Gather`` under its own qid."""
+
+    def __init__(self, replicas: ReplicaSet) -> None:
+        self.replicas = replicas
+        self.gathers: dict[str, Gather] = {}
+        self.qids = itertools.count()
+
+    def fan_out(
+        self,
+        kind: str,
+        deliver: Callable[[dict | ErrorReply], None],
+        identity: bytes | None = None,
+        replica: int = 0,
+    ) -> None:
+        """Send control request ``kind`` to every replica that is up (``kv_snapshot``: to
+        ``replica``); ``deliver`` gets the answer, at once an ErrorReply when no replica can
+        take it. ``identity``: the ZeroMQ client waiting for it, if any."""
+        ups = {r.index for r in self.replicas.up}
+        targets = {replica} & ups if kind == "kv_snapshot" else ups
+        if not targets:
+            why = f"replica {replica} is not serving" if kind == "kv_snapshot" else "no replica"
+            code = ErrorCode.UNAVAILABLE
+            return deliver(ErrorReply(req_id="", code=code, message=f"{kind}: {why}"))
+        qid = f"q{next(self.qids)}"
+        self.gathers[qid] = Gather(kind, targets, deliver, identity)
+        for i in targets:
+            self.replicas[i].send(encode(ControlRequest(req_id=sub_id(qid, i), kind=kind)))
+
+    def on_reply(self, msg: ControlReply | ErrorReply) -> None:
+        """A replica's answer to one of the gathers (others are ignored)."""
+        qid, replica = split_id(msg.req_id)
+        gather = self.gathers.get(qid)
+        if gather is not None and replica is not None and gather.reply(replica, msg):
+            del self.gathers[qid]
+
+    def on_replica_down(self, replica: int) -> None:
+        """Answer the gathers without ``replica``."""
+        for qid, gather in list(self.gathers.items()):
+            if gather.drop(replica):
+                del self.gathers[qid]
+
+    def drop_client(self, identity: bytes) -> None:
+        """Forget the gathers a vanished ZeroMQ client waits for."""
+        for qid in [q for q, g in self.gathers.items() if g.identity == identity]:
+            del self.gathers[qid]
+
+    def clients(self) -> set[bytes]:
+        """The ZeroMQ clients waiting for a control answer."""
+        return {g.identity for g in self.gathers.values() if g.identity is not None}

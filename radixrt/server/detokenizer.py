@@ -17,22 +17,23 @@ from radixrt.output import Detokenizer
 from radixrt.protocol import BatchTokenOut, ReplicaDown, RidError, decode, encode
 from radixrt.server import faults
 from radixrt.server.common import POLL_MS, exit_if_orphaned, pull, push, report_ready, run_child
+from radixrt.server.spawn_args import DetokenizerArgs
 
 
-def run_detokenizer(args: dict) -> None:
+def run_detokenizer(args: DetokenizerArgs) -> None:
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         from transformers import AutoTokenizer
 
-        detok = Detokenizer(AutoTokenizer.from_pretrained(args["model_path"]))
-        armed = faults.parse(args["server"].debug_faults)
+        detok = Detokenizer(AutoTokenizer.from_pretrained(args.model_path))
+        armed = faults.parse(args.server.debug_faults)
         if armed is not None:
             faults.install_in_detokenizer(detok, armed)
-        recv = pull(ctx, args["detokenizer_addr"])
-        send = push(ctx, args["tokenizer_addr"])
+        recv = pull(ctx, args.addrs.detokenizer)
+        send = push(ctx, args.addrs.front)
         report_ready(ready, "detokenizer")
         owners: dict[str, int] = {}  # rid -> replica, while its text is being decoded
         while True:
-            exit_if_orphaned(args)
+            exit_if_orphaned(args.parent_pid)
             if not recv.poll(POLL_MS):
                 continue
             data = recv.recv()

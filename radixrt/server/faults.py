@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from radixrt.output import Detokenizer
     from radixrt.scheduler.scheduler import Scheduler
-    from radixrt.server.detokenizer import Detokenizer
 
 KINDS = ("stop_check", "detokenize", "forward")
 MODES = ("marker", "always")

@@ -5,8 +5,9 @@ Scheduler per data-parallel replica (``dp_size``; replica i pinned to its own
 block of CPUs, or GPU i).
 
 Children are started with the "spawn" method (torch and fork do not mix) and
-get one dict each: the ipc addresses, the launcher's pid and the
-``ServerConfig`` (a frozen dataclass, pickled by spawn). The launcher waits
+get one frozen dataclass each (``radixrt.server.spawn_args``: the ipc
+addresses, the launcher's pid, the ``ServerConfig`` and the role's own
+settings; a replica's ``EngineConfig`` as an object; pickled by spawn). The launcher waits
 until every child reports ready on an ipc PULL socket, prints exactly one
 ready line, then watches:
 
@@ -39,6 +40,13 @@ import zmq
 from radixrt.config import EngineConfig, ServerConfig
 from radixrt.protocol import Drained, ProcessFailed, ProcessReady, ReplicaDown, decode, encode
 from radixrt.server.common import POLL_MS, replica_index, replica_name
+from radixrt.server.spawn_args import (
+    Addresses,
+    ChildArgs,
+    DetokenizerArgs,
+    FrontArgs,
+    SchedulerArgs,
+)
 
 READY_TIMEOUT_S = 600
 STOP_GRACE_S = 3.0
@@ -49,14 +57,11 @@ class Launcher:
     def __init__(self, config: EngineConfig, server: ServerConfig) -> None:
         self.config, self.server = config, server
         self.tmpdir = tempfile.mkdtemp(prefix=f"radixrt-{os.getpid()}-")  # ipc sockets
-        self.addrs = {
-            name: f"ipc://{self.tmpdir}/{name}"
-            for name in ("detokenizer_addr", "tokenizer_addr", "ready_addr")
-        }
+        self.addrs = Addresses.in_folder(self.tmpdir, server.dp_size, server.kv_events)
         self.ctx = zmq.Context()
         self.ready = self.ctx.socket(zmq.PULL)
         self.ready.setsockopt(zmq.LINGER, 0)
-        self.ready.bind(self.addrs["ready_addr"])
+        self.ready.bind(self.addrs.ready)
         self.procs: dict[str, multiprocessing.Process] = {}
         self.ready_printed = False
         self.stop_signal: int | None = None  # stop at once
@@ -114,50 +119,35 @@ class Launcher:
             self.spawn_replica(i)
         from radixrt.model.default_model import resolve_model_path
 
-        base = {**self.base_args(), "model_path": resolve_model_path(self.config.model)}
-        self._spawn("detokenizer", run_detokenizer, base)
+        model_path = resolve_model_path(self.config.model)
+        detok = DetokenizerArgs(**self.child(), model_path=model_path)
+        self._spawn("detokenizer", run_detokenizer, detok)
         pids = {name: p.pid for name, p in self.procs.items()}
-        self._spawn("tokenizer_manager", run_tokenizer_manager, {**base, "pids": pids})
+        front = FrontArgs(**self.child(), model_path=model_path, pids=pids)
+        self._spawn("tokenizer_manager", run_tokenizer_manager, front)
         self.to_detok = self.ctx.socket(zmq.PUSH)  # ReplicaDown notices
         self.to_detok.setsockopt(zmq.LINGER, 0)
-        self.to_detok.connect(self.addrs["detokenizer_addr"])
+        self.to_detok.connect(self.addrs.detokenizer)
 
-    def base_args(self) -> dict:
-        n = self.server.dp_size
-        return {
-            **self.addrs,
-            "parent_pid": os.getpid(),
-            "server": self.server,
-            "scheduler_addrs": [self.replica_addr("scheduler", i) for i in range(n)],
-            "kv_event_addrs": [self.replica_addr("kv_events", i) for i in range(n)]
-            if self.server.kv_events
-            else [],
-        }
-
-    def replica_addr(self, name: str, replica: int) -> str:
-        return f"ipc://{self.tmpdir}/{name}_{replica}"
+    def child(self) -> dict:
+        """The fields every child's arguments share (``ChildArgs``)."""
+        return {"parent_pid": os.getpid(), "addrs": self.addrs, "server": self.server}
 
     def spawn_replica(self, replica: int) -> None:
         """Start replica ``replica``'s scheduler process (also to restart one)."""
         from radixrt.server.scheduler_process import run_scheduler_process
 
-        engine = dataclasses.replace(
-            self.config, device=replica_device(self.config.device, replica, self.server.dp_size)
+        device = replica_device(self.config.device, replica, self.server.dp_size)
+        args = SchedulerArgs(
+            **self.child(),
+            engine=dataclasses.replace(self.config, device=device),
+            replica=replica,
+            threads=self.server.replica_threads,
+            cpus=replica_cpus(replica, self.server),
         )
-        args = {
-            **self.base_args(),
-            "engine": dataclasses.asdict(engine),
-            "replica": replica,
-            "scheduler_addr": self.replica_addr("scheduler", replica),
-            "kv_events_addr": self.replica_addr("kv_events", replica)
-            if self.server.kv_events
-            else None,
-            "threads": self.server.replica_threads,
-            "cpus": replica_cpus(replica, self.server),
-        }
         self._spawn(replica_name(replica), run_scheduler_process, args)
 
-    def _spawn(self, name: str, target, args: dict) -> None:
+    def _spawn(self, name: str, target, args: ChildArgs) -> None:
         proc = self.mp.Process(target=target, args=(args,), name=f"radixrt-{name}", daemon=True)
         proc.start()
         self.procs[name] = proc
@@ -298,7 +288,7 @@ def replica_device(device: str, replica: int, dp_size: int) -> str:
     return f"cuda:{int(index or 0) + replica}"
 
 
-def replica_cpus(replica: int, server: ServerConfig) -> list[int] | None:
+def replica_cpus(replica: int, server: ServerConfig) -> tuple[int, ...] | None:
     """The CPUs replica i is pinned to (a block of ``replica_threads`` each); None with one
     replica, or when the blocks would not fit the CPUs this process may use."""
     if server.dp_size == 1:
@@ -307,4 +297,4 @@ def replica_cpus(replica: int, server: ServerConfig) -> list[int] | None:
     t = server.replica_threads
     if t * server.dp_size > len(cpus):
         return None
-    return cpus[replica * t : (replica + 1) * t]
+    return tuple(cpus[replica * t : (replica + 1) * t])

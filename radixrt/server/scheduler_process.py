@@ -16,9 +16,10 @@ errors out every request it still holds, says why on stderr and exits
 non-zero (the launcher then stops the server) instead of spinning.
 ``debug_faults`` arms test-only faults (``radixrt.server.faults``).
 
-Data parallelism: the process is replica ``args["replica"]`` (its outputs and
-ready report say which), runs ``args["threads"]`` compute threads pinned to
-``args["cpus"]``, and, given ``args["kv_events_addr"]``, publishes its radix
+Data parallelism: the process is replica ``args.replica`` (its outputs and
+ready report say which; ``radixrt.server.spawn_args.SchedulerArgs``), runs
+``args.threads`` compute threads pinned to ``args.cpus``, and, given
+``args.kv_events_addr``, publishes its radix
 tree's events there on a PUB socket: one ``KVEventBatch`` per loop turn that
 changed the tree, numbered 1, 2, ... A ``kv_snapshot`` control request first
 publishes what is pending, then answers with the whole tree as a
@@ -72,6 +73,7 @@ from radixrt.server.common import (
     report_ready,
     run_child,
 )
+from radixrt.server.spawn_args import SchedulerArgs
 
 EVENT_HWM = 10_000  # event batches queued per subscriber
 
@@ -81,27 +83,27 @@ class RepeatedForwardFailure(RuntimeError):
 
 
 class SchedulerProcess:
-    def __init__(self, args: dict, ctx: zmq.Context) -> None:
+    def __init__(self, args: SchedulerArgs, ctx: zmq.Context) -> None:
         from radixrt.engine import Engine
 
         self.args = args
-        self.replica = args.get("replica", 0)
-        if args.get("cpus"):
-            os.sched_setaffinity(0, args["cpus"])
-        if args.get("threads"):
-            torch.set_num_threads(args["threads"])
-        self.engine = Engine(**args["engine"])
+        self.replica = args.replica
+        if args.cpus:
+            os.sched_setaffinity(0, args.cpus)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        self.engine = Engine(args.engine)
         self.scheduler = self.engine.scheduler
-        server = args["server"]  # a radixrt.config.ServerConfig
+        server = args.server
         self.max_waiting = server.max_waiting_requests
         self.max_forward_failures = server.max_forward_failures
         armed = faults.parse(server.debug_faults)
         if armed is not None:
             faults.install_in_scheduler(self.scheduler, armed)
-        self.recv = pull(ctx, args["scheduler_addr"])
-        self.send = push(ctx, args["detokenizer_addr"])
+        self.recv = pull(ctx, args.scheduler_addr)
+        self.send = push(ctx, args.addrs.detokenizer)
         self.outputs = OutputTracker()  # every request this process still answers for
-        self.events = EventPublisher(ctx, args.get("kv_events_addr"), self.replica, self.scheduler)
+        self.events = EventPublisher(ctx, args.kv_events_addr, self.replica, self.scheduler)
         # What exists now (the model, the tokenizer, the libraries) lives as long as this
         # process: out of the collector's generations, a full collection in the middle of a
         # step walks only what serving made since.
@@ -138,7 +140,7 @@ class SchedulerProcess:
         poller.register(self.recv, zmq.POLLIN)
         poller.register(sigterm.fileno(), zmq.POLLIN)
         while not sigterm.received:
-            exit_if_orphaned(self.args)
+            exit_if_orphaned(self.args.parent_pid)
             ready = dict(poller.poll(POLL_MS if self.scheduler.idle else 0))
             if sigterm.fileno() in ready:
                 sigterm.clear()  # the wake-up bytes of any handled signal
@@ -337,8 +339,8 @@ class EventPublisher:
         )
 
 
-def run_scheduler_process(args: dict) -> None:
-    role = replica_name(args.get("replica", 0))
+def run_scheduler_process(args: SchedulerArgs) -> None:
+    role = replica_name(args.replica)
 
     def main(ctx: zmq.Context, ready: zmq.Socket) -> None:
         proc = SchedulerProcess(args, ctx)

@@ -26,13 +26,13 @@ def run(eng: Engine, prompts: list[list[int]]) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama) -> list[list[list[int]]]:
-    with Engine(tiny_llama, dtype="float32", disable_radix_cache=True) as eng:
+    with Engine(model=tiny_llama, dtype="float32", disable_radix_cache=True) as eng:
         return [run(eng, group) for group in GROUPS]
 
 
 def tiered(model: str, page: int, storage, **kw) -> Engine:
     return Engine(
-        model,
+        model=model,
         dtype="float32",
         page_size=page,
         max_total_tokens=POOL,
@@ -44,7 +44,7 @@ def tiered(model: str, page: int, storage, **kw) -> Engine:
 
 @pytest.mark.parametrize("page", [1, 16])
 def test_outputs_are_the_same_from_every_tier(tiny_llama, tmp_path, reference, page):
-    with Engine(tiny_llama, dtype="float32", page_size=page) as eng:  # kept on the device
+    with Engine(model=tiny_llama, dtype="float32", page_size=page) as eng:  # kept on the device
         for _ in range(2):
             assert [run(eng, g) for g in GROUPS] == reference
         assert eng.stats()["cached_tokens"] > 0
@@ -156,8 +156,8 @@ def test_the_storage_limit_holds(tiny_llama, tmp_path, reference):
 
 def test_bad_settings_name_the_problem(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="hicache_storage_dir needs enable_hierarchical_cache"):
-        Engine(tiny_llama, hicache_storage_dir=str(tmp_path))
+        Engine(model=tiny_llama, hicache_storage_dir=str(tmp_path))
     with pytest.raises(ValueError, match="hicache_write_policy"):
-        Engine(tiny_llama, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
+        Engine(model=tiny_llama, enable_hierarchical_cache=True, hicache_write_policy="sometimes")
     with pytest.raises(ValueError, match="hicache_ratio"):
-        Engine(tiny_llama, enable_hierarchical_cache=True, hicache_ratio=0)
+        Engine(model=tiny_llama, enable_hierarchical_cache=True, hicache_ratio=0)

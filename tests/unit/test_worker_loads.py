@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from radixrt.server.http.front import worker_loads
+from radixrt.server.http.app import worker_loads
 
 
 def test_worker_loads_counts_held_and_waiting_tokens():

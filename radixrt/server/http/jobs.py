@@ -1,6 +1,6 @@
 """The engine requests behind one HTTP request (``Job``) and how an answer goes out.
 
-A ``Job`` admits all of its requests through the TokenizerManager or none,
+A ``Job`` admits all of its requests through the ``FrontApi`` or none,
 then yields their text deltas in arrival order from one queue; a watcher
 task queues ``_GONE`` when the client disconnects, and ``close()`` aborts
 whatever has not finished. ``SSEResponse`` streams Server-Sent Events and
@@ -20,8 +20,8 @@ from starlette.responses import Response
 
 from radixrt.protocol import ErrorCode, TextDelta
 from radixrt.sampling import SamplingParams
-from radixrt.server.http import protocol as api
-from radixrt.server.tokenizer_manager import RequestError, TokenizerManager
+from radixrt.server.front_api import FrontApi, RequestError
+from radixrt.server.http import schemas as api
 
 MAX_CHOICES = 128  # n, or prompts × n, in one request
 SSE_HEADERS = [
@@ -116,9 +116,9 @@ class Job:
     _ids = itertools.count()
 
     def __init__(
-        self, tm: TokenizerManager, request: Request, api_key: str | None, stream: bool
+        self, front: FrontApi, request: Request, api_key: str | None, stream: bool
     ) -> None:
-        self.tm, self.request = tm, request
+        self.front, self.request = front, request
         self.api_key, self.stream = api_key, stream
         self.queue: asyncio.Queue = asyncio.Queue()
         self.rids: list[str] = []
@@ -144,13 +144,12 @@ class Job:
                 ErrorCode.INVALID_REQUEST,
                 "n",
             )
-        self.tm.check_admission(self.identity, f"{self.key}:0", count=len(prompts))
-        self.open = True
-        self.tm.http_open += 1  # the drain waits for this answer to be written
+        self.front.open_response(self.identity, f"{self.key}:0", len(prompts))
+        self.open = True  # until close(), a drain waits for this answer to be written
         try:
             for i, p in enumerate(prompts):
                 self.rids.append(
-                    self.tm.admit(
+                    self.front.submit(
                         self.identity,
                         f"{self.key}:{i}",
                         p.ids,
@@ -201,11 +200,11 @@ class Job:
             return
         self.open = False
         for i in self.unfinished:
-            self.tm.abort_rid(self.rids[i])
+            self.front.abort(self.rids[i])
         self.unfinished.clear()
         if self.watcher is not None:
             self.watcher.cancel()
-        self.tm.http_open -= 1
+        self.front.close_response()
 
 
 async def sse_events(

@@ -2,7 +2,7 @@
 
 Each request becomes ``n`` engine requests per prompt (choice ``i`` of a
 seeded request samples with ``seed + i``); answers and stream chunks have
-OpenAI's shapes (``radixrt.server.http.protocol``). ``usage`` counts a
+OpenAI's shapes (``radixrt.server.http.schemas``). ``usage`` counts a
 prompt once for its ``n`` choices, and always carries
 ``prompt_tokens_details.cached_tokens``.
 """
@@ -12,18 +12,17 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
-from radixrt.server.http import protocol as api
+from radixrt.server.front_api import FrontApi
+from radixrt.server.http import schemas as api
+from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import MAX_CHOICES, Choice, Job, Prompt, json_response, sse_events
-
-if TYPE_CHECKING:
-    from radixrt.server.http.front import HttpFront
 
 # apply_chat_template arguments a request's chat_template_kwargs may not set
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -48,8 +47,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 
 
 class OpenAIApi:
-    def __init__(self, front: HttpFront) -> None:
-        self.front = front
+    def __init__(self, http: HttpContext, front: FrontApi) -> None:
+        self.http, self.front = http, front  # the HTTP plumbing, and the front process
 
     # ---------------------------------------------------------- sampling
 
@@ -80,7 +79,7 @@ class OpenAIApi:
             cache_salt=body.cache_salt,
             **api.constraint_fields(body),
         )
-        return self.front.make_params(fields, given=max_tokens is not None)
+        return self.http.make_params(fields, given=max_tokens is not None)
 
     @staticmethod
     def check_n(n: int) -> None:
@@ -122,7 +121,7 @@ class OpenAIApi:
             kwargs.update(continue_final_message=True, add_generation_prompt=False)
         else:
             kwargs["add_generation_prompt"] = body.add_generation_prompt
-        return self.front.tm.tokenizer.encode(self.front.tm.chat_prompt(messages, **kwargs))
+        return self.front.encode(self.front.chat_prompt(messages, **kwargs))
 
     @staticmethod
     def message_text(content: str | list | None, i: int) -> str:
@@ -143,7 +142,7 @@ class OpenAIApi:
 
     def check_chat(self, body: api.ChatCompletionRequest) -> int | None:
         """Refuse what the chat endpoint does not take; returns the request's max_tokens."""
-        self.front.check_model(body.model)
+        self.http.check_model(body.model)
         api.check_neutral(body)
         self.check_n(body.n)
         if (
@@ -166,7 +165,7 @@ class OpenAIApi:
         return body.max_tokens
 
     async def chat_completions(self, request: Request, key: str | None) -> Response:
-        body = await self.front.read(request, api.ChatCompletionRequest)
+        body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
         ids = self.chat_ids(body)
         prompts = [
@@ -175,7 +174,7 @@ class OpenAIApi:
                 self.sampling(
                     body,
                     max_tokens,
-                    self.front.default_max_tokens(len(ids)),
+                    self.http.default_max_tokens(len(ids)),
                     body.logprobs,
                     body.top_logprobs or 0,
                     i,
@@ -186,9 +185,9 @@ class OpenAIApi:
         meta = (
             f"chatcmpl-{secrets.token_hex(12)}",
             int(time.time()),
-            body.model or self.front.model_name,
+            body.model or self.http.model_name,
         )
-        result = await self.front.run_job(
+        result = await self.http.run_job(
             request,
             key,
             prompts,
@@ -254,9 +253,9 @@ class OpenAIApi:
             top = []
             if tops:
                 for t, tlp in zip(*tops[j]):
-                    text = self.front.token_text(t)
+                    text = self.http.token_text(t)
                     top.append(api.TopLogprob(text, tlp, list(text.encode())))
-            text = self.front.token_text(token)
+            text = self.http.token_text(token)
             content.append(api.TokenLogprob(text, lp, list(text.encode()), top))
         return api.ChoiceLogprobs(content)
 
@@ -281,10 +280,10 @@ class OpenAIApi:
             return isinstance(x, list) and bool(x) and all(type(t) is int for t in x)
 
         if isinstance(prompt, str):
-            return [(self.front.tm.tokenizer.encode(prompt), prompt)]
+            return [(self.front.encode(prompt), prompt)]
         if isinstance(prompt, list) and prompt:
             if all(isinstance(p, str) for p in prompt):
-                return [(self.front.tm.tokenizer.encode(p), p) for p in prompt]
+                return [(self.front.encode(p), p) for p in prompt]
             if is_ids(prompt):
                 return [(prompt, None)]
             if all(is_ids(p) for p in prompt):
@@ -298,8 +297,8 @@ class OpenAIApi:
         )
 
     async def completions(self, request: Request, key: str | None) -> Response:
-        body = await self.front.read(request, api.CompletionRequest)
-        self.front.check_model(body.model)
+        body = await self.http.read(request, api.CompletionRequest)
+        self.http.check_model(body.model)
         api.check_neutral(body)
         self.check_n(body.n)
         if body.logprobs is not None and not 0 <= body.logprobs <= 20:
@@ -319,9 +318,9 @@ class OpenAIApi:
         meta = (
             f"cmpl-{secrets.token_hex(12)}",
             int(time.time()),
-            body.model or self.front.model_name,
+            body.model or self.http.model_name,
         )
-        result = await self.front.run_job(
+        result = await self.http.run_job(
             request,
             key,
             prompts,
@@ -338,7 +337,7 @@ class OpenAIApi:
         return json_response(api.Completion(*meta, choices, self.usage(result.choices, body.n)))
 
     def echo_text(self, p: Prompt) -> str:
-        return p.text if p.text is not None else self.front.tm.tokenizer.decode(p.ids)
+        return p.text if p.text is not None else self.front.decode(p.ids)
 
     def completion_stream(
         self, job: Job, first, body: api.CompletionRequest, prompts: list[Prompt], meta
@@ -391,13 +390,13 @@ class OpenAIApi:
         ids += c.token_ids[since:]
         lps += c.logprobs[since:]
         tops += c.top_logprobs[since:] or [None] * (len(c.token_ids) - since)
-        tokens = [self.front.token_text(t) for t in ids]
+        tokens = [self.http.token_text(t) for t in ids]
         text_offset, pos = [], offset
         for t in tokens:
             text_offset.append(pos)
             pos += len(t)
         top_dicts = [
-            None if top is None else {self.front.token_text(t): lp for t, lp in zip(*top)}
+            None if top is None else {self.http.token_text(t): lp for t, lp in zip(*top)}
             for top in tops
         ]
         return api.CompletionLogprobs(tokens, lps, top_dicts, text_offset)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -19,16 +19,15 @@ from starlette.responses import Response
 from radixrt.output import cached_tokens_details
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
-from radixrt.server.http import protocol as api
+from radixrt.server.front_api import FrontApi
+from radixrt.server.http import schemas as api
+from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import Choice, Job, Prompt, json_response, sse_events
-
-if TYPE_CHECKING:
-    from radixrt.server.http.front import HttpFront
 
 
 class SGLangApi:
-    def __init__(self, front: HttpFront) -> None:
-        self.front = front
+    def __init__(self, http: HttpContext, front: FrontApi) -> None:
+        self.http, self.front = http, front  # the HTTP plumbing, and the front process
 
     # -------------------------------------------------- SGLang /generate
 
@@ -76,7 +75,7 @@ class SGLangApi:
             logprobs=body.return_logprob,
             top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
         )
-        return self.front.make_params(fields, given="max_new_tokens" in fields)
+        return self.http.make_params(fields, given="max_new_tokens" in fields)
 
     def sglang_prompts(self, body: api.GenerateReqInput) -> tuple[list[Prompt], bool]:
         """The prompts of a /generate body, and whether it was a batch."""
@@ -94,7 +93,7 @@ class SGLangApi:
                     ErrorCode.INVALID_REQUEST,
                     "text",
                 )
-            ids = [self.front.tm.tokenizer.encode(t) for t in texts]
+            ids = [self.front.encode(t) for t in texts]
         else:
             x = body.input_ids
             batch = isinstance(x, list) and bool(x) and all(isinstance(p, list) for p in x)
@@ -128,12 +127,12 @@ class SGLangApi:
         ], batch
 
     async def generate(self, request: Request, key: str | None) -> Response:
-        body = await self.front.read(request, api.GenerateReqInput)
-        self.front.check_model(body.model)
+        body = await self.http.read(request, api.GenerateReqInput)
+        self.http.check_model(body.model)
         api.refuse_unsupported(body, api.GENERATE_NEUTRAL)
         prompts, batch = self.sglang_prompts(body)
         t0 = time.monotonic()
-        result = await self.front.run_job(
+        result = await self.http.run_job(
             request,
             key,
             prompts,
@@ -177,7 +176,7 @@ class SGLangApi:
             return [
                 lp,
                 token,
-                self.front.token_text(token) if body.return_text_in_logprobs else None,
+                self.http.token_text(token) if body.return_text_in_logprobs else None,
             ]
 
         def tops(top_lists: list | None) -> list:
