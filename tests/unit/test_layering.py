@@ -1,14 +1,18 @@
-"""The package's import graph, read from the sources: no import cycle anywhere (an import inside
-a function, or under TYPE_CHECKING, counts as an edge), and the HTTP front reaches the rest of
-the server through its interface module alone."""
+"""The package's shape, read from the sources: no import cycle anywhere (an import inside a
+function, or under TYPE_CHECKING, counts as an edge), the HTTP front reaches the rest of the
+server through its interface module alone, the cache imports no model, functions stay short and
+classes small (STYLE.md), and no two modules share a name."""
 
 from __future__ import annotations
 
 import ast
 import pathlib
+from collections import Counter
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("radixrt", "radixrt_kernels")
+MAX_FUNCTION_LINES = 60
+MAX_PUBLIC_METHODS = 15
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -111,3 +115,42 @@ def test_the_http_front_sees_the_server_through_its_interface():
                 if t.startswith("radixrt.server") and not t.startswith("radixrt.server.http")
             }
             assert outside <= allowed, f"{module} imports {sorted(outside - allowed)}"
+
+
+def test_the_cache_imports_no_model():
+    for module, edges in import_graph().items():
+        if module.startswith("radixrt.cache"):
+            bad = {t for t in edges if t.startswith(("radixrt.model", "radixrt_kernels"))}
+            assert not bad, f"{module} imports {sorted(bad)}"
+
+
+def is_public_method(node: ast.stmt) -> bool:
+    """A def whose name has no leading underscore and that is not a property."""
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+        return False
+    return not any(
+        (isinstance(d, ast.Name) and d.id == "property") or isinstance(d, ast.Attribute)
+        for d in node.decorator_list
+    )
+
+
+def test_short_functions_and_small_classes() -> None:
+    """In radixrt/ (radixrt_kernels/ holds Triton kernels written as one function each)."""
+    long, big = [], []
+    for path in (ROOT / "radixrt").rglob("*.py"):
+        name = module_name(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                if node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES:
+                    long.append(f"{name}.{node.name}")
+            elif isinstance(node, ast.ClassDef):
+                public = [b.name for b in node.body if is_public_method(b)]
+                if len(public) > MAX_PUBLIC_METHODS:
+                    big.append(f"{name}.{node.name} ({len(public)})")
+    assert long == [] and big == []
+
+
+def test_one_module_per_name() -> None:
+    paths = [p for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")]
+    names = Counter(p.stem for p in paths if p.name != "__init__.py")
+    assert [n for n, c in names.items() if c > 1] == []
