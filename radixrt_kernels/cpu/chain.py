@@ -286,14 +286,13 @@ class _Arena:
             self.offsets[key] = offset
             placed.append((last[key], offset, offset + size))
         self.buffer = torch.zeros(max((e for _, _, e in placed), default=0), dtype=torch.uint8)
-        self.allocated = allocated
 
     def move(self, value: Any) -> Any:
         """``value`` with every tensor the capture allocated (or a view of one) replaced by the
         same view of the arena."""
         if isinstance(value, torch.Tensor):
             key = storage(value)
-            if key not in self.allocated:
+            if key not in self.offsets:
                 return value
             base = self.buffer.view(value.dtype)
             start = self.offsets[key] // value.element_size() + value.storage_offset()
