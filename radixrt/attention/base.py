@@ -93,7 +93,10 @@ _current_batch: ForwardBatch | None = None
 
 @contextmanager
 def forward_context(batch: ForwardBatch) -> Iterator[None]:
+    """The batch a compiled model's attention reads (one at a time: it does not nest)."""
     global _current_batch
+    if _current_batch is not None:
+        raise RuntimeError("forward_context is already set: compiled forwards do not nest")
     _current_batch = batch
     try:
         yield
