@@ -95,10 +95,7 @@ def dots_available(lib: ctypes.CDLL) -> bool:
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
     """x [n, heads, D] as the kernel reads it: heads contiguous within a token, token rows any
     multiple of D apart (a view into the fused qkv output as it is; else a contiguous copy)."""
-    d = x.shape[2]
-    if x.stride(2) == 1 and x.stride(1) == d and x.stride(0) % d == 0:
-        return x
-    return x.contiguous()
+    return x if cpu_capture.heads_in_place(x) else x.contiguous()
 
 
 def attention(

@@ -61,8 +61,9 @@ def storage(t: torch.Tensor) -> int:
         return -id(t)
 
 
-def _heads_in_place(x: torch.Tensor) -> bool:
-    """Whether the attention kernel reads x [T, H, D] as it is (else its wrapper copies it)."""
+def heads_in_place(x: torch.Tensor) -> bool:
+    """Whether the attention kernel reads x [T, H, D] as it is: heads contiguous within a token,
+    token rows any multiple of D apart (else its wrapper copies x)."""
     d = x.shape[2]
     return x.stride(2) == 1 and x.stride(1) == d and x.stride(0) % d == 0
 
@@ -153,7 +154,7 @@ class Recorder(TorchFunctionMode):
 
     def attention(self, q, k_buf, v_buf, scaling, new_kv, bf16_dots, out) -> torch.Tensor:
         with self._kernel():
-            if new_kv is None or not all(_heads_in_place(t) for t in (q, *new_kv[:2])):
+            if new_kv is None or not all(heads_in_place(t) for t in (q, *new_kv[:2])):
                 self.refuse("attention without new K/V, or with q, k or v to copy")
             if q.shape[0] > 1 and new_kv[0].stride(0) != new_kv[1].stride(0):
                 self.refuse("attention with k and v rows of different strides")
