@@ -151,6 +151,14 @@ def timeout(args: argparse.Namespace, what: str) -> float:
     return max(1.0, min(TIMEOUT_S[what], time_left(args)))
 
 
+def run_command(cmd: list[str], device: str, limit_s: float) -> subprocess.CompletedProcess:
+    """``cmd`` from the checkout's root with the device's environment, output captured; raises
+    ``subprocess.TimeoutExpired`` after ``limit_s``."""
+    return subprocess.run(
+        cmd, cwd=ROOT, env=child_env(device), capture_output=True, text=True, timeout=limit_s
+    )
+
+
 # ---------------------------------------------------------------- step: kernels
 
 
@@ -178,14 +186,7 @@ def run_kernels(args: argparse.Namespace, tmp: Path, name: str) -> StepResult:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     cmd += [str(args.kernel_tests), f"--junitxml={xml}"]
     try:
-        proc = subprocess.run(
-            cmd,
-            cwd=ROOT,
-            env=child_env(args.device),
-            capture_output=True,
-            text=True,
-            timeout=timeout(args, "kernels"),
-        )
+        proc = run_command(cmd, args.device, timeout(args, "kernels"))
     except subprocess.TimeoutExpired as e:
         return StepResult(name, False, time.perf_counter() - t0, error=f"timed out: {e}")
     seconds = time.perf_counter() - t0
@@ -322,9 +323,7 @@ def run_child(spec: dict, device: str, timeout: float) -> tuple[bool, object]:
     """Run ``spec`` in a child of this script → (True, its result) or (False, what went wrong)."""
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
     try:
-        proc = subprocess.run(
-            cmd, cwd=ROOT, env=child_env(device), capture_output=True, text=True, timeout=timeout
-        )
+        proc = run_command(cmd, device, timeout)
     except subprocess.TimeoutExpired as e:
         return False, f"timed out after {timeout:.0f} s\n{tail(str(e.stderr or ''))}"
     lines = [x for x in proc.stdout.splitlines() if x.startswith(RESULT_MARK)]
@@ -394,14 +393,7 @@ def run_benchmark(args: argparse.Namespace, port: int, out: Path) -> dict:
     ]
     cmd += ["--workload", "shared-prefix", "--no-progress", "--out", str(out)]
     cmd += QUICK_WORKLOAD if args.quick else []
-    proc = subprocess.run(
-        cmd,
-        cwd=ROOT,
-        env=child_env(args.device),
-        capture_output=True,
-        text=True,
-        timeout=timeout(args, "serving"),
-    )
+    proc = run_command(cmd, args.device, timeout(args, "serving"))
     if proc.returncode != 0:
         raise RuntimeError(f"bench/serving.py exited {proc.returncode}:\n{tail(proc.stderr)}")
     return json.loads(out.read_text())["result"]
