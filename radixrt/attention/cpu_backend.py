@@ -16,6 +16,11 @@ The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``).
 that AMX does not take runs on AVX512-BF16 dot products or widened to float32 for FMA, whichever
 ``calibrate.Calibrator.attention_dots`` measured faster for the model's attention shape on this
 CPU (``bf16_dots``).
+
+With ``exact`` (exact mode, ``attention``'s module text) a request's outputs have the same bits
+whatever the batch, the prefix shared with it, and decode or extend: a group's prefix ends on a
+multiple of ``attention.EXACT_STEP`` keys and each tail continues it, no request is split, and
+every bf16 work item runs AMX where the CPU has it (else the ``bf16_dots`` choice).
 """
 
 from __future__ import annotations
@@ -51,10 +56,18 @@ def unavailable_reason(pool: KVPool) -> str | None:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, pool: KVPool, num_heads: int | None = None, bf16_dots: bool | None = None):
+    def __init__(
+        self,
+        pool: KVPool,
+        num_heads: int | None = None,
+        bf16_dots: bool | None = None,
+        exact: bool = False,
+    ):
         """``num_heads``: the model's query heads (default: one per KV head); ``bf16_dots``:
-        force the bf16 path (None: the measured choice, for a bf16 pool)."""
+        force the bf16 path (None: the measured choice, for a bf16 pool); ``exact``: exact
+        mode (the module's text)."""
         super().__init__(pool)
+        self.exact = exact
         why = unavailable_reason(pool)
         if why is not None:
             raise RuntimeError(f"attention_backend='cpu' cannot run: {why}")
@@ -69,7 +82,8 @@ class CpuAttentionBackend(AttentionBackend):
         self.bf16_dots = bf16_dots
 
     def describe(self) -> str:
-        return "cpu (bf16: dot products)" if self.bf16_dots else "cpu"
+        notes = [n for n, on in (("bf16: dot products", self.bf16_dots), ("exact", self.exact)) if on]
+        return f"cpu ({', '.join(notes)})" if notes else "cpu"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
         table = self.pool.req_to_token
@@ -82,11 +96,12 @@ class CpuAttentionBackend(AttentionBackend):
                 batch.seq_lens,
                 MIN_SHARED_PREFIX,
                 MIN_GROUP_SIZE,
-                SPLIT_MIN_KEYS if few else 0,
+                SPLIT_MIN_KEYS if few and not self.exact else 0,
+                exact=self.exact,
             )
         else:
             batch.attn_metadata = extend_segments(
-                table, batch.req_rows, batch.seq_lens, batch.extend_lens
+                table, batch.req_rows, batch.seq_lens, batch.extend_lens, self.exact
             )
 
     def forward(
@@ -117,10 +132,14 @@ class CpuAttentionBackend(AttentionBackend):
 
 
 def extend_segments(
-    table: torch.Tensor, req_rows: torch.Tensor, seq_lens: list[int], extend_lens: list[int]
+    table: torch.Tensor,
+    req_rows: torch.Tensor,
+    seq_lens: list[int],
+    extend_lens: list[int],
+    exact: bool = False,
 ) -> cpu_attention.Segments:
     """An extend's segments: per request its whole sequence, causal, with its new tokens as
-    members."""
+    members (``exact``: for exact mode)."""
     dev = table.device
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
     valid = torch.arange(max(seq_lens), device=dev)[None, :] < lens[:, None]
@@ -135,4 +154,5 @@ def extend_segments(
         part=torch.zeros(s, dtype=torch.int64, device=dev),
         num_parts=torch.ones(t, dtype=torch.int64, device=dev),
         causal=torch.ones(s, dtype=torch.int64, device=dev),
+        exact=exact,
     )

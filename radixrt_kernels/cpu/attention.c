@@ -39,6 +39,25 @@
  * Which of the last two runs bf16 faster depends on the CPU (vdpbf16ps has
  * half FMA's throughput on some, twice its flops on others): the caller
  * measures and says (radixrt.model.calibrate).
+ *
+ * Exact mode (the call's `exact`): a query row's output has the same bits whatever
+ * the other rows of the call, however its keys are split between a shared prefix
+ * and a private tail, and in decode as in extend. Per row every path's arithmetic
+ * depends only on that row's query and keys; a row reduces its keys in blocks at
+ * fixed offsets from key 0 of its sequence (AKB keys per softmax step for AMX, KB
+ * otherwise), in order; a key a row does not see (past its causal limit, or a
+ * block's padding past the segment's last key) has the score -inf, so its
+ * probability exp(-inf) = 0 and, where a block holds none of the row's keys, the
+ * factor exp(m - m) = 1 leave the row's state as it was (sums gain exact zeros).
+ * So in exact mode:
+ * - every item of a call runs one path: AMX for every bf16 item where the CPU
+ *   has it (any row count), else the bf16_dots choice; float32 on attend_item;
+ * - a token's two parts are not merged: its part-0 segment (a shared prefix, a
+ *   multiple of the path's step long, else the call is refused) runs first and
+ *   leaves the unnormalised state (acc, m, l) in the part buffers; its part-1
+ *   segment then starts from that state (a second phase of items) and writes the
+ *   output. The caller's segments have no split of a lone request
+ *   (radixrt_decode_segments with exact).
  */
 #include <math.h>
 #include <omp.h>
@@ -57,6 +76,7 @@
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
 #define AKB (2 * KB)   /* keys per softmax step in the AMX path */
+#define EXACT_STEP AKB /* exact mode: a shared prefix is a multiple of this many keys (every path's step) */
 
 #define RB 4  /* query rows computed together (independent accumulator chains) ... */
 #define RB_WIDE 8 /* ... in the dot-product path's items of more than RB rows */
@@ -142,6 +162,7 @@ struct call {
     float scaling;
     const int64_t *num_parts;          /* [T] */
     float *part_acc, *part_m, *part_l; /* [T, 2, H, D], [T, 2, H], [T, 2, H] */
+    int exact;                         /* part 1 continues part 0's state (see the header) */
 };
 
 /* A work item: rows [q0, q0 + nq) (nq <= QB, or AMX_QB for AMX) of a segment's queries on KV head j. Query row r
@@ -179,20 +200,51 @@ static inline void store_out(const struct call *c, int64_t row, const float *a, 
     }
 }
 
-/* Rows [0, nq) of an item's state (acc, m, l): a token with one part is written out
- * normalised; otherwise its part goes into the partial buffers, merged at the end. */
+/* The row of [T·H] (token·H + head) of query row r of an item; its token into *token. */
+static inline int64_t row_of(const struct call *c, const struct item *it, int64_t r, int64_t *token) {
+    *token = it->members[(it->q0 + r) / c->g];
+    return *token * c->h + it->j * c->g + (it->q0 + r) % c->g;
+}
+
+/* Rows [0, nq) of an item's state (acc, m, l): a token with one part, and in exact mode a
+ * token's part 1, is written out normalised; otherwise its part goes into the partial buffers
+ * (merged at the end, or in exact mode continued by its part 1). */
 static inline void write_rows(const struct call *c, const struct item *it, const float *acc,
                               int64_t acc_stride, const float *m, const float *l) {
     for (int64_t r = 0; r < it->nq; r++) {
-        const int64_t b = it->members[(it->q0 + r) / c->g], head = it->j * c->g + (it->q0 + r) % c->g;
-        if (c->num_parts[b] == 1) {
-            store_out(c, b * c->h + head, acc + r * acc_stride, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
+        int64_t b;
+        const int64_t row = row_of(c, it, r, &b);
+        if (c->num_parts[b] == 1 || (c->exact && it->part == 1)) {
+            store_out(c, row, acc + r * acc_stride, l[r] > 0.0f ? 1.0f / l[r] : 0.0f);
             continue;
         }
-        const int64_t at = (b * 2 + it->part) * c->h + head;
+        const int64_t at = row + (b + it->part) * c->h; /* (b * 2 + part) * H + head */
         memcpy(c->part_acc + at * c->d, acc + r * acc_stride, (size_t)c->d * sizeof(float));
         c->part_m[at] = m[r];
         c->part_l[at] = l[r];
+    }
+}
+
+/* Where dim i of a row lies in the AVX512-BF16 and AMX paths' accumulators (each 32-dim chunk
+ * as [lo | hi], lo lane 4L+e = dim 8L+e, hi lane 4L+e = dim 8L+4+e: see unpermute). */
+static inline int64_t permuted_dim(int64_t i) {
+    const int64_t e = i & 31;
+    return (i & ~(int64_t)31) + (e & 4 ? 16 : 0) + 4 * (e >> 3) + (e & 3);
+}
+
+/* An exact call's part-1 item starts where its tokens' part 0 left off: rows [0, nq) of acc
+ * (rows acc_stride apart; permuted: laid out as permuted_dim says), m and l from the part
+ * buffers. Other items keep the empty state they were given. */
+static inline void seed_rows(const struct call *c, const struct item *it, float *acc, int64_t acc_stride,
+                             int permuted, float *m, float *l) {
+    if (!c->exact || it->part != 1) return;
+    for (int64_t r = 0; r < it->nq; r++) {
+        int64_t b;
+        const int64_t row = row_of(c, it, r, &b), at = row + b * c->h; /* (b * 2 + 0) * H + head */
+        const float *src = c->part_acc + at * c->d;
+        for (int64_t i = 0; i < c->d; i++) acc[r * acc_stride + (permuted ? permuted_dim(i) : i)] = src[i];
+        m[r] = c->part_m[at];
+        l[r] = c->part_l[at];
     }
 }
 
@@ -229,6 +281,7 @@ static void attend_item(const struct call *c, const struct item *it) {
         m[v] = (vf){0} - INFINITY;
         l[v] = (vf){0};
     }
+    seed_rows(c, it, &acc[0][0], DMAX, 0, (float *)m, (float *)l);
     const int64_t rb_end = (nq + RB - 1) / RB * RB;
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
@@ -479,6 +532,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     prefetch_keys(k_buf, v_buf, slots, 0, 2 * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
+    seed_rows(c, it, &acc[0][0], DMAX, 1, m, l);
     for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         const int halves = nk > 16 ? 2 : 1;
@@ -536,6 +590,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const v16 ninf = (v16){0} - INFINITY;
 
     start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, d, qb, acc, m, l);
+    seed_rows(c, it, acc_rows, d, 1, m, l);
     memset(ppair[nq], 0, sizeof ppair[0] * (size_t)(16 * mtiles - nq)); /* padding rows: P = 0 */
     for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
@@ -651,7 +706,32 @@ static struct call call_of(const struct attn_call *c) {
     const struct attention_args *a = &c->a;
     return (struct call){a->q,    c->k_buf, c->v_buf,          a->out,           (int)a->is_bf16,
                          a->h,    a->kh,    a->h / a->kh,      a->d,             a->q_stride / a->d,
-                         (float)a->scaling, a->num_parts, a->part_acc, a->part_m, a->part_l};
+                         (float)a->scaling, a->num_parts, a->part_acc, a->part_m, a->part_l, (int)a->exact};
+}
+
+/* The phase whose items include segment s's: its part where part 1 continues part 0 (an exact
+ * call with two-part tokens), else 0. */
+static inline int phase_of(const struct attn_call *c, int64_t s) {
+    return c->phases == 2 ? (int)c->a.seg_part[s] : 0;
+}
+
+/* 1 if an exact call's segments let a token's part 1 continue its part 0: every member of a
+ * part-1 segment has two parts, and a part-0 segment with a two-part member is not causal and
+ * ends on a multiple of the path's key step (AKB where AMX runs the items, else KB). */
+static int exact_segments(const struct attn_call *c) {
+    const struct attention_args *a = &c->a;
+    const int64_t step = c->use_amx ? AKB : KB;
+    for (int64_t s = 0; s < a->num_segments; s++) {
+        int one = 0, two = 0; /* members with one part, with two */
+        for (int64_t i = a->seg_member_start[s]; i < a->seg_member_start[s + 1]; i++) {
+            one |= a->num_parts[a->members[i]] != 2;
+            two |= a->num_parts[a->members[i]] == 2;
+        }
+        const int causal = a->seg_causal != NULL && a->seg_causal[s];
+        const int64_t n_keys = a->seg_slot_start[s + 1] - a->seg_slot_start[s];
+        if (a->seg_part[s] == 1 ? one : two && (causal || n_keys % step != 0)) return 0;
+    }
+    return 1;
 }
 
 int radixrt_attn_prepare(struct attn_call *c) {
@@ -661,19 +741,22 @@ int radixrt_attn_prepare(struct attn_call *c) {
     const int64_t g = a->h / a->kh;
 #ifdef HAVE_AMX
     c->use_amx = a->is_bf16 && amx_permitted();
-    c->qb = c->use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 */
+    c->qb = c->use_amx ? AMX_QB : QB; /* an AMX call's items under AMX_MIN_ROWS go to AVX-512 (but exact) */
 #else
     c->use_amx = 0;
     c->qb = QB;
 #endif
-    /* Work items: per segment, KH × ceil(members·G / qb). */
-    c->items = 0;
+    int two_parts = 0;
+    for (int64_t tok = 0; tok < a->t && !two_parts; tok++) two_parts = a->num_parts[tok] == 2;
+    c->merging = two_parts && !a->exact;
+    c->phases = two_parts && a->exact ? 2 : 1;
+    if (a->exact && !exact_segments(c)) return -2;
+    /* Work items: per segment, KH × ceil(members·G / qb), in the segment's phase. */
+    c->items[0] = c->items[1] = 0;
     for (int64_t s = 0; s < a->num_segments; s++) {
         const int64_t rows = (a->seg_member_start[s + 1] - a->seg_member_start[s]) * g;
-        c->items += a->kh * ((rows + c->qb - 1) / c->qb);
+        c->items[phase_of(c, s)] += a->kh * ((rows + c->qb - 1) / c->qb);
     }
-    c->merging = 0;
-    for (int64_t tok = 0; tok < a->t && !c->merging; tok++) c->merging = a->num_parts[tok] == 2;
     return 0;
 }
 
@@ -686,51 +769,65 @@ void radixrt_attn_store(const struct attn_call *c, int64_t id, int64_t threads) 
     }
 }
 
-void radixrt_attn_items(const struct attn_call *c, int64_t *next) {
-    const struct call call = call_of(c);
-    const int64_t g = call.g, qb = c->qb, kh = c->a.kh;
+/* Work item `item` of phase `phase`: items run segment by segment (of that phase), per segment
+ * KV head by KV head, per head block by block (in a causal segment the last block first). */
+static struct item item_at(const struct attn_call *c, int phase, int64_t item) {
+    const int64_t g = c->a.h / c->a.kh, qb = c->qb, kh = c->a.kh;
     const int64_t *seg_member_start = c->a.seg_member_start, *seg_slot_start = c->a.seg_slot_start;
+    int64_t s = 0, rows = 0, blocks = 0;
+    for (;; s++) { /* the item's segment (a linear walk) */
+        if (phase_of(c, s) != phase) continue;
+        rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
+        blocks = (rows + qb - 1) / qb;
+        if (item < kh * blocks) break;
+        item -= kh * blocks;
+    }
+    const int causal = c->a.seg_causal != NULL && c->a.seg_causal[s];
+    const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
+    struct item it = {c->a.slots + seg_slot_start[s], c->a.members + seg_member_start[s],
+                      seg_slot_start[s + 1] - seg_slot_start[s], -1, c->a.seg_part[s],
+                      item / blocks, block * qb, 0};
+    it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
+    if (causal) {
+        it.causal_from = it.n_keys - rows / g;
+        it.n_keys = row_limit(&it, g, it.nq - 1);
+    }
+    return it;
+}
+
+/* An item on its path (the header says which); *configured: whether this thread's AMX tiles
+ * are. */
+static void run_item(const struct attn_call *c, const struct call *call, const struct item *it,
+                     int *configured) {
 #ifdef HAVE_AMX
-    int configured = 0;
-#endif
-    for (;;) {
-        int64_t item = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (item >= c->items) break;
-        /* find the item's segment (a linear walk) */
-        int64_t s = 0, rows = 0, blocks = 0;
-        for (;; s++) {
-            rows = (seg_member_start[s + 1] - seg_member_start[s]) * g;
-            blocks = (rows + qb - 1) / qb;
-            if (item < kh * blocks) break;
-            item -= kh * blocks;
+    if (c->use_amx && (c->a.exact || it->nq >= AMX_MIN_ROWS)) {
+        if (!*configured) {
+            amx_configure();
+            *configured = 1;
         }
-        const int causal = c->a.seg_causal != NULL && c->a.seg_causal[s];
-        const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
-        struct item it = {c->a.slots + seg_slot_start[s], c->a.members + seg_member_start[s],
-                          seg_slot_start[s + 1] - seg_slot_start[s], -1, c->a.seg_part[s],
-                          item / blocks, block * qb, 0};
-        it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
-        if (causal) {
-            it.causal_from = it.n_keys - rows / g;
-            it.n_keys = row_limit(&it, g, it.nq - 1);
-        }
-#ifdef HAVE_AMX
-        if (c->a.is_bf16 && c->use_amx && it.nq >= AMX_MIN_ROWS) {
-            if (!configured) {
-                amx_configure();
-                configured = 1;
-            }
-            attend_item_amx(&call, &it);
-            continue;
-        }
+        attend_item_amx(call, it);
+        return;
+    }
+#else
+    (void)configured;
 #endif
 #ifdef __AVX512BF16__
-        if (c->a.is_bf16 && c->a.bf16_dots) {
-            attend_item_bf16(&call, &it);
-            continue;
-        }
+    if (c->a.is_bf16 && c->a.bf16_dots) {
+        attend_item_bf16(call, it);
+        return;
+    }
 #endif
-        attend_item(&call, &it);
+    attend_item(call, it);
+}
+
+void radixrt_attn_items(const struct attn_call *c, int64_t *next, int phase) {
+    const struct call call = call_of(c);
+    int configured = 0;
+    for (;;) {
+        const int64_t item = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
+        if (item >= c->items[phase]) break;
+        const struct item it = item_at(c, phase, item);
+        run_item(c, &call, &it, &configured);
     }
 #ifdef HAVE_AMX
     if (configured) _tile_release();
@@ -761,7 +858,8 @@ void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) 
     }
 }
 
-/* Returns 0, or -1 when a size is out of range (nothing is written then).
+/* Returns 0, -1 when a size is out of range, or -2 when an exact call's segments do not let
+ * part 1 continue part 0 (exact_segments); nothing is written then.
  *
  * q [T, H, D] (the query tokens; token rows q_stride elements apart, heads contiguous) and out
  * [T, H, D] (contiguous).
@@ -775,27 +873,34 @@ void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) 
  * to rows new_slots [n_new] of k_buf, v_buf first.
  * bf16_dots: bf16 items that AMX does not take run on AVX512-BF16 dot products (where the build
  * has them) instead of being widened to float32 for FMA.
+ * exact: exact mode (the header): a row's bits depend on its query and keys alone.
  *
  * The work runs as parts (parts.h): the new rows stored, the work items taken from a shared
- * counter by the threads, then (no threads started for none) the two parts of every (token,
- * head) that has two merged. */
+ * counter by the threads (in an exact call with two-part tokens: the part-0 items, then the
+ * part-1 items), then (no threads started for none) the two parts of every (token, head) that
+ * has two merged (not in exact mode). */
 int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf, void *out, int is_bf16,
-                      int bf16_dots,
+                      int bf16_dots, int exact,
                       int64_t t, int64_t h, int64_t kh, int64_t d, float scaling, int64_t num_segments,
                       const int64_t *slots, const int64_t *seg_slot_start, const int64_t *members,
                       const int64_t *seg_member_start, const int64_t *seg_part,
                       const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
                       float *part_m, float *part_l, int num_threads, const void *new_k,
                       const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
-    struct attn_call c = {{q, q_stride, out, is_bf16, bf16_dots, t, h, kh, d, scaling, num_segments, slots,
-                           seg_slot_start, members, seg_member_start, seg_part, seg_causal, num_parts, part_acc,
-                           part_m, part_l, new_k, new_v, new_stride, new_slots, n_new},
-                          k_buf, v_buf, 0, 0, 0, 0};
-    if (num_threads < 1 || radixrt_attn_prepare(&c) != 0) return -1;
+    struct attn_call c = {.a = {q, q_stride, out, is_bf16, bf16_dots, exact, t, h, kh, d, scaling, num_segments,
+                                slots, seg_slot_start, members, seg_member_start, seg_part, seg_causal, num_parts,
+                                part_acc, part_m, part_l, new_k, new_v, new_stride, new_slots, n_new},
+                          .k_buf = k_buf,
+                          .v_buf = v_buf};
+    if (num_threads < 1) return -1;
+    const int rc = radixrt_attn_prepare(&c);
+    if (rc != 0) return rc;
     radixrt_attn_store(&c, 0, 1); /* first the step's new K/V rows (a new token attends to itself) */
-    int64_t next = 0;
+    int64_t next[2] = {0, 0};
+    for (int phase = 0; phase < c.phases; phase++) {
 #pragma omp parallel num_threads(num_threads)
-    radixrt_attn_items(&c, &next);
+        radixrt_attn_items(&c, &next[phase], phase);
+    }
     if (!c.merging) return 0;
 #pragma omp parallel num_threads(num_threads)
     radixrt_attn_merge(&c, omp_get_thread_num(), omp_get_num_threads());
@@ -810,14 +915,16 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
  * one for its remaining slots (part 1 in a group, else part 0 over all its slots). With
  * split_from > 0, a request in no group with >= split_from slots gets two segments instead,
  * its first len / 2 slots (part 0) and the rest (part 1): more work items where a batch has too
- * few to keep the threads busy, merged as a group's parts are.
+ * few to keep the threads busy, merged as a group's parts are. With exact, for an exact call:
+ * a group's prefix is rounded down to a multiple of EXACT_STEP slots (the rest goes to each
+ * request's tail), and no request is split (split_from is not used).
  *
  * table [*, table_stride] holds each request row's slots; request i (of b) is row req_rows[i],
  * lens[i] >= 1 slots. Outputs (sizes: slots sum(lens); slot_start, member_start 2b + 1;
  * members 2b; part 2b; num_parts b); order [b] scratch. Returns the number of segments. */
 int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, const int64_t *req_rows,
                                 const int64_t *lens, int64_t b, int64_t min_prefix, int64_t min_group,
-                                int64_t split_from, int64_t *slots, int64_t *slot_start, int64_t *members,
+                                int64_t split_from, int exact, int64_t *slots, int64_t *slot_start, int64_t *members,
                                 int64_t *member_start, int64_t *part, int64_t *num_parts, int64_t *order) {
 #define SLOT(i, p) table[req_rows[i] * table_stride + (p)]
     for (int64_t i = 0; i < b; i++) { /* requests by (first slot, index): insertion sort */
@@ -844,6 +951,7 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
             if (run > lens[r] - 1) run = lens[r] - 1;
             if (run < c) c = run;
         }
+        if (exact) c -= c % EXACT_STEP;
         if (g1 - g0 >= min_group && c >= min_prefix) {
             for (int64_t p = 0; p < c; p++) slots[n_slots++] = SLOT(first, p);
             for (int64_t at = g0; at < g1; at++) {
@@ -857,7 +965,7 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
         g0 = g1;
     }
     for (int64_t i = 0; i < b; i++) {
-        if (!num_parts[i] && split_from > 0 && lens[i] >= split_from) { /* two halves */
+        if (!num_parts[i] && !exact && split_from > 0 && lens[i] >= split_from) { /* two halves */
             for (int half = 0; half < 2; half++) {
                 const int64_t p0 = half ? lens[i] / 2 : 0, p1 = half ? lens[i] : lens[i] / 2;
                 for (int64_t p = p0; p < p1; p++) slots[n_slots++] = SLOT(i, p);

@@ -13,6 +13,17 @@ prefix is one segment for the requests of its group (part 0), a private tail
 one for its request (part 1, or part 0 when the request has no shared prefix).
 In extend a request's whole sequence is one causal segment for its new tokens:
 they are its last keys, and each sees the keys up to itself.
+
+Exact mode (``Segments.exact``, set by ``decode_segments(..., exact=True)`` and the
+backend's extend segments): a query token's output has the same bits whatever the
+batch around it, however its keys are split between a shared prefix and a private
+tail, and whether it is computed in a decode or an extend. Every work item of the
+call runs one path (AMX for bf16 where the CPU has it, whatever the item's rows), a
+row's keys are reduced in blocks at fixed offsets from its first key, and a token's
+private tail continues its prefix's online softmax instead of being merged with it:
+the prefix must end on a multiple of ``EXACT_STEP`` keys (``decode_segments`` rounds
+it down), and no lone request is split between the threads. Segments that break this
+are refused (``ValueError``).
 """
 
 from __future__ import annotations
@@ -28,6 +39,7 @@ from radixrt_kernels.cpu import capture as cpu_capture
 DIM_MULTIPLE = 32  # head_dim must be a multiple of this (the kernel's P·V chunk) ...
 MAX_DIM = 256  # ... and at most this
 DTYPES = (torch.float32, torch.bfloat16)
+EXACT_STEP = 64  # exact mode: a shared prefix is a multiple of this many keys (attention.c)
 
 
 @dataclass
@@ -42,6 +54,7 @@ class Segments:
     num_parts: torch.Tensor  # [T] 1 or 2 per query token
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
+    exact: bool = False  # exact mode (the module's text): a token's part 1 continues its part 0
     two_parts: bool = field(init=False)  # some token has two parts (the merge needs scratch)
     _call: tuple | None = field(
         init=False, default=None, repr=False, compare=False
@@ -115,7 +128,8 @@ def attention(
     ``new_kv``: (k, v [n, KH, D], slots int64 [n]): the forward's new K/V, written into the
     buffers at those slots first (one call instead of a store and an attention).
     ``bf16_dots``: bf16 work that AMX does not take runs on AVX512-BF16 dot products where the
-    build has them (``dots_available``), else it is widened to float32 for FMA."""
+    build has them (``dots_available``), else it is widened to float32 for FMA.
+    ``seg.exact``: exact mode (the module's text)."""
     if (recorder := cpu_capture.capturing()) is not None:
         return recorder.attention(q, k_buf, v_buf, scaling, new_kv, bf16_dots, out)
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
@@ -175,7 +189,8 @@ class AttentionCall:
             None if new_slots is None else new_slots.data_ptr(),
             0 if new_slots is None else new_slots.numel(),
         )
-        sizes = (out.data_ptr(), int(q.dtype == torch.bfloat16), int(bf16_dots), t, h, kh, d)
+        flags = (int(q.dtype == torch.bfloat16), int(bf16_dots), int(seg.exact))
+        sizes = (out.data_ptr(), *flags, t, h, kh, d)
         segments = seg._call_args(t, h, d)
         self.tail = (*sizes, scaling, *segments, torch.get_num_threads(), *new)
 
@@ -184,14 +199,21 @@ class AttentionCall:
         """The arguments as a decode chain's attention step takes them (cpu/chain.c's struct
         attention_args): the KV buffers and the thread count left out, scaling as a double's
         bits, NULL as 0."""
-        t = self.tail  # sizes (7), scaling, segments (11), threads, new rows (5)
-        scaling_bits = struct.unpack("<q", struct.pack("<d", t[7]))[0]
+        t = self.tail  # sizes (8), scaling, segments (11), threads, new rows (5)
+        scaling_bits = struct.unpack("<q", struct.pack("<d", t[8]))[0]
         return [
-            0 if v is None else v for v in (*self.head, *t[:7], scaling_bits, *t[8:-6], *t[-5:])
+            0 if v is None else v for v in (*self.head, *t[:8], scaling_bits, *t[9:-6], *t[-5:])
         ]
 
     def __call__(self, k_address: int, v_address: int) -> None:
-        if self.lib.radixrt_attention(*self.head, k_address, v_address, *self.tail) != 0:
+        rc = self.lib.radixrt_attention(*self.head, k_address, v_address, *self.tail)
+        if rc == -2:
+            raise ValueError(
+                "attention: exact mode needs each two-part token's part 0 to be a non-causal "
+                f"segment of a multiple of {EXACT_STEP} keys and its part 1 to continue it "
+                "(decode_segments(..., exact=True) builds such segments; no split halves)"
+            )
+        if rc != 0:
             h, kh, d = self.shape
             raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
 
@@ -204,6 +226,7 @@ def decode_segments(
     min_prefix: int,
     min_group: int,
     split_from: int = 0,
+    exact: bool = False,
 ) -> Segments:
     """A decode step's segments (one C call instead of ~60 PyTorch ops): requests grouped by a
     shared prefix (``radixrt.attention.cpu_backend`` states the rule; groups of >= ``min_group``
@@ -211,7 +234,9 @@ def decode_segments(
     request's remaining slots; with ``split_from`` > 0, a request in no group with at least
     that many slots gets two segments, its slots' halves, as two parts. table int64 [rows,
     max_context] (each row's slots), req_rows int64 [B] (the requests' rows), seq_lens [B]
-    (each >= 1)."""
+    (each >= 1). ``exact``: segments for exact mode: a group's prefix rounded down to a
+    multiple of ``EXACT_STEP`` slots (the rest goes to each tail), and no request split
+    (``split_from``, a way to share one request's keys between threads, is not used)."""
     b = len(seq_lens)
     if table.dtype != torch.int64 or table.stride(1) != 1 or req_rows.dtype != torch.int64:
         raise ValueError("decode_segments: table and req_rows must be int64, table rows contiguous")
@@ -233,6 +258,7 @@ def decode_segments(
         min_prefix,
         min_group,
         split_from,
+        int(exact),
         slots.data_ptr(),
         slot_start.data_ptr(),
         members.data_ptr(),
@@ -248,4 +274,5 @@ def decode_segments(
         member_start=member_start[: n + 1],
         part=part[:n],
         num_parts=num_parts,
+        exact=exact,
     )

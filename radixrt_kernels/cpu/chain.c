@@ -19,7 +19,7 @@
 #define STEP_ROPE 3
 #define STEP_ATTENTION 4
 #define STEP_FIELDS 20
-#define ATTENTION_FIELDS 26
+#define ATTENTION_FIELDS 27
 
 /* One step (every field 8 bytes: a row of the caller's int64 table).
  * STEP_LINEAR: y = x · Wᵀ (+ bias) by linear_vec.c's `kernel` on W packed as radixrt_linear
@@ -51,7 +51,7 @@ _Static_assert(sizeof(struct step) == STEP_FIELDS * 8, "a step is a row of STEP_
 _Static_assert(sizeof(struct attention_args) == ATTENTION_FIELDS * 8, "attention args are int64");
 
 static struct attn_call attn_call_of(const struct step *s) {
-    return (struct attn_call){*(const struct attention_args *)s->w, s->y, s->residual, 0, 0, 0, 0};
+    return (struct attn_call){.a = *(const struct attention_args *)s->w, .k_buf = s->y, .v_buf = s->residual};
 }
 
 /* A norm step's heads per row (k; 0 counts as 1). */
@@ -98,7 +98,7 @@ static int step_fits(const struct step *s, struct attn_call *call) {
     }
 }
 
-/* Thread id's part of step s (call, next: an attention step's prepared call and work counter;
+/* Thread id's part of step s (call, next: an attention step's prepared call and work counters;
  * xf: room for x widened, for an FMA step). The barriers inside bind to the chain's region. */
 static void run_step(const struct step *s, const struct attn_call *call, int64_t *next, float *xf, int64_t id,
                      int64_t threads) {
@@ -112,7 +112,11 @@ static void run_step(const struct step *s, const struct attn_call *call, int64_t
     } else if (s->kind == STEP_ATTENTION) {
         radixrt_attn_store(call, id, threads);
 #pragma omp barrier
-        radixrt_attn_items(call, next);
+        radixrt_attn_items(call, &next[0], 0);
+        if (call->phases == 2) {
+#pragma omp barrier
+            radixrt_attn_items(call, &next[1], 1);
+        }
         if (call->merging) {
 #pragma omp barrier
             radixrt_attn_merge(call, id, threads);
@@ -132,7 +136,7 @@ static void run_step(const struct step *s, const struct attn_call *call, int64_t
 int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
     if (count < 0 || num_threads < 1) return -1;
     struct attn_call *calls = calloc((size_t)count + 1, sizeof *calls);
-    int64_t *next = calloc((size_t)count + 1, sizeof *next); /* each attention's work counter */
+    int64_t *next = calloc(2 * ((size_t)count + 1), sizeof *next); /* each attention's work counters */
     int64_t widened = 0;                                      /* the largest x an FMA step widens */
     int rc = calls == NULL || next == NULL ? -1 : 0;
     for (int64_t i = 0; i < count && rc == 0; i++) {
@@ -150,7 +154,7 @@ int radixrt_chain(const struct step *steps, int64_t count, int num_threads) {
                 if (i > 0) {
 #pragma omp barrier
                 }
-                run_step(&steps[i], &calls[i], &next[i], xf, id, threads);
+                run_step(&steps[i], &calls[i], &next[2 * i], xf, id, threads);
             }
         }
     }

@@ -53,6 +53,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _ptr,
         _int,
         _int,
+        _int,
         _i64,
         _i64,
         _i64,
@@ -114,7 +115,7 @@ SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]
 RESTYPES = {
     "radixrt_decode_segments": (
         ctypes.c_int64,
-        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
     ),
 }  # the others: int
 

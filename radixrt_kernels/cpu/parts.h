@@ -51,7 +51,7 @@ struct attention_args {
     const void *q;
     int64_t q_stride;
     void *out;
-    int64_t is_bf16, bf16_dots, t, h, kh, d;
+    int64_t is_bf16, bf16_dots, exact, t, h, kh, d;
     double scaling;
     int64_t num_segments;
     const int64_t *slots, *seg_slot_start, *members, *seg_member_start, *seg_part, *seg_causal, *num_parts;
@@ -66,16 +66,19 @@ struct attention_args {
 struct attn_call {
     struct attention_args a;
     void *k_buf, *v_buf;
-    int64_t items, qb; /* the work items, and query rows per item */
-    int use_amx, merging;
+    int64_t items[2], qb; /* the work items of each phase, and query rows per item */
+    int use_amx, merging; /* merging: tokens' two parts are merged at the end (not exact) */
+    int phases;           /* 2: an exact call's part-1 items run after its part-0 items, else 1 */
 };
 
-/* Checks the sizes (-1: out of range) and sets items, qb, use_amx and merging. */
+/* Checks the sizes (-1: out of range; -2: an exact call's segments do not let part 1 continue
+ * part 0) and sets items, qb, use_amx, merging and phases. */
 HIDDEN int radixrt_attn_prepare(struct attn_call *c);
 /* Thread id's share of storing the new K/V rows in their slots. */
 HIDDEN void radixrt_attn_store(const struct attn_call *c, int64_t id, int64_t threads);
-/* Work items taken from the shared counter *next (from 0) until none is left. */
-HIDDEN void radixrt_attn_items(const struct attn_call *c, int64_t *next);
+/* Work items of phase `phase` (0 .. phases - 1) taken from the shared counter *next (from 0)
+ * until none is left; a phase starts when every item of the one before it is done. */
+HIDDEN void radixrt_attn_items(const struct attn_call *c, int64_t *next, int phase);
 /* Thread id's share of merging the tokens of two parts (after every item is done). */
 HIDDEN void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads);
 

@@ -186,6 +186,6 @@ def test_an_attention_step_reads_what_the_linear_before_it_wrote(kernel: str, sp
     assert torch.equal(o_buf, o.view(rows, cols))
     assert torch.equal(out, want)
     assert torch.equal(k_buf, kb) and torch.equal(v_buf, vb)
-    args[8] = 48  # head_dim 48: not a multiple of 32, refused before anything runs
+    args[9] = 48  # head_dim 48: not a multiple of 32, refused before anything runs
     with pytest.raises(ValueError, match="step 1 does not fit"):
         chain.run()
