@@ -82,7 +82,8 @@ class CpuAttentionBackend(AttentionBackend):
         self.bf16_dots = bf16_dots
 
     def describe(self) -> str:
-        notes = [n for n, on in (("bf16: dot products", self.bf16_dots), ("exact", self.exact)) if on]
+        notes = ["bf16: dot products"] if self.bf16_dots else []
+        notes += ["exact"] if self.exact else []
         return f"cpu ({', '.join(notes)})" if notes else "cpu"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:

@@ -115,7 +115,24 @@ SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]
 RESTYPES = {
     "radixrt_decode_segments": (
         ctypes.c_int64,
-        [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _int, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr],
+        [
+            _ptr,
+            _i64,
+            _ptr,
+            _ptr,
+            _i64,
+            _i64,
+            _i64,
+            _i64,
+            _int,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+            _ptr,
+        ],
     ),
 }  # the others: int
 

@@ -250,8 +250,13 @@ def test_the_backend_builds_exact_segments() -> None:
     for mode, n in ((ForwardMode.EXTEND, 10), (ForwardMode.DECODE, 1)):
         loc = torch.tensor(slots[300 - n :])
         batch = ForwardBatch(
-            mode, torch.zeros(n, dtype=torch.int64), loc * 0, loc, torch.zeros(1, dtype=torch.int64),
-            [300], [n],
+            mode,
+            torch.zeros(n, dtype=torch.int64),
+            loc * 0,
+            loc,
+            torch.zeros(1, dtype=torch.int64),
+            [300],
+            [n],
         )
         backend.init_forward_metadata(batch)
         assert batch.attn_metadata.exact and not batch.attn_metadata.two_parts
