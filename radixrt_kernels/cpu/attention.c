@@ -897,9 +897,13 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
     if (rc != 0) return rc;
     radixrt_attn_store(&c, 0, 1); /* first the step's new K/V rows (a new token attends to itself) */
     int64_t next[2] = {0, 0};
-    for (int phase = 0; phase < c.phases; phase++) {
 #pragma omp parallel num_threads(num_threads)
-        radixrt_attn_items(&c, &next[phase], phase);
+    {
+        radixrt_attn_items(&c, &next[0], 0);
+        if (c.phases == 2) {
+#pragma omp barrier
+            radixrt_attn_items(&c, &next[1], 1);
+        }
     }
     if (!c.merging) return 0;
 #pragma omp parallel num_threads(num_threads)
