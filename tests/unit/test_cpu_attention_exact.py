@@ -137,6 +137,8 @@ def batch_around(w: World, target: list[int], b: int) -> tuple[list[list[int]], 
 
 @pytest.mark.parametrize("dtype,dots", PATHS)
 def test_a_decode_token_has_the_same_bits_in_any_batch(lib, dtype, dots) -> None:
+    """A request of 1..400 keys decoded alone, then among 0..39 others (batch_around), with
+    split_from asking for every lone request to be split: the same bits."""
     w = World(dtype, seed=1)
     continued = 0  # cases where the target's tail continued a shared prefix
     for b in range(1, 41):
