@@ -1,7 +1,8 @@
 """Attention through the Triton kernels of ``radixrt_kernels`` (the default on CUDA).
 
 Once per step, ``init_forward_metadata`` builds the index tensors on the
-pool's device, sized from the batch's host-side lengths (no device sync):
+pool's device, sized from the batch's host-side lengths (no device sync), into
+a metadata record that runs its kernel:
 - EXTEND: ``qo_indptr [B+1]`` over the new tokens; ``kv_indptr [B+1]`` and
   ``kv_indices`` over each request's cached prefix,
   ``req_to_token[row_b, :prefix_len_b]``. The new tokens' K/V are read
@@ -10,8 +11,14 @@ pool's device, sized from the batch's host-side lengths (no device sync):
   ``req_to_token[row_b, :seq_len_b]`` (the new token's K/V is stored before
   attention reads it); ``num_kv_splits`` from the batch shape; one stage-1
   workspace shared by every layer, allocated by the first (H is known then).
-Per layer, ``forward`` stores the new K/V with ``store_kv`` and runs the kernel.
-On CPU it works only under the Triton interpreter (``TRITON_INTERPRET=1``
+With ``deterministic=True`` (``--enable-deterministic-inference``) both modes
+run ``deterministic_attention``: a query's output bits do not depend on the
+batch, the cache hit or decode vs extend. Its extend indexes each whole
+sequence ``req_to_token[row_b, :seq_len_b]`` (the new K/V are stored first);
+its decode splits keys at fixed offsets, the split axis sized from the longest
+sequence.
+Per layer, ``forward`` stores the new K/V with ``store_kv`` and runs the step's
+record. On CPU it works only under the Triton interpreter (``TRITON_INTERPRET=1``
 set before import), which is slow and meant for tests.
 """
 
@@ -28,6 +35,11 @@ from radixrt_kernels.triton.decode_attention import (
     DecodeWorkspace,
     choose_num_kv_splits,
     decode_attention,
+)
+from radixrt_kernels.triton.deterministic_attention import (
+    deterministic_decode_attention,
+    deterministic_extend_attention,
+    fixed_split_workspace,
 )
 from radixrt_kernels.triton.extend_attention import extend_attention
 from radixrt_kernels.triton.store_kv import store_kv
@@ -46,6 +58,30 @@ class _ExtendMeta:
     kv_indices: torch.Tensor  # int64 [sum of prefix lens]: slots of each cached prefix
     max_extend_len: int
 
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        o = q.new_empty(q.shape)
+        return extend_attention(
+            q,
+            k,
+            v,
+            o,
+            k_buf,
+            v_buf,
+            self.qo_indptr,
+            self.kv_indptr,
+            self.kv_indices,
+            scaling,
+            self.max_extend_len,
+        )
+
 
 @dataclass
 class _DecodeMeta:
@@ -54,12 +90,102 @@ class _DecodeMeta:
     num_kv_splits: int
     workspace: DecodeWorkspace | None = None  # allocated by the first layer
 
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        if self.workspace is None:
+            batch, heads, head_dim = q.shape
+            self.workspace = DecodeWorkspace.allocate(
+                batch, heads, head_dim, self.num_kv_splits, q.device
+            )
+        o = q.new_empty(q.shape)
+        return decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            o,
+            self.kv_indptr,
+            self.kv_indices,
+            scaling,
+            self.num_kv_splits,
+            self.workspace,
+        )
+
+
+@dataclass
+class _FixedExtendMeta:
+    qo_indptr: torch.Tensor  # int64 [B + 1] over the T new tokens
+    kv_indptr: torch.Tensor  # int64 [B + 1] over kv_indices
+    kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
+    max_extend_len: int
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        o = q.new_empty(q.shape)
+        return deterministic_extend_attention(
+            q,
+            o,
+            k_buf,
+            v_buf,
+            self.qo_indptr,
+            self.kv_indptr,
+            self.kv_indices,
+            scaling,
+            self.max_extend_len,
+        )
+
+
+@dataclass
+class _FixedDecodeMeta:
+    kv_indptr: torch.Tensor  # int64 [B + 1]
+    kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
+    max_seq_len: int
+    workspace: DecodeWorkspace | None = None  # allocated by the first layer
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        scaling: float,
+    ) -> torch.Tensor:
+        if self.workspace is None:
+            self.workspace = fixed_split_workspace(q, self.max_seq_len)
+        o = q.new_empty(q.shape)
+        return deterministic_decode_attention(
+            q,
+            k_buf,
+            v_buf,
+            o,
+            self.kv_indptr,
+            self.kv_indices,
+            scaling,
+            self.max_seq_len,
+            self.workspace,
+        )
+
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
 
-    def __init__(self, pool: KVPool) -> None:
+    def __init__(self, pool: KVPool, deterministic: bool = False) -> None:
         super().__init__(pool)
+        self.deterministic = deterministic
         if pool.device.type == "cuda":
             self.num_sms = torch.cuda.get_device_properties(pool.device).multi_processor_count
             self.min_split_len = MIN_SPLIT_LEN
@@ -70,24 +196,13 @@ class TritonAttentionBackend(AttentionBackend):
                 f"attention_backend='triton' needs a CUDA device, got {pool.device} "
                 "(on CPU set TRITON_INTERPRET=1 before import, or use 'torch')"
             )
+        self._plan = _plan_fixed_splits if deterministic else self._plan_split_count
+
+    def describe(self) -> str:
+        return f"{self.name} (deterministic: fixed KV splits)" if self.deterministic else self.name
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = self.pool.req_to_token
-        if batch.mode is ForwardMode.DECODE:
-            kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
-            splits = choose_num_kv_splits(
-                batch.batch_size,
-                self.pool.kv_heads,
-                max(batch.seq_lens),
-                self.num_sms,
-                self.min_split_len,
-            )
-            batch.attn_metadata = _DecodeMeta(kv_indptr, kv_indices, splits)
-            return
-        kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.prefix_lens)
-        batch.attn_metadata = _ExtendMeta(
-            _indptr(batch.extend_lens, table.device), kv_indptr, kv_indices, max(batch.extend_lens)
-        )
+        batch.attn_metadata = self._plan(self.pool.req_to_token, batch)
 
     def forward(
         self,
@@ -100,37 +215,36 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
-        o = q.new_empty(q.shape)
-        meta = batch.attn_metadata
-        if isinstance(meta, _DecodeMeta):
-            if meta.workspace is None:
-                meta.workspace = DecodeWorkspace.allocate(
-                    q.shape[0], q.shape[1], q.shape[2], meta.num_kv_splits, q.device
-                )
-            return decode_attention(
-                q,
-                k_buf,
-                v_buf,
-                o,
-                meta.kv_indptr,
-                meta.kv_indices,
-                scaling,
-                meta.num_kv_splits,
-                meta.workspace,
+        return batch.attn_metadata.run(q, k, v, k_buf, v_buf, scaling)
+
+    def _plan_split_count(
+        self, table: torch.Tensor, batch: ForwardBatch
+    ) -> _DecodeMeta | _ExtendMeta:
+        if batch.mode is ForwardMode.DECODE:
+            kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
+            splits = choose_num_kv_splits(
+                batch.batch_size,
+                self.pool.kv_heads,
+                max(batch.seq_lens),
+                self.num_sms,
+                self.min_split_len,
             )
-        return extend_attention(
-            q,
-            k,
-            v,
-            o,
-            k_buf,
-            v_buf,
-            meta.qo_indptr,
-            meta.kv_indptr,
-            meta.kv_indices,
-            scaling,
-            meta.max_extend_len,
+            return _DecodeMeta(kv_indptr, kv_indices, splits)
+        kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.prefix_lens)
+        return _ExtendMeta(
+            _indptr(batch.extend_lens, table.device), kv_indptr, kv_indices, max(batch.extend_lens)
         )
+
+
+def _plan_fixed_splits(
+    table: torch.Tensor, batch: ForwardBatch
+) -> _FixedDecodeMeta | _FixedExtendMeta:
+    """Both modes index whole sequences; the splits depend on no batch shape."""
+    kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
+    if batch.mode is ForwardMode.DECODE:
+        return _FixedDecodeMeta(kv_indptr, kv_indices, max(batch.seq_lens))
+    qo_indptr = _indptr(batch.extend_lens, table.device)
+    return _FixedExtendMeta(qo_indptr, kv_indptr, kv_indices, max(batch.extend_lens))
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:

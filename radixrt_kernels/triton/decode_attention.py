@@ -349,6 +349,26 @@ def _check_decode_args(
     num_kv_splits: int,
     workspace: DecodeWorkspace | None,
 ) -> None:
+    check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(
+            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
+        )
+    if workspace is not None:
+        batch, heads, head_dim = q.shape
+        check_workspace(workspace, (batch, heads, num_kv_splits, head_dim), q.device)
+
+
+def check_decode_tensors(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> None:
+    """The arguments every decode kernel takes (also checked by the deterministic one)."""
     check_float("q", q, 3)
     batch, heads, head_dim = q.shape
     for name, x in (("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
@@ -361,34 +381,26 @@ def _check_decode_args(
     check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
     check_index("kv_indptr", kv_indptr, batch + 1)
     check_index("kv_indices", kv_indices)
-    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
-        raise ValueError(
-            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
-        )
     if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
         raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    tensors = [
+    for name, x in (
         ("q", q),
         ("o", o),
         ("k_buffer", k_buffer),
         ("v_buffer", v_buffer),
         ("kv_indptr", kv_indptr),
         ("kv_indices", kv_indices),
-    ]
-    if workspace is not None:
-        _check_workspace(workspace, (batch, heads, num_kv_splits, head_dim))
-        tensors += [
-            ("workspace.partial_o", workspace.partial_o),
-            ("workspace.partial_lse", workspace.partial_lse),
-        ]
-    for name, x in tensors:
+    ):
         check_device(name, x, q.device)
     check_indptr_values("kv_indptr", kv_indptr, None)
     if kv_indptr.device.type == "cpu":
         check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
 
 
-def _check_workspace(ws: DecodeWorkspace, shape: tuple[int, int, int, int]) -> None:
+def check_workspace(
+    ws: DecodeWorkspace, shape: tuple[int, int, int, int], device: torch.device
+) -> None:
+    """float32 ``partial_o`` of ``shape`` [B, H, S, D] and ``partial_lse`` [B, H, S] on device."""
     for name, t, want in (
         ("workspace.partial_o", ws.partial_o, shape),
         ("workspace.partial_lse", ws.partial_lse, shape[:3]),
@@ -396,5 +408,6 @@ def _check_workspace(ws: DecodeWorkspace, shape: tuple[int, int, int, int]) -> N
         if not isinstance(t, torch.Tensor) or t.dtype != torch.float32:
             raise ValueError(f"{name} must be a float32 tensor")
         check_shape(name, t, want)
+        check_device(name, t, device)
     if ws.partial_o.stride(-1) != 1 or ws.partial_lse.stride(-1) != 1:
         raise ValueError("workspace tensors must have a contiguous last dim")

@@ -32,18 +32,20 @@ except ImportError as e:  # another Triton layout: nothing to check against
 
 # Below the Triton checks on purpose: the kernel modules import triton (hence noqa: E402).
 import radixrt_kernels.triton.decode_attention as decode  # noqa: E402
+import radixrt_kernels.triton.deterministic_attention as fixed  # noqa: E402
 import radixrt_kernels.triton.extend_attention as extend  # noqa: E402
 import radixrt_kernels.triton.store_kv as store  # noqa: E402
 
 SM90 = 90
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 MAX_SHARED_BYTES = 227 * 1024
 TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
 def _compile(fn, pointers: dict[str, str], meta: dict[str, object]) -> tuple[int, int]:
     """Compile ``fn`` for sm_90 → (shared memory bytes, register spill-store bytes)."""
-    constexprs = {k: v for k, v in meta.items() if k not in ("num_warps", "num_stages")}
-    options = {k: meta[k] for k in ("num_warps", "num_stages") if k in meta}
+    constexprs = {k: v for k, v in meta.items() if k not in LAUNCH_OPTIONS}
+    options = {k: meta[k] for k in LAUNCH_OPTIONS if k in meta}
     signature, attrs = {}, {}
     for i, p in enumerate(fn.params):
         if p.is_constexpr:
@@ -134,6 +136,40 @@ def test_decode_compiles_for_sm90(dtype, head_dim, group):
         decode._decode_stage2, {"Partial_o": "fp32", "Partial_lse": "fp32", "O": t}, merge_meta
     )
     assert spills == 0
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,group",
+    [
+        (torch.bfloat16, 64, 4),
+        (torch.bfloat16, 128, 1),
+        (torch.bfloat16, 128, 8),
+        (torch.bfloat16, 256, 4),
+        (torch.bfloat16, 256, 32),
+        (torch.float16, 128, 32),
+        (torch.float32, 128, 4),
+        (torch.float32, 256, 8),
+    ],
+    ids=str,
+)
+def test_deterministic_kernels_compile_for_sm90(dtype, head_dim, group):
+    """Decode's two stages and extend, with the one launch meta they share."""
+    t = TYPE[dtype]
+    meta = fixed.launch_meta(dtype, 8 * group, 8, head_dim)
+    assert meta["enable_fp_fusion"] is False
+    split = {"Q": t, "K_buf": t, "V_buf": t, "Kv_indptr": "i64", "Kv_indices": "i64"}
+    split |= {"Partial_o": "fp32", "Partial_lse": "fp32"}
+    merge = {"Partial_o": "fp32", "Partial_lse": "fp32", "Kv_indptr": "i64", "O": t}
+    extend_ptrs = {n: t for n in ("Q", "O", "K_buf", "V_buf")}
+    extend_ptrs |= {n: "i64" for n in ("Qo_indptr", "Kv_indptr", "Kv_indices")}
+    for kernel, pointers, kernel_meta in (
+        (fixed._decode_split_kernel, split, meta),
+        (fixed._decode_merge_kernel, merge, fixed.merge_meta(meta)),
+        (fixed._extend_kernel, extend_ptrs, meta),
+    ):
+        shared, spills = _compile(kernel, pointers, kernel_meta)
+        assert shared <= MAX_SHARED_BYTES
+        assert spills == 0, f"{kernel.__name__} spills {spills} bytes"
 
 
 def test_store_kv_compiles_for_sm90():

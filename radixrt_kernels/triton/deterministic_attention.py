@@ -1,0 +1,623 @@
+"""Deterministic decode and extend attention: every query reduced over fixed key splits.
+
+The contract (SGLang's ``--enable-deterministic-inference``): the output row of a query
+(one head of the token at position p of a request, seeing keys 0..p) has the same bits
+whatever the batch around it, however many splits the grid has, however its keys divide
+into cached and new, and whether decode or extend computed it.
+
+Per query row, in both kernels:
+1. The keys are cut into splits of ``SPLIT_LEN`` keys at absolute offsets ``s·SPLIT_LEN``
+   from key 0, each split into ``BLOCK_N``-key chunks from its start; the row's last split
+   and chunk are masked past its own last key (key p).
+2. ``attend_split`` runs the online softmax of one split chunk by chunk in key order (fp32,
+   exp2 with the scale folded in); ``close_split`` gives its normalised output and
+   log-sum-exp.
+3. ``merge_split`` folds the splits s = 0, 1, ... in that order into a running weighted sum,
+   and ``finish`` divides by the total weight.
+Both kernels call these helpers with one set of constexprs (``launch_meta``) on tiles of one
+shape: ``[BLOCK_M, BLOCK_D]`` queries against ``[BLOCK_N, BLOCK_D]`` keys. In decode the
+BLOCK_M rows are the G query heads of one KV head (BLOCK_M = max(16, G), as in
+``decode_attention``); in extend they are BLOCK_M new tokens of one query head. A chunk or
+split wholly past a row's last key is an exact no-op for that row (scale 1, weight 0), so
+the other rows of a tile never change a row's bits.
+
+Decode, grid ``(B, KH, S)`` then ``(B, KH)``: stage-1 program (b, j, s) writes split s's
+output and log-sum-exp (natural log) into the workspace, or nothing when request b has no
+key there; stage 2 merges request b's ``cdiv(seq_len, SPLIT_LEN)`` splits in order. S, from
+``max_seq_len``, only bounds the grid; it never moves a split boundary.
+
+Extend, grid ``(cdiv(max_extend_len, BLOCK_M), H, B)``: a program takes BLOCK_M new tokens
+of one query head through the three steps. It reads every key, cached or new, through
+``kv_indices`` over the whole sequence (prefix then new tokens, whose K/V are stored
+first), so where the cache hit ends is invisible to the arithmetic.
+
+Under ``TRITON_INTERPRET=1`` the float32 arithmetic is numpy's, so bit equality there shows
+that the ORDER of the reduction is canonical: the same chunks, splits, merge order and tile
+shapes. On a GPU the same order holds; tl.dot's internal order is the hardware's, which
+for one instruction and tile shape is the same for every row. Launches turn off FMA
+contraction (``enable_fp_fusion=False``) so the two kernels round the shared code alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from radixrt_kernels.triton._common import (
+    INTERPRET,
+    check_device,
+    check_float,
+    check_index,
+    check_indptr_values,
+    check_shape,
+    check_slot_values,
+    dot_precision,
+    next_power_of_2,
+    upcast_after_load,
+)
+from radixrt_kernels.triton.decode_attention import (
+    DecodeWorkspace,
+    check_decode_tensors,
+    check_workspace,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class FixedSplitConfig:
+    """Keys per split, keys per chunk and launch options, one config for decode and extend.
+
+    ``split_len`` is a multiple of ``block_n``, a power of two >= 16 (tl.dot). The two sizes
+    place every boundary of the reduction: a replica changing either changes the bits.
+    """
+
+    split_len: int = 256
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.split_len < self.block_n or self.split_len % self.block_n:
+            raise ValueError(
+                f"split_len ({self.split_len}) must be a positive multiple of "
+                f"block_n ({self.block_n})"
+            )
+        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
+            raise ValueError(
+                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
+            )
+
+
+#: Under the interpreter: two 16-key chunks per split, so short test sequences span splits.
+INTERPRETER_CONFIG = FixedSplitConfig(split_len=32, block_n=16, num_warps=4, num_stages=1)
+GPU_SPLIT_LEN = 256
+
+
+def default_fixed_split_config(
+    head_dim: int, dtype: torch.dtype = torch.bfloat16
+) -> FixedSplitConfig:
+    """Untuned GPU tiles with ``GPU_SPLIT_LEN`` keys per split, checked to compile for sm_90
+    without register spills at the usual group sizes (fp32 runs exact FMA dots, which want
+    smaller chunks); small tiles under the interpreter."""
+    if INTERPRET:
+        return INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        if head_dim > 128:
+            return FixedSplitConfig(GPU_SPLIT_LEN, block_n=16, num_warps=8, num_stages=1)
+        return FixedSplitConfig(GPU_SPLIT_LEN, block_n=32, num_warps=8, num_stages=2)
+    if head_dim > 128:
+        return FixedSplitConfig(GPU_SPLIT_LEN, block_n=32, num_warps=8, num_stages=2)
+    return FixedSplitConfig(GPU_SPLIT_LEN, block_n=64, num_warps=4, num_stages=2)
+
+
+def num_fixed_splits(max_seq_len: int, config: FixedSplitConfig) -> int:
+    """Splits of the longest sequence: the decode grid's and workspace's split axis S."""
+    return max(1, -(-max_seq_len // config.split_len))
+
+
+def launch_meta(
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    config: FixedSplitConfig | None = None,
+) -> dict[str, object]:
+    """The constexprs and launch options of decode stage 1 and of extend: one dict, so a
+    query row meets the same tile shapes and instructions in both."""
+    cfg = config or default_fixed_split_config(head_dim, dtype)
+    group = heads // kv_heads
+    return dict(
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_M=max(16, next_power_of_2(group)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        SPLIT_LEN=cfg.split_len,
+        UPCAST=upcast_after_load(dtype),
+        DOT_PRECISION=dot_precision(dtype, exact=True),
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
+    )
+
+
+def merge_meta(meta: dict[str, object]) -> dict[str, object]:
+    """Decode stage 2's constexprs and launch options, taken from stage 1's."""
+    keys = ("HEAD_DIM", "GROUP", "BLOCK_M", "BLOCK_D", "SPLIT_LEN", "num_warps")
+    return {k: meta[k] for k in keys} | {"enable_fp_fusion": False}
+
+
+def fixed_split_workspace(
+    q: torch.Tensor, max_seq_len: int, config: FixedSplitConfig | None = None
+) -> DecodeWorkspace:
+    """A decode workspace for q ``[B, H, D]`` and sequences of up to ``max_seq_len`` keys."""
+    batch, heads, head_dim = q.shape
+    cfg = config or default_fixed_split_config(head_dim, q.dtype)
+    splits = num_fixed_splits(max_seq_len, cfg)
+    return DecodeWorkspace.allocate(batch, heads, head_dim, splits, q.device)
+
+
+# ---- the per-row reduction both kernels share -----------------------------------------------
+
+
+@triton.jit
+def attend_split(
+    q,
+    K_buf,
+    V_buf,
+    Kv_indices,
+    kv_start,
+    kv_head,
+    lo,
+    hi,
+    row_end,
+    qk_scale,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax of q ``[M, D]`` over the keys lo..hi-1 of one split, row r seeing only
+    keys < row_end[r], in BLOCK_N chunks from lo → (acc [M, D], m [M] in log2 units, l [M]).
+    A row that sees no key gets acc 0, m -inf, l 0."""
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    mask_d = dims < HEAD_DIM
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        keys = start + cols
+        mask_n = keys < hi
+        slots = tl.load(Kv_indices + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
+        mask_nd = mask_n[:, None] & mask_d[None, :]
+        k = tl.load(
+            K_buf + slots[:, None] * stride_kbs + kv_head * stride_kbh + dims[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )  # [N, D]
+        v = tl.load(
+            V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
+            mask=mask_nd,
+            other=0.0,
+        )
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(keys[None, :] < row_end[:, None], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: all 0
+        alpha = tl.exp2(m_i - m_ref)
+        p = tl.exp2(qk - m_ref[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def close_split(acc, m, l):
+    """One split's normalised output [M, D] and log-sum-exp [M] (natural log; -inf and an
+    output of 0 for a row that saw no key)."""
+    nonempty = l > 0
+    l_safe = tl.where(nonempty, l, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return o, lse
+
+
+@triton.jit
+def merge_split(o_acc, lse_max, w_sum, o_s, lse_s):
+    """Fold one split (o_s [M, D], lse_s [M]) into the running sum of the splits before it:
+    o_acc [M, D] = Σ e^(lse - lse_max)·o, w_sum [M] = Σ e^(lse - lse_max). A row whose split
+    is empty (lse_s -inf) keeps its bits: scale e^0 = 1, weight 0."""
+    new_max = tl.maximum(lse_max, lse_s)
+    ref = tl.where(new_max == float("-inf"), 0.0, new_max)
+    scale = tl.exp(lse_max - ref)
+    w = tl.exp(lse_s - ref)
+    o_acc = o_acc * scale[:, None] + o_s * w[:, None]
+    w_sum = w_sum * scale + w
+    return o_acc, new_max, w_sum
+
+
+@triton.jit
+def finish(o_acc, w_sum):
+    return o_acc / tl.where(w_sum > 0, w_sum, 1.0)[:, None]
+
+
+# ---- decode ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q,
+    K_buf,
+    V_buf,
+    Kv_indptr,
+    Kv_indices,
+    Partial_o,
+    Partial_lse,
+    qk_scale,
+    stride_qb,
+    stride_qh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    kv_start = tl.load(Kv_indptr + req).to(tl.int64)
+    seq_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32)
+    lo = split * SPLIT_LEN
+    if lo >= seq_len:
+        return
+    group = tl.arange(0, BLOCK_M)  # rows: the GROUP query heads of this KV head, padded
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    mask_hd = (group < GROUP)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + req * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=mask_hd, other=0.0
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    row_end = tl.full([BLOCK_M], 0, tl.int32) + seq_len
+    acc, m, l = attend_split(
+        q,
+        K_buf,
+        V_buf,
+        Kv_indices,
+        kv_start,
+        kv_head,
+        lo,
+        tl.minimum(seq_len, lo + SPLIT_LEN),
+        row_end,
+        qk_scale,
+        stride_kbs,
+        stride_kbh,
+        stride_vbs,
+        stride_vbh,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        UPCAST,
+        DOT_PRECISION,
+    )
+    o, lse = close_split(acc, m, l)
+    po = Partial_o + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
+    tl.store(po + dims[None, :], o, mask=mask_hd)
+    tl.store(Partial_lse + req * stride_plb + heads * stride_plh + split, lse, mask=group < GROUP)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    Partial_o,
+    Partial_lse,
+    Kv_indptr,
+    O,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
+):
+    req = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    seq_len = (tl.load(Kv_indptr + req + 1) - tl.load(Kv_indptr + req)).to(tl.int32)
+    group = tl.arange(0, BLOCK_M)
+    heads = kv_head * GROUP + group
+    dims = tl.arange(0, BLOCK_D)
+    mask_h = group < GROUP
+    mask_hd = mask_h[:, None] & (dims < HEAD_DIM)[None, :]
+    po = Partial_o + req * stride_pob + heads[:, None] * stride_poh + dims[None, :]
+    pl = Partial_lse + req * stride_plb + heads * stride_plh
+    o_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_M], tl.float32)
+    for split in range(0, tl.cdiv(seq_len, SPLIT_LEN)):
+        o_s = tl.load(po + split * stride_pos, mask=mask_hd, other=0.0)
+        lse_s = tl.load(pl + split, mask=mask_h, other=float("-inf"))
+        o_acc, lse_max, w_sum = merge_split(o_acc, lse_max, w_sum, o_s, lse_s)
+    o = finish(o_acc, w_sum)
+    out = O + req * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out, o.to(O.dtype.element_ty), mask=mask_hd)
+
+
+def deterministic_decode_attention(
+    q: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    o: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    max_seq_len: int,
+    workspace: DecodeWorkspace | None = None,
+    config: FixedSplitConfig | None = None,
+) -> torch.Tensor:
+    """Like ``decode_attention``, reduced over fixed splits; write into o and return it.
+
+    ``max_seq_len`` bounds every ``kv_indptr`` segment (checked for CPU tensors; on CUDA a
+    longer segment would read past the workspace) and sizes the split axis S =
+    ``num_fixed_splits(max_seq_len, config)``; any bound gives the same bits. ``workspace``
+    is ``[B, H, S, D]`` (``fixed_split_workspace``), reusable across layers; None allocates.
+    """
+    check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    batch, heads, head_dim = q.shape
+    kv_heads = k_buffer.shape[1]
+    cfg = config or default_fixed_split_config(head_dim, q.dtype)
+    _check_max_len("max_seq_len", max_seq_len, kv_indptr)
+    splits = num_fixed_splits(max_seq_len, cfg)
+    ws = workspace if workspace is not None else fixed_split_workspace(q, max_seq_len, cfg)
+    check_workspace(ws, (batch, heads, splits, head_dim), q.device)
+    if batch == 0:
+        return o
+    meta = launch_meta(q.dtype, heads, kv_heads, head_dim, cfg)
+    po, pl = ws.partial_o, ws.partial_lse
+    po_strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+    _decode_split_kernel[(batch, kv_heads, splits)](
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        po,
+        pl,
+        sm_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        *po_strides,
+        **meta,
+    )
+    _decode_merge_kernel[(batch, kv_heads)](
+        po, pl, kv_indptr, o, *po_strides, o.stride(0), o.stride(1), **merge_meta(meta)
+    )
+    return o
+
+
+# ---- extend ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    O,
+    K_buf,
+    V_buf,
+    Qo_indptr,
+    Kv_indptr,
+    Kv_indices,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kbs,
+    stride_kbh,
+    stride_vbs,
+    stride_vbh,
+    HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT_LEN: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last blocks (most keys) first
+    head = tl.program_id(1)
+    req = tl.program_id(2)
+    q_start = tl.load(Qo_indptr + req).to(tl.int64)
+    ext_len = (tl.load(Qo_indptr + req + 1) - q_start).to(tl.int32)
+    if block_m * BLOCK_M >= ext_len:
+        return
+    kv_start = tl.load(Kv_indptr + req).to(tl.int64)
+    prefix_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32) - ext_len
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # new-token index i, at key prefix_len + i
+    row_end = prefix_len + tl.minimum(rows, ext_len - 1) + 1  # padding rows copy the last
+    block_end = prefix_len + tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    mask_md = (rows < ext_len)[:, None] & (dims < HEAD_DIM)[None, :]
+    q = tl.load(
+        Q + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+        mask=mask_md,
+        other=0.0,
+    )
+    if UPCAST:
+        q = q.to(tl.float32)
+    o_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    w_sum = tl.zeros([BLOCK_M], tl.float32)
+    for split in range(0, tl.cdiv(block_end, SPLIT_LEN)):
+        lo = split * SPLIT_LEN
+        acc, m, l = attend_split(
+            q,
+            K_buf,
+            V_buf,
+            Kv_indices,
+            kv_start,
+            head // GROUP,
+            lo,
+            tl.minimum(block_end, lo + SPLIT_LEN),
+            row_end,
+            qk_scale,
+            stride_kbs,
+            stride_kbh,
+            stride_vbs,
+            stride_vbh,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            BLOCK_D,
+            UPCAST,
+            DOT_PRECISION,
+        )
+        o_s, lse_s = close_split(acc, m, l)
+        o_acc, lse_max, w_sum = merge_split(o_acc, lse_max, w_sum, o_s, lse_s)
+    o = finish(o_acc, w_sum)
+    out = O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out, o.to(O.dtype.element_ty), mask=mask_md)
+
+
+def deterministic_extend_attention(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+    max_extend_len: int | None = None,
+    config: FixedSplitConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens, reduced over fixed splits; write into o, return it.
+
+    q, o ``[T, H, D]``; k_buffer, v_buffer ``[num_slots, KH, D]``, one dtype. Request b's
+    new tokens ``qo_indptr[b]:qo_indptr[b+1]`` are the LAST keys of its whole sequence
+    ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` (cached prefix, then the new tokens, whose
+    K/V must already be stored). max_extend_len sizes the grid; None reads it from qo_indptr
+    (a device sync on CUDA).
+    """
+    _check_extend_args(q, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, sm_scale)
+    t, heads, head_dim = q.shape
+    batch = qo_indptr.numel() - 1
+    if t == 0 or batch == 0:
+        return o
+    if max_extend_len is None:
+        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
+    _check_max_len("max_extend_len", max_extend_len, qo_indptr)
+    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
+    grid = (triton.cdiv(max_extend_len, meta["BLOCK_M"]), heads, batch)
+    _extend_kernel[grid](
+        q,
+        o,
+        k_buffer,
+        v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        sm_scale * math.log2(math.e),
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        **meta,
+    )
+    return o
+
+
+def _check_extend_args(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    sm_scale: float,
+) -> None:
+    check_float("q", q, 3)
+    t, heads, head_dim = q.shape
+    for name, x in (("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        check_float(name, x, 3, q.dtype)
+    kv_heads = k_buffer.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
+    check_shape("o", o, (t, heads, head_dim))
+    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
+    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    check_index("qo_indptr", qo_indptr)
+    check_index("kv_indptr", kv_indptr, qo_indptr.numel())
+    check_index("kv_indices", kv_indices)
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+    for name, x in (
+        ("q", q),
+        ("o", o),
+        ("k_buffer", k_buffer),
+        ("v_buffer", v_buffer),
+        ("qo_indptr", qo_indptr),
+        ("kv_indptr", kv_indptr),
+        ("kv_indices", kv_indices),
+    ):
+        check_device(name, x, q.device)
+    check_indptr_values("qo_indptr", qo_indptr, t)
+    check_indptr_values("kv_indptr", kv_indptr, None)
+    if kv_indptr.device.type == "cpu" and kv_indptr.numel():
+        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
+        if bool((kv_indptr.diff() < qo_indptr.diff()).any()):
+            raise ValueError("kv_indptr has a sequence shorter than its new tokens (qo_indptr)")
+
+
+def _check_max_len(name: str, value: int, indptr: torch.Tensor) -> None:
+    """A non-negative int, at least the longest ``indptr`` segment (checked on CPU only)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if indptr.device.type == "cpu" and indptr.numel() > 1:
+        longest = int(indptr.diff().max())
+        if value < longest:
+            raise ValueError(f"{name} {value} < the longest segment, {longest}")
