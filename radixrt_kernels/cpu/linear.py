@@ -200,7 +200,9 @@ def pack_f32(w: torch.Tensor) -> torch.Tensor:
     """w [N, K] (float32, any K) in ``linear_f32.c``'s layout: per block of 64 output features
     (N padded with zero rows), [K][64]; a flat float32 tensor."""
     if w.dim() != 2 or not w.is_cpu or w.dtype != torch.float32:
-        raise ValueError(f"pack_f32: needs a 2-D float32 CPU weight, got {w.dtype} {tuple(w.shape)}")
+        raise ValueError(
+            f"pack_f32: needs a 2-D float32 CPU weight, got {w.dtype} {tuple(w.shape)}"
+        )
     n, k = w.shape
     blocks = -(-n // F32_BLOCK)
     padded = torch.nn.functional.pad(w, (0, 0, 0, blocks * F32_BLOCK - n))
