@@ -11,11 +11,24 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
+from radixrt.model import calibrate
+from radixrt.model.calibrate import Choice
+from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
+from radixrt.model.layers import (
+    GateUpLinear,
+    Linear,
+    LMHead,
+    RotaryEmbedding,
+    RotaryQKVLinear,
+    prepare_weights,
+)
 from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import library
 from radixrt_kernels.cpu import linear as cpu_linear
 
+CPU = torch.device("cpu")
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 12, 13, 16, 31, 32, 33, 47, 48, 49, 64, 65, 100, 128, 257, 700]
 
 
@@ -87,7 +100,7 @@ def check_f32_rows(lib, n: int, k: int) -> None:
     x = torch.randn(max(ROWS), k, generator=gen)
     packed = cpu_linear.pack_f32(w)
     for b in (None, bias):
-        assert_rows_invariant(lambda rows: cpu_linear.linear_f32(lib, x[rows], packed, n, b))
+        assert_rows_invariant(lambda rows, b=b: cpu_linear.linear_f32(lib, x[rows], packed, n, b))
     got = cpu_linear.linear_f32(lib, x[:65], packed, n, bias)  # and it is the linear
     want = torch.nn.functional.linear(x[:65].double(), w.double(), bias.double())
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5 * k)  # float32 sums
@@ -141,3 +154,110 @@ def test_the_float32_kernel_refuses_what_it_does_not_take() -> None:
         cpu_linear.linear_f32(lib, torch.randn(2, 48), packed, 64)
     with pytest.raises(ValueError, match="float32"):
         cpu_linear.pack_f32(torch.randn(64, 32).bfloat16())
+
+
+# ---- exact mode: the layers as choose_kernels builds them --------------------------------------
+
+EXACT_ROWS = [1, 2, 13, 64, 65, 300]  # both sides of the decode-sized threshold (64)
+
+
+class ExactBlock(nn.Module):
+    """A plain linear with a bias, the MLP's [gate; up] (fused and not), qkv with rotary q and k
+    (heads of 64: fused; of 32: rotated after) and the LM head's logits, side by side: each
+    layer's results for x [T, hidden] at positions [T] as float32 columns of one [T, *]."""
+
+    def __init__(self, kernels, dtype: torch.dtype, hidden: int) -> None:
+        super().__init__()
+        rope = {d: RotaryEmbedding(d, 4096, 10000.0, kernels=kernels) for d in (32, 64)}
+        self.layers = nn.ModuleDict(
+            {
+                "linear": Linear(hidden, 96, bias=True, kernels=kernels),
+                "gated": GateUpLinear(hidden, 64, kernels),
+                "gated_then_act": GateUpLinear(hidden, 48, kernels),
+                "qkv": RotaryQKVLinear(hidden, 64, 2, 1, rope[64], kernels=kernels),
+                "qkv_then_rotary": RotaryQKVLinear(hidden, 32, 4, 2, rope[32], True, kernels),
+                "logits": LMHead(100, hidden, kernels),
+            }
+        )
+        gen = torch.Generator().manual_seed(hidden)
+        for p in self.layers.parameters():
+            p.data = (torch.randn(p.shape, generator=gen) * 0.3).to(dtype)
+        prepare_weights(self)
+        self.x = torch.randn(max(EXACT_ROWS), hidden, generator=gen).to(dtype)
+        self.positions = torch.randint(0, 4096, (max(EXACT_ROWS),), generator=gen)
+
+    def run(self, name: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[name]
+        out = layer(x, positions) if "qkv" in name else (layer(x),)
+        return torch.cat([t.flatten(1).float() for t in out], 1)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.run(name, x, positions) for name in self.layers], 1)
+
+
+def check_exact_layers(kernels, dtype: torch.dtype, hidden: int) -> None:
+    assert kernels.describe()["exact"] is True
+    block = ExactBlock(kernels, dtype, hidden)
+    with torch.inference_mode():
+        for name, layer in block.layers.items():
+            try:
+                assert_rows_invariant(
+                    lambda r, n=name: block.run(n, block.x[r], block.positions[r]), EXACT_ROWS
+                )
+            except AssertionError as e:
+                raise AssertionError(f"{name} ({layer.method.name}): rows {e}") from None
+
+
+@pytest.mark.parametrize("linear", ["auto", "amx", "avx512_bf16", "fma"])
+@pytest.mark.parametrize("hidden", [96, 80])  # 80: not whole chunks of 32, padded
+def test_exact_bf16_layers_give_a_row_its_own_bits(linear, hidden, monkeypatch, tmp_path) -> None:
+    lib = loaded()
+    if linear != "auto" and not cpu_linear.kernel_available(lib, linear):
+        pytest.skip(f"the {linear} linear kernel does not run here")
+    monkeypatch.setattr(calibrate, "COLD_BYTES", 1 << 20)  # a quick calibration
+    monkeypatch.setattr(calibrate, "LARGE_ROWS", 96)
+    kernels = choose_kernels(
+        CPU, torch.bfloat16, lib, linear=linear, cache_dir=str(tmp_path), exact=True
+    )
+    check_exact_layers(kernels, torch.bfloat16, hidden)
+    paths = set(kernels.describe()["linear"].values())
+    assert len(paths) >= 1 and paths <= set(cpu_linear.KERNELS)  # one packed kernel per shape
+
+
+@pytest.mark.parametrize("hidden", [96, 77])
+def test_exact_float32_layers_give_a_row_its_own_bits(hidden: int) -> None:
+    kernels = choose_kernels(CPU, torch.float32, loaded(), exact=True)
+    check_exact_layers(kernels, torch.float32, hidden)
+    assert set(kernels.describe()["linear"].values()) == {"f32"}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_exact_layers_under_torch_compile_too(dtype: torch.dtype) -> None:
+    """Compiled, the linears run as the opaque ops of the kernels eager runs
+    (radixrt::packed_linear, radixrt::f32_linear), the steps after them as Inductor writes
+    them: a row's bits still its own, graph for graph (1 row, then dynamic row counts)."""
+    lib = loaded()
+    linear = "fma" if dtype == torch.bfloat16 else "auto"
+    kernels = choose_kernels(CPU, dtype, lib, compiled=True, linear=linear, exact=True)
+    block = ExactBlock(kernels, dtype, 96)
+    compiled = torch.compile(block, dynamic=True)
+    with torch.inference_mode():
+        assert_rows_invariant(lambda r: compiled(block.x[r], block.positions[r]), EXACT_ROWS)
+
+
+def test_exact_mode_refuses_what_is_not_exact() -> None:
+    lib = loaded()
+    for path in ("onednn", "torch", "torch_fp32"):
+        with pytest.raises(NotExact, match=f"the '{path}' linear path gives a row results that"):
+            choose_kernels(CPU, torch.bfloat16, lib, linear=path, exact=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        with pytest.raises(NotExact, match="needs the CPU kernels' library"):
+            choose_kernels(CPU, dtype, None, exact=True)
+    with pytest.raises(NotExact, match="no row-invariant linear for torch.float16"):
+        choose_kernels(CPU, torch.float16, lib, exact=True)
+    with pytest.raises(NotExact, match="the linears on meta"):
+        choose_kernels(torch.device("meta"), torch.bfloat16, lib, exact=True)
+    two = Kernels(lambda n, k, large=True: Choice("fma", "amx"), lib, exact=True)
+    with pytest.raises(NotExact, match="64x32 linear was given .* not one row-invariant path"):
+        two.linear_for(64, 32)
+    assert choose_kernels(CPU, torch.float32, lib).describe()["exact"] is False
