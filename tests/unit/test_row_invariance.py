@@ -156,6 +156,33 @@ def test_the_float32_kernel_refuses_what_it_does_not_take() -> None:
         cpu_linear.pack_f32(torch.randn(64, 32).bfloat16())
 
 
+@pytest.mark.parametrize("kernel", ["amx", "avx512_bf16", "fma", "f32"])
+def test_a_rows_bits_do_not_depend_on_the_thread_count(kernel: str) -> None:
+    """Threads split the output features, each output computed whole by one thread: replicas
+    with other thread counts (the exact calibration's file leaves the count out) agree."""
+    lib = loaded()
+    if kernel != "f32" and not cpu_linear.kernel_available(lib, kernel):
+        pytest.skip(f"the {kernel} linear kernel does not run here")
+    gen = torch.Generator().manual_seed(5)
+    w, x = torch.randn(320, 192, generator=gen), torch.randn(130, 192, generator=gen)
+    if kernel == "f32":
+        packed = cpu_linear.pack_f32(w)
+        run = lambda rows: cpu_linear.linear_f32(lib, x[:rows], packed, 320)  # noqa: E731
+    else:
+        packed, x = cpu_linear.pack(lib, w.bfloat16()), x.bfloat16()
+        run = lambda rows: cpu_linear.linear(lib, x[:rows], packed, 320, kernel=kernel)  # noqa: E731
+    threads = torch.get_num_threads()
+    try:
+        got = {}
+        for t in (1, 2, 3, 5):
+            torch.set_num_threads(t)
+            got[t] = [run(rows) for rows in (1, 13, 130)]
+    finally:
+        torch.set_num_threads(threads)
+    for t in (2, 3, 5):
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(got[1], got[t])), t
+
+
 # ---- exact mode: the layers as choose_kernels builds them --------------------------------------
 
 EXACT_ROWS = [1, 2, 13, 64, 65, 300]  # both sides of the decode-sized threshold (64)
