@@ -210,8 +210,8 @@ class ExactBlock(nn.Module):
         for p in self.layers.parameters():
             p.data = (torch.randn(p.shape, generator=gen) * 0.3).to(dtype)
         prepare_weights(self)
-        self.x = torch.randn(max(EXACT_ROWS), hidden, generator=gen).to(dtype)
-        self.positions = torch.randint(0, 4096, (max(EXACT_ROWS),), generator=gen)
+        self.x = torch.randn(max(ROWS), hidden, generator=gen).to(dtype)
+        self.positions = torch.randint(0, 4096, (max(ROWS),), generator=gen)
 
     def run(self, name: str, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         layer = self.layers[name]
@@ -222,14 +222,16 @@ class ExactBlock(nn.Module):
         return torch.cat([self.run(name, x, positions) for name in self.layers], 1)
 
 
-def check_exact_layers(kernels, dtype: torch.dtype, hidden: int) -> None:
+def check_exact_layers(
+    kernels, dtype: torch.dtype, hidden: int, rows: list[int] = EXACT_ROWS
+) -> None:
     assert kernels.describe()["exact"] is True
     block = ExactBlock(kernels, dtype, hidden)
     with torch.inference_mode():
         for name, layer in block.layers.items():
             try:
                 assert_rows_invariant(
-                    lambda r, n=name: block.run(n, block.x[r], block.positions[r]), EXACT_ROWS
+                    lambda r, n=name: block.run(n, block.x[r], block.positions[r]), rows
                 )
             except AssertionError as e:
                 raise AssertionError(f"{name} ({layer.method.name}): rows {e}") from None
@@ -254,7 +256,7 @@ def test_exact_bf16_layers_give_a_row_its_own_bits(linear, hidden, monkeypatch, 
 @pytest.mark.parametrize("hidden", [96, 77])
 def test_exact_float32_layers_give_a_row_its_own_bits(hidden: int) -> None:
     kernels = choose_kernels(CPU, torch.float32, loaded(), exact=True)
-    check_exact_layers(kernels, torch.float32, hidden)
+    check_exact_layers(kernels, torch.float32, hidden, ROWS)  # 1..700 rows
     assert set(kernels.describe()["linear"].values()) == {"f32"}
 
 
