@@ -31,7 +31,7 @@ of slowdowns against each class's fastest serves both classes (``Choice(p, p)``)
 on this machine must take the same choices (data-parallel replicas start together; a later
 engine must match a running server), so the file's name leaves out the thread count, chain
 use, PyTorch version and oneDNN limit, and a choice is kept once measured, even on a busy CPU.
-A cache the process cannot lock or write is refused there (RuntimeError) rather than measured
+A cache the process cannot lock or write is refused there (``NotExact``) rather than measured
 per process.
 
 ``Calibrator.attention_dots(kv_heads, group, head_dim)`` settles the same question for the
@@ -84,6 +84,10 @@ PACKED = frozenset(cpu_linear.KERNELS)
 OTHERS = ("onednn", "torch_fp32", "torch")
 PATHS = (*cpu_linear.KERNELS, *OTHERS)  # a bf16 weight's
 F32 = "f32"  # a float32 weight's row-invariant path (``PackedF32Linear``)
+
+
+class NotExact(ValueError):
+    """Exact mode cannot run here (the message says why)."""
 
 
 class Choice(NamedTuple):
@@ -456,7 +460,7 @@ class Calibrator:
     def _unshared(self, why: str) -> None:
         """A choice this process cannot share: refused in exact mode, else only noted."""
         if self.exact:
-            raise RuntimeError(f"{why} (exact mode: every process must take the same choices)")
+            raise NotExact(f"{why} (exact mode: every process must take the same choices)")
         logger.warning("%s", why)
 
     def _measure(self, n: int, k: int, large: bool) -> dict:

@@ -34,7 +34,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from radixrt.model.calibrate import F32, PACKED, THRESHOLD, Calibrator, Choice, make_method
+from radixrt.model.calibrate import (
+    F32,
+    PACKED,
+    THRESHOLD,
+    Calibrator,
+    Choice,
+    NotExact,
+    make_method,
+)
 from radixrt.model.linear_methods import (
     ActAfter,
     ByRows,
@@ -162,10 +170,6 @@ class CSiluMul(TorchSiluMul):
 
 
 ROW_INVARIANT = PACKED | {F32}  # the linear paths whose rows do not depend on their batch
-
-
-class NotExact(ValueError):
-    """Exact mode cannot run here (the message says why)."""
 
 
 class Kernels:

@@ -357,7 +357,7 @@ def test_an_exact_calibration_it_cannot_share_is_refused(lib, monkeypatch, tmp_p
     monkeypatch.setattr(calibrate, "available_paths", lambda lib, k: ["fma"])
     fake_times(monkeypatch, {})
     (tmp_path / "file").write_text("")  # a cache "directory" that is a file: nothing is kept
-    with pytest.raises(RuntimeError, match="exact mode: every process must take the same"):
+    with pytest.raises(calibrate.NotExact, match="exact mode: every process must take the same"):
         Calibrator(lib, str(tmp_path / "file"), exact=True).choice(64, 64)
     # elsewhere this start runs on what it measured
     assert Calibrator(lib, str(tmp_path / "file")).choice(64, 64) == Choice("fma", "fma")
