@@ -15,22 +15,35 @@ copies as one chain, without the per-call costs a chain saves them) and at
 paths taking turns, and returns the fastest of each (``Choice``). Results are kept in
 ``$RADIXRT_CACHE_DIR/calibration/``, one file per CPU model and flags, kernel library, PyTorch
 version, thread count and oneDNN ISA limit (``ONEDNN_MAX_CPU_ISA``), so only the first start
-on a machine measures. A measurement taken while other work kept the CPU busy (other
+on a machine measures; a shape is measured under an exclusive lock on the file
+(``fcntl.flock``), after reading it again, so processes that start together measure it once
+and take one result. A measurement taken while other work kept the CPU busy (other
 processes, or a hypervisor's steal: ``Contention``) is taken again, up to ``ATTEMPTS`` times; if
 the CPU never settles, the least disturbed one serves this start and is not kept, so a later
 start measures again. A packed path within ``PACKED_MARGIN`` of the fastest is taken over it:
 the packed kernels fuse the rotary embedding and SiLU-and-mul that the other paths run as ops
 of their own, which a plain linear's timing does not see.
 
+Exact mode (``Calibrator(..., exact=True)``): every call of a shape runs one row-invariant
+path, so a row's bits do not depend on its batch: only the packed kernels are timed (on
+weights padded to whole chunks where ``K`` is not, ``PadK``), and the one with the least sum
+of slowdowns against each class's fastest serves both classes (``Choice(p, p)``). Every process
+on this machine must take the same choices (data-parallel replicas start together; a later
+engine must match a running server), so the file's name leaves out the thread count, chain
+use, PyTorch version and oneDNN limit, and a choice is kept once measured, even on a busy CPU.
+A cache the process cannot lock or write is refused there (``NotExact``) rather than measured
+per process.
+
 ``Calibrator.attention_dots(kv_heads, group, head_dim)`` settles the same question for the
 CPU attention kernel's bf16 work that AMX does not take: AVX512-BF16 dot products, or the
 values widened to float32 for FMA (vdpbf16ps has half FMA's throughput on some CPUs, twice
 its flops on others). It times a decode batch and an extend of that attention shape both
-ways.
+ways; kept and shared as the linears' choices are (with ``exact``, as in exact mode).
 """
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import json
@@ -39,6 +52,8 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -47,8 +62,10 @@ import torch
 from radixrt.model.linear_methods import (
     LinearMethod,
     OneDNNLinear,
+    PackedF32Linear,
     PackedKernels,
     PackedLinear,
+    PadK,
     TorchFP32Linear,
     onednn_works,
 )
@@ -65,7 +82,12 @@ COLD_BYTES = 64 << 20  # weight copies cycled through for the decode-sized timin
 MAX_COPIES = 64  # ... at most this many
 PACKED = frozenset(cpu_linear.KERNELS)
 OTHERS = ("onednn", "torch_fp32", "torch")
-PATHS = (*cpu_linear.KERNELS, *OTHERS)
+PATHS = (*cpu_linear.KERNELS, *OTHERS)  # a bf16 weight's
+F32 = "f32"  # a float32 weight's row-invariant path (``PackedF32Linear``)
+
+
+class NotExact(ValueError):
+    """Exact mode cannot run here (the message says why)."""
 
 
 class Choice(NamedTuple):
@@ -84,13 +106,23 @@ def available_paths(lib, k: int) -> list[str]:
     return [*paths, "torch_fp32", "torch"]
 
 
-def make_method(name: str, lib) -> LinearMethod:
-    """A plain linear method for ``name``, one of ``PATHS``."""
+def row_invariant_paths(lib) -> list[str]:
+    """The packed kernels that run here: the bf16 paths that give a row the same bits in any
+    batch, for weights of any width (``PadK`` pads the ones the kernels do not take)."""
+    return [p for p in cpu_linear.KERNELS if cpu_linear.kernel_available(lib, p)]
+
+
+def make_method(name: str, lib, k: int = cpu_linear.K_MULTIPLE):
+    """A plain linear method for ``name``, one of ``PATHS`` or ``F32``, on weights of ``k``
+    input features (a packed kernel on a ``k`` it does not take: padded, ``PadK``)."""
     if name in PACKED:
-        return PackedLinear(lib, PackedKernels(name, name, THRESHOLD))
+        method = PackedLinear(lib, PackedKernels(name, name, THRESHOLD))
+        return PadK(method, k) if k % cpu_linear.K_MULTIPLE else method
+    if name == F32:
+        return PackedF32Linear(lib)
     methods = {"onednn": OneDNNLinear, "torch_fp32": TorchFP32Linear, "torch": LinearMethod}
     if name not in methods:
-        raise ValueError(f"unknown linear path {name!r} (one of {PATHS})")
+        raise ValueError(f"unknown linear path {name!r} (one of {PATHS}, or {F32!r})")
     return methods[name]()
 
 
@@ -139,9 +171,10 @@ class Contention:
         self.cores = max(0.0, (busy - (own1 - own0)) / (t1 - t0))
 
 
-def settled(measure, what: str):
+def settled(measure, what: str, kept: bool = False):
     """``measure()``'s result and the contention it saw: measured again while others kept the
-    CPU busy (at most ATTEMPTS times); the least disturbed attempt."""
+    CPU busy (at most ATTEMPTS times); the least disturbed attempt (``kept``: its caller keeps
+    it even so)."""
     attempts = []
     for _ in range(ATTEMPTS):
         with Contention() as busy:
@@ -153,10 +186,12 @@ def settled(measure, what: str):
     cores, result = min(attempts, key=lambda a: a[0])
     if cores > BUSY_CORES:
         logger.warning(
-            "the CPU stayed busy (%.2f cores of other work) while %s was measured: this start "
-            "uses the result, a later one measures again",
+            "the CPU stayed busy (%.2f cores of other work) while %s was measured: %s",
             cores,
             what,
+            "kept all the same (exact mode: every process takes the first result)"
+            if kept
+            else "this start uses the result, a later one measures again",
         )
     return result, cores
 
@@ -239,6 +274,17 @@ def _best_large(seconds: dict[str, float], small: str) -> str:
     return best
 
 
+def _one_path(small: dict[str, float], large: dict[str, float]) -> str:
+    """The path for every call of a shape (exact mode): the least sum of its slowdowns against
+    each class's fastest (decode-sized alone where there is no prefill-sized timing)."""
+
+    def cost(path: str) -> float:
+        slow = small[path] / min(small.values())
+        return slow + (large[path] / min(large.values()) if large else 0.0)
+
+    return min(small, key=cost)
+
+
 ATTN_REQUESTS, ATTN_KEYS, ATTN_NEW = 16, 512, 128  # the attention timing's batch
 
 
@@ -295,83 +341,143 @@ class Calibrator:
     """The per-shape choices for the CPU it runs on, measured on first use and cached on disk."""
 
     def __init__(
-        self, lib, cache_dir: str, threads: int | None = None, chained: bool = False
+        self,
+        lib,
+        cache_dir: str,
+        threads: int | None = None,
+        chained: bool = False,
+        exact: bool = False,
     ) -> None:
         """``chained``: the model's small decode batches run as decode chains, so the packed
-        kernels' decode-sized calls are timed as a chain runs them."""
-        self.lib, self.chained = lib, chained
+        kernels' decode-sized calls are timed as a chain runs them. ``exact``: each shape runs
+        one packed kernel for every row count (``Choice(p, p)``), and every process on this
+        machine takes the same choices (see the module's text)."""
+        self.lib, self.cache_dir, self.chained, self.exact = lib, cache_dir, chained, exact
         self.threads = threads or torch.get_num_threads()
-        self.path = Path(cache_dir) / "calibration" / f"linear-{self._key()}.json"
-        self.table: dict[str, dict] = {}
+        name = f"linear-exact-{self._key()}" if exact else f"linear-{self._key()}"
+        self.path = Path(cache_dir) / "calibration" / f"{name}.json"
+        self.table: dict[str, dict] = self._read()
+
+    def _key(self) -> str:
+        """What the choices depend on; in exact mode only what every process on this machine
+        shares (not its thread count, chains or oneDNN limit: the packed kernels' results do
+        not depend on them)."""
+        parts = [VERSION, cpu_library._cpu_features(), getattr(self.lib, "_name", "")]
+        if not self.exact:
+            parts += [torch.__version__, str(self.threads), "chained" if self.chained else ""]
+            parts += [os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")]
+        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+    def _read(self) -> dict[str, dict]:
+        """The kept entries (outside exact mode, what was measured on a busy CPU served only its
+        own start and is left out)."""
         try:
             kept = json.loads(self.path.read_text())
         except (OSError, ValueError):
             kept = {}
-        # what was measured on a busy CPU served only its own start
-        self.table = {
+        return {
             key: entry
             for key, entry in (kept.items() if isinstance(kept, dict) else ())
-            if isinstance(entry, dict) and entry.get("busy_cores", 0.0) <= BUSY_CORES
+            if isinstance(entry, dict)
+            and (self.exact or entry.get("busy_cores", 0.0) <= BUSY_CORES)
         }
-
-    def _key(self) -> str:
-        parts = (
-            VERSION,
-            cpu_library._cpu_features(),
-            getattr(self.lib, "_name", ""),
-            torch.__version__,
-            str(self.threads),
-            "chained" if self.chained else "",
-            *(os.environ.get(v, "") for v in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")),
-        )
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
     def choice(self, n: int, k: int, large: bool = True) -> Choice:
         """The fastest path for weights [n, k] per class of calls (``large`` False: only
-        decode-sized calls happen, as for an LM head; both classes get that path)."""
+        decode-sized calls happen, as for an LM head; both classes get that path). In exact
+        mode one packed kernel for both."""
         key = f"{n}x{k}" + ("" if large else ":small")
-        entry = self.table.get(key)
-        if entry is None or any(p not in PATHS for p in (entry["small"], entry["large"])):
-            entry = self._measure(n, k, large)
-            self.table[key] = entry
-            self._save()
+        entry = self._entry(key, self._valid_choice, lambda: self._measure(n, k, large))
         return Choice(entry["small"], entry["large"])
 
-    def attention_dots(self, kv_heads: int, group: int, head_dim: int) -> bool:
+    def _valid_choice(self, entry: dict) -> bool:
+        small, large = entry.get("small"), entry.get("large")
+        if self.exact:
+            return small == large and small in row_invariant_paths(self.lib)
+        return small in PATHS and large in PATHS
+
+    def attention_dots(self, kv_heads: int, group: int, head_dim: int, exact: bool = False) -> bool:
         """Whether the CPU attention kernel runs this shape's bf16 work faster on dot products
-        (False where this build has none)."""
+        (False where this build has none). ``exact`` (or an exact Calibrator): the choice every
+        process on this machine takes."""
+        if exact and not self.exact:
+            twin = Calibrator(self.lib, self.cache_dir, self.threads, self.chained, exact=True)
+            return twin.attention_dots(kv_heads, group, head_dim)
         if not cpu_attention.dots_available(self.lib):
             return False
         key = f"attention:{kv_heads}x{group}x{head_dim}"
+        valid = lambda entry: isinstance(entry.get("dots"), bool)  # noqa: E731
+        measure = functools.partial(self._measure_attention, kv_heads, group, head_dim)
+        return self._entry(key, valid, measure)["dots"]
+
+    def _measure_attention(self, kv_heads: int, group: int, head_dim: int) -> dict:
+        seconds, busy = settled(
+            lambda: time_attention(self.lib, kv_heads, group, head_dim), "attention", self.exact
+        )
+        entry = {"dots": seconds["dots"] < seconds["fma"], "seconds": seconds, "busy_cores": busy}
+        logger.info(
+            "calibrated attention (%d KV heads x %d, head_dim %d): %s",
+            kv_heads,
+            group,
+            head_dim,
+            "dot products" if entry["dots"] else "float32 FMA",
+        )
+        return entry
+
+    def _entry(self, key: str, valid: Callable[[dict], bool], measure: Callable[[], dict]) -> dict:
+        """The kept entry for ``key`` (where ``valid``), else ``measure()``'s, kept. The file is
+        read again and written under an exclusive lock, and measured only if still without the
+        entry: processes that start together measure once and all take that result."""
         entry = self.table.get(key)
-        if entry is None or not isinstance(entry.get("dots"), bool):
-            seconds, busy = settled(
-                lambda: time_attention(self.lib, kv_heads, group, head_dim), "attention"
-            )
-            entry = {"dots": seconds["dots"] < seconds["fma"], "seconds": seconds}
-            entry["busy_cores"] = busy
-            logger.info(
-                "calibrated attention (%d KV heads x %d, head_dim %d): %s",
-                kv_heads,
-                group,
-                head_dim,
-                "dot products" if entry["dots"] else "float32 FMA",
-            )
-            self.table[key] = entry
-            self._save()
-        return entry["dots"]
+        if entry is not None and valid(entry):
+            return entry
+        with self._locked():
+            self.table.update(self._read())  # what another process kept meanwhile comes first
+            entry = self.table.get(key)
+            if entry is None or not valid(entry):
+                entry = self.table[key] = measure()
+                self._save()
+        return entry
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """An exclusive lock on the calibration file (fcntl.flock on a file beside it) while
+        the block runs; other processes wait for it."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        try:
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            f = open(lock, "a")
+        except OSError as e:
+            self._unshared(f"could not lock the linear calibration {lock}: {e}")
+            f = None
+        if f is None:
+            yield
+            return
+        with f:
+            fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes
+            yield
+
+    def _unshared(self, why: str) -> None:
+        """A choice this process cannot share: refused in exact mode, else only noted."""
+        if self.exact:
+            raise NotExact(f"{why} (exact mode: every process must take the same choices)")
+        logger.warning("%s", why)
 
     def _measure(self, n: int, k: int, large: bool) -> dict:
         t0 = time.perf_counter()
-        methods = {p: make_method(p, self.lib) for p in available_paths(self.lib, k)}
+        paths = row_invariant_paths(self.lib) if self.exact else available_paths(self.lib, k)
+        methods = {p: make_method(p, self.lib, k) for p in paths}
 
         def measure() -> tuple[dict, dict]:
             small = time_paths(methods, n, k, SMALL_ROWS, True, self.chained and large)
             return small, time_paths(methods, n, k, LARGE_ROWS, False) if large else {}
 
-        (small, big), busy = settled(measure, f"the {n}x{k} linear")
-        best_small = _fastest(small)
-        best_large = _best_large(big, best_small) if big else best_small
+        (small, big), busy = settled(measure, f"the {n}x{k} linear", self.exact)
+        if self.exact:
+            best_small = best_large = _one_path(small, big)
+        else:
+            best_small = _fastest(small)
+            best_large = _best_large(big, best_small) if big else best_small
         logger.info(
             "calibrated the %dx%d linear in %.1f s: %s up to %d rows, %s above",
             n,
@@ -395,5 +501,5 @@ class Calibrator:
             with os.fdopen(fd, "w") as f:
                 json.dump(self.table, f, indent=1)
             os.replace(tmp, self.path)
-        except OSError as e:  # a read-only cache: measure again next time
-            logger.warning("could not keep the linear calibration in %s: %s", self.path, e)
+        except OSError as e:  # a read-only cache
+            self._unshared(f"could not keep the linear calibration in {self.path}: {e}")

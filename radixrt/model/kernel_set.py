@@ -1,22 +1,28 @@
 """The kernels a model's layers run, chosen once when the model is built.
 
-``choose_kernels(device, dtype, lib, compiled)`` looks at what this process
-has (the CPU kernels' library ``lib`` from ``radixrt_kernels.cpu.library``,
-the AMX linear kernel in it, oneDNN in PyTorch) and returns a ``Kernels``:
-the linear method per layer shape, the RMS norm, the rotary embedding and the
-SiLU-and-mul. The layers take their kernel objects from it when constructed
-and never look again, so each ``forward`` has one path.
+``choose_kernels(device, dtype, lib, compiled, linear, cache_dir, exact)`` looks at what
+this process has (the CPU kernels' library ``lib`` from ``radixrt_kernels.cpu.library``, the
+packed linear kernels in it, oneDNN in PyTorch) and returns a ``Kernels``: the linear method
+per layer shape, the RMS norm, the rotary embedding and the SiLU-and-mul. The layers take
+their kernel objects from it when constructed and never look again, so each ``forward`` has
+one path.
 
-- Linears: bf16 on the CPU, the AMX kernel where the library has it and the
-  weight's shape suits it, else oneDNN's packed layout, else PyTorch; every
-  other dtype or device, PyTorch. The AMX kernel also takes an MLP's
-  SiLU-and-mul and a qkv projection's rotary embedding into its pass.
+- Linears: bf16 on the CPU, each weight shape's paths as ``calibrate.Calibrator`` measured
+  them (or the one ``linear`` forces); every other dtype or device, PyTorch. The packed
+  kernels also take an MLP's SiLU-and-mul and a qkv projection's rotary embedding into
+  their pass.
+- Exact mode (``exact=True``): a row's results must not depend on the rows beside it, so
+  every linear runs one row-invariant path for every row count: a bf16 shape one packed
+  kernel (the exact calibration's, the same in every process on this machine; weights of
+  any width, ``PadK``), a float32 model the float32 kernel, the LM head's logits included.
+  What cannot be exact (another device or dtype, no library, a forced path that is not
+  row-invariant) raises ``NotExact`` naming why.
 - Elementwise steps: on the CPU in float32 or bf16 with the library, one C
-  call each (``radixrt_kernels.cpu.ops``); otherwise PyTorch's ops. A model
+  call each (``radixrt_kernels.cpu.elementwise``); otherwise PyTorch's ops. A model
   built for ``torch.compile`` keeps PyTorch's elementwise ops, which Inductor
   fuses into the surrounding graph.
 Every path gives PyTorch's results up to the last bit of bf16 rounding (the
-kernels' modules say where they round).
+kernels' modules say where they round; float32's up to the order of its sums).
 """
 
 from __future__ import annotations
@@ -28,7 +34,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from radixrt.model.calibrate import PACKED, THRESHOLD, Calibrator, Choice, make_method
+from radixrt.model.calibrate import (
+    F32,
+    PACKED,
+    THRESHOLD,
+    Calibrator,
+    Choice,
+    NotExact,
+    make_method,
+)
 from radixrt.model.linear_methods import (
     ActAfter,
     ByRows,
@@ -37,6 +51,7 @@ from radixrt.model.linear_methods import (
     PackedKernels,
     PackedLinear,
     PackedRotaryQKV,
+    PadK,
     QKVShape,
     RotateAfter,
     onednn_works,
@@ -154,12 +169,17 @@ class CSiluMul(TorchSiluMul):
 # ---- the set ------------------------------------------------------------------------------------
 
 
+ROW_INVARIANT = PACKED | {F32}  # the linear paths whose rows do not depend on their batch
+
+
 class Kernels:
     """One model's kernels. ``linear`` says which linear path each weight shape runs: a path
-    name for every shape (one of ``calibrate.PATHS``), or a function (n, k, large) -> Choice,
-    such as a ``Calibrator``'s ``choice``; ``lib`` is the CPU kernels' library, which the packed
-    paths need. ``compiled``: the model runs under torch.compile, where a layer takes one
-    weight layout (the packed kernels still pick theirs per call)."""
+    name for every shape (one of ``calibrate.PATHS``, or ``calibrate.F32`` for float32 weights),
+    or a function (n, k, large) -> Choice, such as a ``Calibrator``'s ``choice``; ``lib`` is
+    the CPU kernels' library, which the packed paths need. ``compiled``: the model runs under
+    torch.compile, where a layer takes one weight layout (the packed kernels still pick theirs
+    per call). ``exact``: every shape runs one row-invariant path (``ROW_INVARIANT``) for all
+    row counts; any other choice is refused (``NotExact``)."""
 
     def __init__(
         self,
@@ -169,12 +189,18 @@ class Kernels:
         rotary: TorchRotary | None = None,
         act: TorchSiluMul | None = None,
         compiled: bool = False,
+        exact: bool = False,
     ) -> None:
         if isinstance(linear, str):
+            if exact and linear not in ROW_INVARIANT:
+                raise NotExact(
+                    f"exact mode: the {linear!r} linear path gives a row results that depend on "
+                    f"the rows beside it (row-invariant: {', '.join(sorted(ROW_INVARIANT))})"
+                )
             path = linear
             linear = lambda n, k, large=True: Choice(path, path)  # noqa: E731
         self.choose = linear
-        self.lib, self.compiled = lib, compiled
+        self.lib, self.compiled, self.exact = lib, compiled, exact
         self.norm = norm or TorchRMSNorm()
         self.rotary = rotary or TorchRotary()
         self.act = act or TorchSiluMul()
@@ -182,7 +208,12 @@ class Kernels:
 
     def _choice(self, n: int, k: int, large: bool = True) -> Choice:
         choice = self.choose(n, k, large)
-        if k % cpu_linear.K_MULTIPLE:  # the packed kernels take whole chunks of input features
+        if self.exact and (choice.small != choice.large or choice.small not in ROW_INVARIANT):
+            raise NotExact(
+                f"exact mode: the {n}x{k} linear was given {choice}, not one row-invariant path "
+                "for every row count"
+            )
+        if k % cpu_linear.K_MULTIPLE and not self.exact:  # the packed kernels take whole chunks
             choice = Choice(
                 *(p if p not in PACKED else "onednn" if onednn_works() else "torch" for p in choice)
             )
@@ -202,10 +233,14 @@ class Kernels:
             return PackedLinear(self.lib, PackedKernels(small, big, THRESHOLD))
         return make_method(small, self.lib)
 
-    def _split(self, choice: Choice, form):
-        """``form(path, path)`` for both classes of calls, or by rows when they differ."""
+    def _split(self, choice: Choice, form, k: int):
+        """``form(path, path)`` for both classes of calls, or by rows when they differ; on a
+        weight of ``k`` input features the packed kernels do not take (exact mode), padded."""
         if choice.small == choice.large:
-            return form(choice.small, choice.small)
+            method = form(choice.small, choice.small)
+            if choice.small in PACKED and k % cpu_linear.K_MULTIPLE:
+                return PadK(method, k)
+            return method
         if choice.small in PACKED and choice.large in PACKED:
             return form(choice.small, choice.large)
         return ByRows(form(choice.small, choice.small), form(choice.large, choice.large), THRESHOLD)
@@ -213,7 +248,8 @@ class Kernels:
     def linear_for(self, out_features: int, in_features: int, large: bool = True) -> LinearMethod:
         """The method for a weight [out_features, in_features] (``large`` False: it never sees
         more than decode-sized calls)."""
-        return self._split(self._choice(out_features, in_features, large), self._plain)
+        choice = self._choice(out_features, in_features, large)
+        return self._split(choice, self._plain, in_features)
 
     def gated_for(self, half: int, in_features: int):
         """[gate; up] [2·half, in_features] → silu(gate)·up."""
@@ -224,7 +260,7 @@ class Kernels:
                 return PackedGatedLinear(self.lib, PackedKernels(small, big, THRESHOLD))
             return ActAfter(self._plain(small, big), self.act)
 
-        return self._split(choice, form)
+        return self._split(choice, form, in_features)
 
     def rotary_qkv_for(self, shape: QKVShape, out_features: int, in_features: int):
         """qkv [out_features, in_features] → q and k rotated, v."""
@@ -235,11 +271,13 @@ class Kernels:
                 return PackedRotaryQKV(self.lib, shape, PackedKernels(small, big, THRESHOLD))
             return RotateAfter(self._plain(small, big), shape)
 
-        return self._split(choice, form)
+        return self._split(choice, form, in_features)
 
     def describe(self) -> dict[str, object]:
-        """The elementwise kernels' names and each linear shape's path(s)."""
+        """Whether the model runs exact, the elementwise kernels' names and each linear shape's
+        path(s)."""
         return {
+            "exact": self.exact,
             "linear": dict(self.chosen),
             "rms_norm": self.norm.name,
             "rotary": self.rotary.name,
@@ -254,26 +292,78 @@ def choose_kernels(
     compiled: bool = False,
     linear: str = "auto",
     cache_dir: str | None = None,
+    exact: bool = False,
 ) -> Kernels:
     """The kernels for a model of ``dtype`` on ``device`` (``lib``: the CPU kernels' library, or
     None; ``compiled``: the model runs under torch.compile). ``linear``: "auto" measures each
     bf16 CPU weight shape's fastest path (``calibrate.Calibrator``, its results kept under
-    ``cache_dir``); a path name runs that path everywhere it can."""
+    ``cache_dir``); a path name runs that path everywhere it can. ``exact``: every linear runs
+    one row-invariant path for every row count (``exact_kernels``)."""
+    if exact:
+        return exact_kernels(device, dtype, lib, compiled, linear, cache_dir)
     if device.type != "cpu":
         return Kernels()
-    elementwise = {}
-    if lib is not None and dtype in cpu_ops.DTYPES and not compiled:
-        elementwise = {"norm": CRMSNorm(lib), "rotary": CRotary(lib), "act": CSiluMul(lib)}
+    elementwise = _elementwise(dtype, lib, compiled)
     if dtype != torch.bfloat16:
         return Kernels(**elementwise)
     if linear != "auto":
-        if linear in PACKED and not cpu_linear.kernel_available(lib, linear):
-            raise ValueError(
-                f"linear_kernel {linear!r} does not run on this CPU (or without the "
-                f"kernels' library: {cpu_library.why_unavailable()})"
-            )
+        _check_runs(linear, lib)
         return Kernels(linear, lib, compiled=compiled, **elementwise)
     if lib is None:  # no packed kernels: oneDNN where it works, else PyTorch's bf16 linear
         return Kernels("onednn" if onednn_works() else "torch", compiled=compiled, **elementwise)
     calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir(), chained=not compiled)
     return Kernels(calibrator.choice, lib, compiled=compiled, **elementwise)
+
+
+def exact_kernels(
+    device: torch.device,
+    dtype: torch.dtype,
+    lib: ctypes.CDLL | None,
+    compiled: bool = False,
+    linear: str = "auto",
+    cache_dir: str | None = None,
+) -> Kernels:
+    """``choose_kernels`` in exact mode: a float32 model's linears on the float32 kernel
+    (``calibrate.F32``), a bf16 model's each on one packed kernel, ``linear`` or the one the
+    exact calibration picks (the same in every process on this machine). Raises ``NotExact``
+    where that cannot be: another device or dtype, no kernels' library, a forced path whose
+    rows depend on their batch."""
+    if device.type != "cpu":
+        raise NotExact(
+            f"exact mode: the linears on {device.type} run PyTorch's, whose results for a row "
+            "depend on the rows beside it"
+        )
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise NotExact(f"exact mode: the CPU has no row-invariant linear for {dtype}")
+    if lib is None:
+        raise NotExact(
+            "exact mode needs the CPU kernels' library (its row-invariant linear kernels), "
+            f"which is unavailable: {cpu_library.why_unavailable()}"
+        )
+    elementwise = _elementwise(dtype, lib, compiled)
+    if dtype == torch.float32:
+        return Kernels(F32, lib, compiled=compiled, exact=True, **elementwise)
+    if linear != "auto":
+        kernels = Kernels(linear, lib, compiled=compiled, exact=True, **elementwise)
+        _check_runs(linear, lib)
+        return kernels
+    calibrator = Calibrator(
+        lib, cache_dir or tempfile.gettempdir(), chained=not compiled, exact=True
+    )
+    return Kernels(calibrator.choice, lib, compiled=compiled, exact=True, **elementwise)
+
+
+def _elementwise(dtype: torch.dtype, lib: ctypes.CDLL | None, compiled: bool) -> dict:
+    """The C elementwise kernels where they run (eager, float32 or bf16), else none (PyTorch's)."""
+    if lib is not None and dtype in cpu_ops.DTYPES and not compiled:
+        return {"norm": CRMSNorm(lib), "rotary": CRotary(lib), "act": CSiluMul(lib)}
+    return {}
+
+
+def _check_runs(linear: str, lib: ctypes.CDLL | None) -> None:
+    """Refuses a forced packed kernel this CPU (or a process without the library) cannot run."""
+    if linear in PACKED and not cpu_linear.kernel_available(lib, linear):
+        raise ValueError(
+            f"linear_kernel {linear!r} does not run on this CPU (or without the "
+            f"kernels' library: {cpu_library.why_unavailable()})"
+        )

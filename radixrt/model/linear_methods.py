@@ -16,7 +16,10 @@ weight in oneDNN's blocked bf16 layout; ``PackedLinear`` in the layout of
 ``radixrt_kernels.cpu.linear``, whose kernels (AMX, AVX512-BF16, FMA) all read
 it, so it may run one kernel for decode-sized calls and another for
 prefill-sized ones (``PackedKernels``). ``ByRows`` does the same across
-methods of different layouts, holding the weight in both. Two fused forms
+methods of different layouts, holding the weight in both. ``PackedF32Linear``
+runs a float32 model's linears on the float32 kernel of the same module.
+``PadK`` gives a method whose kernels take whole chunks of input features a
+weight of any width (weight and inputs padded with zeros). Two fused forms
 take the step after the linear into the packed kernels' pass:
 
 - a gated method turns [gate; up] (weight [2N, K]) into silu(gate)·up [.., N]:
@@ -27,9 +30,14 @@ take the step after the linear into the packed kernels' pass:
   the rotary kernel).
 
 Inductor cannot lower the packed layouts, so under ``torch.compile`` the
-oneDNN and packed kernels run as the opaque ops ``radixrt::onednn_linear`` and
-``radixrt::packed_linear`` (which picks its kernel by the row count inside):
-the graph calls the very kernels eager mode runs.
+oneDNN and packed kernels run as the opaque ops ``radixrt::onednn_linear``,
+``radixrt::packed_linear`` (which picks its kernel by the row count inside)
+and ``radixrt::f32_linear``: the graph calls the very kernels eager mode runs.
+
+Row invariance (a row's results the same bits whatever rows share the call):
+each packed kernel and the float32 kernel have it, alone and in every form
+here (``PadK`` included); ``PackedKernels`` with two different kernels,
+``ByRows``, oneDNN and PyTorch's linears do not.
 """
 
 from __future__ import annotations
@@ -133,6 +141,52 @@ class PackedLinear(LinearMethod):
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
         return packed_linear(x, w, None, n, self.kernels, float_out=True)  # widened in the pass
+
+
+class PackedF32Linear(LinearMethod):
+    """The float32 kernel of ``radixrt_kernels.cpu.linear`` (``linear_f32``) on a float32 weight
+    packed once: each row's results the same bits whatever the rows beside it."""
+
+    name = "f32"
+    layout = "packed-f32"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.pack_f32(w)
+
+    def apply(
+        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, n: int
+    ) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return _f32_linear_op(x, w, bias, n)
+        return cpu_linear.linear_f32(self.lib, x, w, n, bias)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return self.apply(x, w, None, n)
+
+
+class PadK:
+    """A method whose kernels take whole chunks of ``multiple`` input features, on a weight of
+    ``k`` features: the weight and every x padded with zero features at the end (the padded
+    products are the same zeros for every row, so a row's bits still depend on its own features
+    alone). Works for the plain, gated and rotary forms: ``apply``'s arguments after the weight
+    pass through."""
+
+    def __init__(self, method, k: int, multiple: int = cpu_linear.K_MULTIPLE) -> None:
+        self.method, self.pad = method, -k % multiple
+        self.name = f"{method.name} (in_features padded to {k + self.pad})"
+        self.layout = _layout(method)
+
+    def prepare(self, w: torch.Tensor) -> torch.Tensor:
+        return self.method.prepare(F.pad(w, (0, self.pad)))
+
+    def apply(self, x: torch.Tensor, w: torch.Tensor, *args):
+        return self.method.apply(F.pad(x, (0, self.pad)), w, *args)
+
+    def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
+        return self.method.logits(F.pad(x, (0, self.pad)), w, n)
 
 
 class ByRows(LinearMethod):
@@ -383,3 +437,17 @@ def _(
 ) -> torch.Tensor:
     width = out_features // 2 if gated else out_features
     return x.new_empty(*x.shape[:-1], width, dtype=torch.float32 if float_out else x.dtype)
+
+
+@torch.library.custom_op("radixrt::f32_linear", mutates_args=())
+def _f32_linear_op(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return cpu_linear.linear_f32(cpu_library.loaded(), x, packed, out_features, bias)
+
+
+@_f32_linear_op.register_fake
+def _(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int
+) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], out_features)

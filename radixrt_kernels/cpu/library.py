@@ -4,10 +4,11 @@ One C file per concern, each with its wrapper module: ``attention.c`` (attention
 indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul,
 ``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
 ``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
-``linear``) and ``chain.c`` (several steps in one call, ``chain``). They are compiled with the
-system C compiler (``-O3 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/``
-and loaded with ctypes. The library links against the OpenMP runtime PyTorch already loaded, so
-its loops run on PyTorch's threads.
+``linear``), ``linear_f32.c`` (float32 linear layers, ``linear``) and ``chain.c`` (several
+steps in one call, ``chain``). They are compiled with the system C compiler (``-O3
+-march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
+library links against the OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's
+threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
@@ -36,6 +37,7 @@ SOURCES = [
         "chain.c",
         "elementwise.c",
         "linear_amx.c",
+        "linear_f32.c",
         "linear_vec.c",
         "sampling.c",
     )
@@ -103,6 +105,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _int,
     ],
     "radixrt_linear_pack": [_ptr, _i64, _i64, _ptr],
+    "radixrt_linear_f32": [_ptr, _i64, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _int],
     "radixrt_linear_available": [],
     "radixrt_attention_dots_available": [],
     "radixrt_linear_vec_available": [_int],

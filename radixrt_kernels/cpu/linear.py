@@ -189,3 +189,62 @@ def linear(
             f"linear: the kernel does not take x {tuple(x.shape)} with W [{n}, {k}] here"
         )
     return y if x.dim() == 2 else y.view(*x.shape[:-1], width)
+
+
+# ---- float32 ------------------------------------------------------------------------------------
+
+F32_BLOCK = 64  # output features per block of a packed float32 weight (linear_f32.c's FB)
+
+
+def pack_f32(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (float32, any K) in ``linear_f32.c``'s layout: per block of 64 output features
+    (N padded with zero rows), [K][64]; a flat float32 tensor."""
+    if w.dim() != 2 or not w.is_cpu or w.dtype != torch.float32:
+        raise ValueError(
+            f"pack_f32: needs a 2-D float32 CPU weight, got {w.dtype} {tuple(w.shape)}"
+        )
+    n, k = w.shape
+    blocks = -(-n // F32_BLOCK)
+    padded = torch.nn.functional.pad(w, (0, 0, 0, blocks * F32_BLOCK - n))
+    return padded.view(blocks, F32_BLOCK, k).transpose(1, 2).contiguous().view(-1)
+
+
+def linear_f32(
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [..., K] (float32) · Wᵀ + bias for W [n, K] packed by ``pack_f32``: [..., n] float32.
+    Each row's results are the same bits whatever the rows beside it (``linear_f32.c``)."""
+    if (recorder := cpu_capture.capturing()) is not None:
+        recorder.refuse("the float32 linear")
+    k = x.shape[-1]
+    if x.dtype != torch.float32 or (
+        bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,))
+    ):
+        raise ValueError("linear_f32: x and the bias must be float32, the bias [n]")
+    if packed.numel() != -(-n // F32_BLOCK) * F32_BLOCK * k:
+        raise ValueError(f"linear_f32: the packed weight does not hold [{n}, {k}]")
+    x2 = x if x.dim() == 2 else x.reshape(-1, k)
+    if x2.stride(1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=torch.float32)
+    rc = lib.radixrt_linear_f32(
+        x2.data_ptr(),
+        x2.stride(0),
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        x2.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+    )
+    if rc != 0:
+        raise ValueError(f"linear_f32: the kernel does not take x {tuple(x.shape)}, W [{n}, {k}]")
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)

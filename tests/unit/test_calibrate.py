@@ -306,3 +306,108 @@ def test_decode_sized_packed_calls_are_timed_as_a_chain_runs_them(lib, monkeypat
     calibrate.time_paths(methods, 64, 64, 4, True)
     assert not runs
     assert Calibrator(lib, "/nowhere", chained=True).path != Calibrator(lib, "/nowhere").path
+
+
+# ---- exact mode: one packed kernel per shape, the same in every process -----------------------
+
+
+def test_exact_calibration_times_the_packed_kernels_only_and_picks_one(
+    lib, monkeypatch, tmp_path
+) -> None:
+    monkeypatch.setattr(calibrate, "row_invariant_paths", lambda lib: ["amx", "fma"])
+    small, large = calibrate.SMALL_ROWS, calibrate.LARGE_ROWS
+    calls = fake_times(
+        monkeypatch,
+        {("fma", small): 0.1, ("amx", small): 0.2, ("fma", large): 1.0, ("amx", large): 0.3},
+    )
+    cal = Calibrator(lib, str(tmp_path), exact=True)
+    assert cal.choice(96, 64) == Choice("amx", "amx")  # 2x slower decode-sized, 3.3x prefill
+    assert {methods for methods, *_ in calls} == {("amx", "fma")}  # no oneDNN, no PyTorch
+    assert cal.choice(96, 64, large=False) == Choice("fma", "fma")  # an LM head: decode only
+    assert cal.choice(96, 40) == Choice("amx", "amx")  # K padded for the packed kernels
+    assert calls[-1][2] == 40
+
+
+def test_one_path_for_both_classes_is_the_least_total_slowdown() -> None:
+    small = {"amx": 1.5, "fma": 1.0, "avx512_bf16": 1.1}
+    assert calibrate._one_path(small, {}) == "fma"
+    assert calibrate._one_path(small, {"amx": 1.0, "fma": 3.0, "avx512_bf16": 1.2}) == "avx512_bf16"
+    assert calibrate._one_path(small, {"amx": 1.0, "fma": 3.0, "avx512_bf16": 1.6}) == "amx"
+
+
+def test_an_exact_calibration_is_kept_even_from_a_busy_cpu(lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(calibrate, "row_invariant_paths", lambda lib: ["fma", "avx512_bf16"])
+    calls = fake_times(monkeypatch, {("avx512_bf16", calibrate.SMALL_ROWS): 0.5})
+    fake_contention(monkeypatch, [1.2, 0.9, 1.0])
+    assert Calibrator(lib, str(tmp_path), exact=True).choice(64, 64).small == "avx512_bf16"
+    assert len(calls) == 2 * calibrate.ATTEMPTS  # tried for a quiet CPU all the same
+    fake_contention(monkeypatch, [0.0])
+    monkeypatch.setattr(calibrate, "time_paths", lambda *a: pytest.fail("measured again"))
+    assert Calibrator(lib, str(tmp_path), exact=True).choice(64, 64).small == "avx512_bf16"
+
+
+def test_an_exact_calibration_is_one_file_for_every_process_here(lib, tmp_path) -> None:
+    exact = Calibrator(lib, str(tmp_path), exact=True).path
+    assert Calibrator(lib, str(tmp_path), threads=7, chained=True, exact=True).path == exact
+    assert exact != Calibrator(lib, str(tmp_path)).path  # the fastest-per-class choices
+
+
+def test_an_exact_calibration_it_cannot_share_is_refused(lib, monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(calibrate, "row_invariant_paths", lambda lib: ["fma"])
+    monkeypatch.setattr(calibrate, "available_paths", lambda lib, k: ["fma"])
+    fake_times(monkeypatch, {})
+    (tmp_path / "file").write_text("")  # a cache "directory" that is a file: nothing is kept
+    with pytest.raises(calibrate.NotExact, match="exact mode: every process must take the same"):
+        Calibrator(lib, str(tmp_path / "file"), exact=True).choice(64, 64)
+    # elsewhere this start runs on what it measured
+    assert Calibrator(lib, str(tmp_path / "file")).choice(64, 64) == Choice("fma", "fma")
+
+
+def test_the_attention_choice_in_exact_mode_is_the_shared_one(lib, monkeypatch, tmp_path) -> None:
+    if not cpu_attention.dots_available(lib):
+        pytest.skip("this build has no AVX512-BF16 dot products")
+    calls = []
+
+    def time_attention(*args):  # dots faster in the first measurement's attempts only
+        calls.append(args)
+        return {"dots": 1.0, "fma": 2.0 if len(calls) <= calibrate.ATTEMPTS else 0.5}
+
+    monkeypatch.setattr(calibrate, "time_attention", time_attention)
+    fake_contention(monkeypatch, [2.0])  # busy throughout: kept all the same
+    assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64, exact=True) is True
+    assert Calibrator(lib, str(tmp_path), threads=5, exact=True).attention_dots(3, 3, 64) is True
+    assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64) is False  # its own file
+
+
+CONCURRENT = """
+import json, os, random, sys, time
+from radixrt.model import calibrate
+from radixrt.model.weights import cache_dir
+from radixrt_kernels.cpu import library
+
+def time_paths(methods, n, k, rows, cold, chained=False):
+    with open(sys.argv[2], "a") as log:
+        log.write(f"{os.getpid()}\\n")
+    time.sleep(0.5)  # the other process starts meanwhile
+    return {name: random.random() for name in methods}
+
+calibrate.time_paths = time_paths
+lib = library.load(cache_dir())
+sys.stdout.write(json.dumps(calibrate.Calibrator(lib, sys.argv[1], exact=True).choice(96, 64)))
+"""
+
+
+def test_processes_calibrating_at_once_measure_once_and_take_one_result(lib, tmp_path) -> None:
+    log = tmp_path / "measured"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT, str(tmp_path), str(log)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outputs[0] == outputs[1] and json.loads(outputs[0])[0] in cpu_linear.KERNELS
+    assert len(set(log.read_text().split())) == 1  # one process measured, the other waited
