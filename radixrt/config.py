@@ -153,6 +153,17 @@ class EngineConfig:
     hicache_storage_size: float = setting(
         8.0, "the storage tier's limit in GB; the least recently used files go first"
     )
+    enable_deterministic_inference: bool = setting(
+        False,
+        "exact outputs on CUDA too (the Triton attention kernels in fixed split sizes and "
+        "order), and refuse to start where a part cannot be exact; on the CPU outputs are exact "
+        "by default",
+    )
+    disable_deterministic_inference: bool = setting(
+        False,
+        "allow a request's outputs to depend on its batch and the cache (the CPU's faster "
+        "kernels per batch size, the non-exact kernels and torch.compile)",
+    )
     constrained_json_disable_any_whitespace: bool = setting(
         False,
         "JSON-schema outputs are compact (', ' and ': ' between elements) instead of allowing "
@@ -173,6 +184,10 @@ class EngineConfig:
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         self._check_hierarchical_cache()
+        if self.enable_deterministic_inference and self.disable_deterministic_inference:
+            raise ValueError(
+                "enable_deterministic_inference and disable_deterministic_inference are both set"
+            )
         kind, _, index = self.device.partition(":")
         if kind not in DEVICES or (index and (kind != "cuda" or not index.isdigit())):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
@@ -195,6 +210,13 @@ class EngineConfig:
     @property
     def running_limit(self) -> int:
         return self.max_running_requests or 256
+
+    def wants_exact(self, device_type: str) -> bool:
+        """Whether outputs are to be exact on a device of this type: on the CPU unless
+        disabled, elsewhere when enabled."""
+        if self.disable_deterministic_inference:
+            return False
+        return self.enable_deterministic_inference or device_type == "cpu"
 
 
 def engine_config(config: EngineConfig | None = None, **overrides: object) -> EngineConfig:

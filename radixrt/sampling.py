@@ -301,11 +301,21 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
 
 def topk_logprobs(logp: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(ids int64 [n, K], logprobs float32 [n, K]) of the K = min(k, V) largest entries of
-    each row of ``logp`` [n, V], descending; None when k == 0."""
+    each row of ``logp`` [n, V], descending, equal values in ascending id order (so a row's
+    answer does not depend on the rows beside it, as ``topk``'s order among ties may); None
+    when k == 0."""
     if k == 0:
         return None
-    values, ids = logp.topk(min(k, logp.shape[1]), dim=-1)
-    return ids, values
+    n, k = logp.shape[0], min(k, logp.shape[1])
+    kth = logp.topk(k, dim=-1).values[:, -1:]
+    rows, cols = (logp >= kth).nonzero(as_tuple=True)  # row-major: ids ascending in a row
+    values = logp[rows, cols]
+    order = values.sort(descending=True, stable=True).indices
+    order = order[rows[order].sort(stable=True).indices]  # by row, then value, then id
+    counts = torch.bincount(rows, minlength=n)
+    first = torch.cumsum(counts, 0) - counts
+    keep = order[torch.arange(len(order), device=logp.device) - first[rows[order]] < k]
+    return cols[keep].view(n, k), values[keep].view(n, k)
 
 
 def _sample_rows(

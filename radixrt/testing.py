@@ -384,3 +384,19 @@ def process_tree(pids: set[int]) -> set[int]:
     while new := {p for p, pp in parent.items() if pp in found} - found:
         found |= new
     return found
+
+
+def output_bits(out) -> tuple:
+    """What exactness compares of a ``GenerateOutput``: its token ids, logprobs, top logprobs,
+    prompt logprobs and prompt top logprobs, as plain values (floats compared with ``==``)."""
+
+    def tops(entries):
+        return None if entries is None else [(list(i), list(v)) for i, v in entries]
+
+    return (
+        list(out.token_ids),
+        None if out.logprobs is None else list(out.logprobs),
+        tops(out.top_logprobs),
+        None if out.prompt_logprobs is None else list(out.prompt_logprobs),
+        tops(out.prompt_top_logprobs),
+    )

@@ -76,8 +76,8 @@ class CpuAttentionBackend(AttentionBackend):
             bf16_dots = False
         elif bf16_dots is None:
             group = (num_heads or pool.kv_heads) // pool.kv_heads
-            bf16_dots = Calibrator(self.lib, cache_dir()).attention_dots(
-                pool.kv_heads, group, pool.head_dim
+            bf16_dots = Calibrator(self.lib, cache_dir(), exact=exact).attention_dots(
+                pool.kv_heads, group, pool.head_dim, exact=exact
             )
         self.bf16_dots = bf16_dots
 

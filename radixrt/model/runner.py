@@ -6,6 +6,7 @@ the scheduler only calls ``forward``.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -19,9 +20,10 @@ from radixrt.memory import (
     collapse_anonymous_memory,
     keep_freed_memory,
 )
+from radixrt.model import exactness
 from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.hf_config import ModelConfig
-from radixrt.model.kernel_set import Kernels, choose_kernels
+from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.weights import cache_dir, iter_weights
 from radixrt_kernels.cpu import library as cpu_library
@@ -48,11 +50,12 @@ def resolve_dtype(name: str, device: torch.device, model_cfg: ModelConfig) -> to
 
 
 def make_attention_backend(
-    name: str, pool: KVPool, num_heads: int | None = None
+    name: str, pool: KVPool, num_heads: int | None = None, exact: bool = False
 ) -> AttentionBackend:
     """The backend ``name`` ("cpu", "triton", "torch"), or for "auto": Triton on CUDA, the C
     kernel on the CPU where it takes the pool, else the reference backend ("torch").
-    ``num_heads``: the model's query heads (the C kernel measures its path for them)."""
+    ``num_heads``: the model's query heads (the C kernel measures its path for them);
+    ``exact``: the C kernel's exact mode, the Triton kernels' deterministic one."""
     if name == "auto":
         from radixrt.attention.cpu_backend import unavailable_reason
 
@@ -66,7 +69,7 @@ def make_attention_backend(
     if name == "cpu":
         from radixrt.attention.cpu_backend import CpuAttentionBackend
 
-        return CpuAttentionBackend(pool, num_heads)
+        return CpuAttentionBackend(pool, num_heads, exact=exact)
     if name == "torch":
         from radixrt.attention.torch_backend import TorchAttentionBackend
 
@@ -74,7 +77,7 @@ def make_attention_backend(
     if name == "triton":
         from radixrt.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(pool)
+        return TritonAttentionBackend(pool, deterministic=exact)
     raise ValueError(f"unknown attention_backend {name!r}")
 
 
@@ -91,15 +94,10 @@ class ModelRunner:
             model_cfg.max_position_embeddings,
             model_cfg.sliding_window or model_cfg.max_position_embeddings,
         )
+        wanted = exactness.refuse_conflicts(config, self.device.type)
+        not_exact: list[str] = []
         lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
-        self.kernels = choose_kernels(
-            self.device,
-            self.dtype,
-            lib,
-            compiled=config.enable_torch_compile,
-            linear=config.linear_kernel,
-            cache_dir=cache_dir(),
-        )
+        self.kernels = self._kernels(config, lib, wanted, not_exact)
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
         num_slots = self._num_slots(config)
@@ -114,9 +112,15 @@ class ModelRunner:
             self.device,
         )
         self.attn_backend = make_attention_backend(
-            config.attention_backend, self.pool, model_cfg.num_heads
+            config.attention_backend, self.pool, model_cfg.num_heads, exact=wanted
         )
         logger.info("attention: %s", self.attn_backend.describe())
+        if self.attn_backend.name == "torch":
+            from radixrt.attention.cpu_backend import unavailable_reason
+
+            not_exact.append(f"attention runs on PyTorch ({unavailable_reason(self.pool)})")
+        self.exactness = exactness.settle(config, wanted, not_exact)
+        logger.info("outputs: %s", self.exactness.describe())
         self.decode_chain, self.decode_chain_info = None, "off: disable_decode_chain"
         if not config.disable_decode_chain:
             self.decode_chain, self.decode_chain_info = decode_chain_for(
@@ -135,6 +139,25 @@ class ModelRunner:
         if config.enable_torch_compile:
             self.model.enable_torch_compile()
             self._compile_graphs()
+
+    def _kernels(self, config: EngineConfig, lib, exact: bool, not_exact: list[str]) -> Kernels:
+        """The model's kernels: row-invariant where ``exact`` and this device has them (else
+        the reason goes to ``not_exact`` and the fastest per batch size run)."""
+        choose = functools.partial(
+            choose_kernels,
+            self.device,
+            self.dtype,
+            lib,
+            compiled=config.enable_torch_compile,
+            linear=config.linear_kernel,
+            cache_dir=cache_dir(),
+        )
+        if exact:
+            try:
+                return choose(exact=True)
+            except NotExact as e:
+                not_exact.append(str(e))
+        return choose()
 
     def _load_model(self, path: str, kernels: Kernels) -> LlamaForCausalLM:
         default = torch.get_default_dtype()

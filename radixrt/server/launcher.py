@@ -94,6 +94,10 @@ class Launcher:
                 print(f"radixrt: attention: {info['attention']}", file=sys.stderr, flush=True)
             if "decode_chain" in info:
                 print(f"radixrt: decode chain: {info['decode_chain']}", file=sys.stderr, flush=True)
+            if "exact_outputs_detail" in info:
+                print(
+                    f"radixrt: outputs: {info['exact_outputs_detail']}", file=sys.stderr, flush=True
+                )
             n = server.dp_size
             slots = f"{n} replicas × {info['kv_slots']}" if n > 1 else f"{info['kv_slots']}"
             print(

@@ -116,6 +116,34 @@ def test_two_replicas_route_from_the_trees(fleets, engine_factory):
     assert info["requests"] == sum(r["requests"] for r in info["replicas"])
 
 
+def test_replicas_give_the_bits_of_one_server(fleets):
+    """Exact outputs: tokens, logprobs and top logprobs from two replicas (routed cache_aware
+    and round_robin, so each sees other batches and cache hits) are the same bits as from one
+    --dp-size 1 server."""
+    from radixrt.testing import output_bits
+
+    rounds = shared_prefix_rounds(2048, seed=1)
+    params = {"temperature": 0.0, "max_new_tokens": 6, "logprobs": True, "top_logprobs": 2}
+
+    def bits(server: Server) -> list:
+        with Client(server.address, timeout=120) as c:
+            assert c.server_info()["exact_outputs"] is True
+            c.flush_cache()
+            return [
+                output_bits(o)
+                for prompts in rounds
+                for o in c.generate_batch(input_ids=prompts, sampling_params=params)
+            ]
+
+    (single,) = start_servers(())
+    try:
+        want = bits(single)
+    finally:
+        single.stop()
+    assert bits(fleets["cache_aware"]) == want
+    assert bits(fleets["round_robin"]) == want
+
+
 def test_routing_key_pins_requests_to_one_replica(fleets):
     srv = fleets["round_robin"]
     with Client(srv.address, timeout=60) as c:

@@ -285,10 +285,37 @@ def test_completion_logprobs_with_echo(oai, engine):
     assert lp.text_offset == sorted(lp.text_offset)
     # scoring only (what lm-eval-harness sends): max_tokens 0, echo, logprobs
     score = oai.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1)
-    assert score.choices[0].logprobs.token_logprobs[1:] == pytest.approx(
-        lp.token_logprobs[1:n_prompt], abs=1e-4
-    )
+    assert score.choices[0].logprobs.token_logprobs[1:] == lp.token_logprobs[1:n_prompt]
     assert score.usage.completion_tokens == 0
+
+
+def test_completion_logprobs_are_the_engines_bits(oai, engine):
+    """Exact outputs over HTTP: a completion's prompt and output logprobs (JSON numbers) are
+    the bits the in-process Engine gives the same request, under concurrent load."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from radixrt import SamplingParams
+
+    prompt = "Count: one, two, three,"
+    ids = engine.tokenizer.encode(prompt)
+    req = engine.add_request(
+        ids, SamplingParams(max_new_tokens=5, temperature=0, logprobs=True), logprob_start_len=1
+    )
+    while not req.finished:
+        engine.step()
+    want = engine.make_output(req)
+
+    def one(_):
+        return oai.completions.create(
+            model="tiny", prompt=prompt, max_tokens=5, temperature=0, logprobs=1, echo=True
+        )
+
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, range(6)))
+    for r in results:
+        lp = r.choices[0].logprobs.token_logprobs
+        assert lp[1 : len(ids)] == want.prompt_logprobs
+        assert lp[len(ids) :] == want.logprobs
 
 
 def test_async_client_concurrent_streams(server):

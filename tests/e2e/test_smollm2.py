@@ -77,3 +77,32 @@ def test_default_model_json_schemas_and_regexes(engine_factory):
         sp = SamplingParams(max_new_tokens=24, temperature=0.7, seed=9, regex=REGEXES[name])
         out = eng.generate("The date and the phone number:", sp)[0]
         assert re.fullmatch(REGEXES[name], out.text), out.text
+
+
+def test_default_model_outputs_are_exact_alone_batched_and_cached(engine_factory):
+    """The default model in bf16 (the CPU default): 16 prompts sharing a 200-token prefix, 16
+    greedy tokens each with their logprobs and top logprobs: the same bits alone on a flushed
+    cache, all 16 batched cold, and batched again on the warm cache."""
+    import random
+
+    from radixrt.testing import output_bits
+
+    eng = engine_factory(None, dtype="bfloat16", max_total_tokens=8192)
+    assert eng.runner.exactness.exact, eng.runner.exactness.describe()
+    rng = random.Random(0)
+    vocab = eng.model_config.vocab_size
+    prefix = [rng.randrange(10, vocab - 10) for _ in range(200)]
+    prompts = [prefix + [rng.randrange(10, vocab - 10) for _ in range(8 + q)] for q in range(16)]
+    sp = SamplingParams(
+        max_new_tokens=16, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2
+    )
+    alone = []
+    for p in prompts:
+        eng.flush_cache()
+        alone.append(output_bits(eng.generate(input_ids=[p], sampling_params=sp)[0]))
+    eng.flush_cache()
+    batched = eng.generate(input_ids=prompts, sampling_params=[sp] * len(prompts))
+    cached = eng.generate(input_ids=prompts, sampling_params=[sp] * len(prompts))
+    assert all(o.cached_tokens >= 200 for o in cached)
+    assert [output_bits(o) for o in batched] == alone
+    assert [output_bits(o) for o in cached] == alone

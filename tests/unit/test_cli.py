@@ -51,6 +51,8 @@ FLAG_VALUES = {
     "device": (["--device", "cpu"], "cpu"),
     "enable_torch_compile": (["--enable-torch-compile"], True),
     "disable_decode_chain": (["--disable-decode-chain"], True),
+    "enable_deterministic_inference": (["--enable-deterministic-inference"], True),
+    "disable_deterministic_inference": (["--disable-deterministic-inference"], True),
     "constrained_json_disable_any_whitespace": (
         ["--constrained-json-disable-any-whitespace"],
         True,
@@ -138,9 +140,10 @@ def test_no_flags_give_the_dataclass_defaults():
 
 def test_each_flag_sets_its_field():
     assert set(FLAG_VALUES) == {f.name for _, f in launch_fields() if f.metadata["cli"]}
-    argv = [arg for args, _ in FLAG_VALUES.values() for arg in args]
+    together = {k: v for k, v in FLAG_VALUES.items() if k != "enable_deterministic_inference"}
+    argv = [arg for args, _ in together.values() for arg in args]  # (it excludes disable)
     engine, server = parse(*argv)
-    for name, (_, want) in FLAG_VALUES.items():
+    for name, (_, want) in together.items():
         got = getattr(engine if hasattr(engine, name) else server, name)
         assert got == want and type(got) is type(want), name
     for name, (args, want) in FLAG_VALUES.items():  # one at a time, next to the defaults

@@ -355,6 +355,13 @@ def test_bf16_cpu_engine_runs_the_chosen_paths(tiny_llama: str, monkeypatch, tmp
     measured = {key.split(":")[0] for t in kept for key in t if not key.startswith("attention")}
     assert measured == set(chosen)  # each path chosen by this test's calibration
     with Engine(model=tiny_llama, dtype="float32", max_total_tokens=256) as eng:
+        assert set(eng.runner.kernels.describe()["linear"].values()) == {"f32"}  # exact
+    with Engine(
+        model=tiny_llama,
+        dtype="float32",
+        max_total_tokens=256,
+        disable_deterministic_inference=True,
+    ) as eng:
         assert set(eng.runner.kernels.describe()["linear"].values()) == {"torch"}
 
 
