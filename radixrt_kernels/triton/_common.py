@@ -1,13 +1,18 @@
-"""Shared pieces of the kernel wrappers: interpreter detection and argument checks.
+"""Shared pieces of the kernel wrappers: interpreter detection, launch arguments, checks.
 
 Every check raises ``ValueError`` naming the offending argument. Index
 *values* (bounds, monotone indptr) are checked only for CPU tensors, i.e.
 under the Triton interpreter, where an out-of-bounds gather kills the whole
-process; on CUDA that check would cost a device sync per call.
+process; on CUDA that check would cost a device sync per call. The attention
+wrappers (decode, extend, and their deterministic twins) share
+``check_attention_tensors``, ``check_kv_index``, ``check_sm_scale`` and
+``check_max_len``, and build their launches from ``head_meta``, ``log2_scale``
+and ``row_head_strides``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -36,6 +41,45 @@ def dot_precision(dtype: torch.dtype, exact: bool) -> str:
     if dtype != torch.float32:
         return "tf32"
     return "ieee" if exact else "tf32x3"
+
+
+def group_rows(group: int) -> int:
+    """Rows of a tile that holds the G query heads of one KV head, padded (tl.dot needs 16)."""
+    return max(16, next_power_of_2(group))
+
+
+def head_meta(dtype: torch.dtype, group: int, head_dim: int, exact: bool) -> dict[str, object]:
+    """The constexprs every attention kernel takes: head dim, query heads per KV head, the
+    head dim padded to a power of two >= 16, and how loads and dots treat ``dtype``."""
+    return dict(
+        HEAD_DIM=head_dim,
+        GROUP=group,
+        BLOCK_D=max(16, next_power_of_2(head_dim)),
+        UPCAST=upcast_after_load(dtype),
+        DOT_PRECISION=dot_precision(dtype, exact),
+    )
+
+
+def log2_scale(sm_scale: float) -> float:
+    """The kernels' ``qk_scale``: scores in log2 units, so that softmax runs on exp2."""
+    return sm_scale * math.log2(math.e)
+
+
+def row_head_strides(*tensors: torch.Tensor) -> tuple[int, ...]:
+    """``stride(0), stride(1)`` of each ``[rows, heads, D]`` tensor in turn (the last dim is
+    contiguous): the stride arguments of the attention kernels."""
+    return tuple(s for t in tensors for s in (t.stride(0), t.stride(1)))
+
+
+def check_block(name: str, value: int) -> None:
+    """A tile size: a power of two >= 16 (tl.dot)."""
+    if value < 16 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+
+
+def check_launch_options(num_warps: int, num_stages: int) -> None:
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"bad launch options num_warps={num_warps} num_stages={num_stages}")
 
 
 def check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
@@ -102,3 +146,64 @@ def check_slot_values(name: str, slots: torch.Tensor, used: int, num_slots: int)
     head = slots[:used]
     if used and (int(head.min()) < 0 or int(head.max()) >= num_slots):
         raise ValueError(f"{name} holds slots outside [0, {num_slots})")
+
+
+def check_attention_tensors(
+    q: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    new_kv: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """q and o ``[N, H, D]``, k_buffer and v_buffer ``[num_slots, KH, D]`` with KH dividing
+    H, and each tensor of ``new_kv`` (name → tensor) ``[N, KH, D]``: all of q's float dtype
+    and on q's device."""
+    check_float("q", q, 3)
+    rows, heads, head_dim = q.shape
+    new_kv = new_kv or {}
+    others = {"o": o, **new_kv, "k_buffer": k_buffer, "v_buffer": v_buffer}
+    for name, x in others.items():
+        check_float(name, x, 3, q.dtype)
+    kv_heads = k_buffer.shape[1]
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
+    check_shape("o", o, (rows, heads, head_dim))
+    for name, x in new_kv.items():
+        check_shape(name, x, (rows, kv_heads, head_dim))
+    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
+    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    for name, x in {"q": q, **others}.items():
+        check_device(name, x, q.device)
+
+
+def check_kv_index(
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    batch: int,
+    num_slots: int,
+    device: torch.device,
+) -> None:
+    """kv_indptr ``[batch + 1]`` and kv_indices on ``device``; on CPU, kv_indptr non-decreasing
+    from 0 and the kv_indices it spans within ``[0, num_slots)``."""
+    check_index("kv_indptr", kv_indptr, batch + 1)
+    check_index("kv_indices", kv_indices)
+    check_device("kv_indptr", kv_indptr, device)
+    check_device("kv_indices", kv_indices, device)
+    check_indptr_values("kv_indptr", kv_indptr, None)
+    if kv_indptr.device.type == "cpu":
+        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), num_slots)
+
+
+def check_sm_scale(sm_scale: float) -> None:
+    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
+        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
+
+
+def check_max_len(name: str, value: int, indptr: torch.Tensor) -> None:
+    """A non-negative int, at least the longest ``indptr`` segment (checked on CPU only)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    if indptr.device.type == "cpu" and indptr.numel() > 1:
+        longest = int(indptr.diff().max())
+        if value < longest:
+            raise ValueError(f"{name} {value} < the longest segment, {longest}")

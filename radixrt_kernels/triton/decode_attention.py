@@ -11,8 +11,8 @@ K/V tile it gathers is read once for all G heads and the scores are one
 tl.dot. Split s covers keys ``[s·L, min((s+1)·L, seq_len))`` with
 L = ceil(seq_len / num_kv_splits) rounded up to BLOCK_N; it writes its
 normalised partial output and its log-sum-exp (natural log, of the scaled
-scores), both float32, to ``partial_o [B, H, S, D]`` / ``partial_lse [B, H, S]``.
-An empty split writes o = 0, lse = -inf.
+scores; ``close_split``), both float32, to ``partial_o [B, H, S, D]`` /
+``partial_lse [B, H, S]``. An empty split writes o = 0, lse = -inf.
 
 Stage 2, grid ``(B, H)``: ``o = Σ_s e^(lse_s - m) · o_s / Σ_s e^(lse_s - m)``,
 m = max_s lse_s, all S splits loaded as one ``[BLOCK_S, D]`` tile.
@@ -20,7 +20,6 @@ m = max_s lse_s, all S splits loaded as one ``[BLOCK_S, D]`` tile.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,15 +29,18 @@ import triton.language as tl
 
 from radixrt_kernels.triton._common import (
     INTERPRET,
+    check_attention_tensors,
+    check_block,
     check_device,
-    check_float,
-    check_index,
-    check_indptr_values,
+    check_kv_index,
+    check_launch_options,
     check_shape,
-    check_slot_values,
-    dot_precision,
+    check_sm_scale,
+    group_rows,
+    head_meta,
+    log2_scale,
     next_power_of_2,
-    upcast_after_load,
+    row_head_strides,
 )
 
 MAX_KV_SPLITS = 64
@@ -53,12 +55,8 @@ class DecodeConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(
-                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
-            )
+        check_block("block_n", self.block_n)
+        check_launch_options(self.num_warps, self.num_stages)
 
 
 INTERPRETER_CONFIG = DecodeConfig(block_n=16, num_warps=4, num_stages=1)
@@ -83,14 +81,9 @@ def launch_meta(
     """Stage 1's constexprs and launch options for these shapes (also used by the compile test)."""
     cfg = config or default_decode_config(head_dim, dtype)
     group = heads // kv_heads
-    return dict(
-        HEAD_DIM=head_dim,
-        GROUP=group,
-        BLOCK_H=max(16, next_power_of_2(group)),
+    return head_meta(dtype, group, head_dim, exact=True) | dict(
+        BLOCK_H=group_rows(group),
         BLOCK_N=cfg.block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
-        UPCAST=upcast_after_load(dtype),
-        DOT_PRECISION=dot_precision(dtype, exact=True),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -110,6 +103,23 @@ class DecodeWorkspace(NamedTuple):
             torch.empty(batch, heads, num_kv_splits, head_dim, dtype=torch.float32, device=device),
             torch.empty(batch, heads, num_kv_splits, dtype=torch.float32, device=device),
         )
+
+    def strides(self) -> tuple[int, ...]:
+        """The kernels' workspace strides: stride_pob, stride_poh, stride_pos, stride_plb,
+        stride_plh (both last dims contiguous)."""
+        po, pl = self
+        return (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
+
+
+def workspace_for(
+    q: torch.Tensor, num_kv_splits: int, workspace: DecodeWorkspace | None = None
+) -> DecodeWorkspace:
+    """``workspace``, checked to fit q ``[B, H, D]`` and ``num_kv_splits``; None allocates one."""
+    batch, heads, head_dim = q.shape
+    if workspace is None:
+        return DecodeWorkspace.allocate(batch, heads, head_dim, num_kv_splits, q.device)
+    check_workspace(workspace, (batch, heads, num_kv_splits, head_dim), q.device)
+    return workspace
 
 
 def choose_num_kv_splits(
@@ -198,10 +208,7 @@ def _decode_stage1(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
 
-    nonempty = l_i > 0  # false for every row of an empty split
-    o = acc / tl.where(nonempty, l_i, 1.0)[:, None]
-    lse2 = m_i + tl.log2(tl.where(nonempty, l_i, 1.0))  # log-sum-exp in log2 units
-    lse = tl.where(nonempty, lse2 * 0.6931471805599453, float("-inf"))  # · ln 2: natural log
+    o, lse = close_split(acc, m_i, l_i)
     tl.store(
         Partial_o
         + req * stride_pob
@@ -212,6 +219,18 @@ def _decode_stage1(
         mask=mask_hd,
     )
     tl.store(Partial_lse + req * stride_plb + heads * stride_plh + split, lse, mask=group < GROUP)
+
+
+@triton.jit
+def close_split(acc, m, l):
+    """One split's normalised output [M, D] and log-sum-exp [M] (natural log) from its online
+    softmax state (acc [M, D], m [M] in log2 units, l [M]); a row that saw no key (l = 0)
+    gets an output of 0 and -inf."""
+    nonempty = l > 0
+    l_safe = tl.where(nonempty, l, 1.0)
+    o = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    return o, lse
 
 
 @triton.jit
@@ -283,52 +302,24 @@ def decode_attention(
     ``DecodeWorkspace.allocate(B, H, D, num_kv_splits, device)``) may be
     reused across layers; None allocates one.
     """
-    _check_decode_args(
-        q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale, num_kv_splits, workspace
-    )
+    check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
+        raise ValueError(
+            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
+        )
+    ws = workspace_for(q, num_kv_splits, workspace)
     batch, heads, head_dim = q.shape
     if batch == 0:
         return o
-    ws = (
-        workspace
-        if workspace is not None
-        else DecodeWorkspace.allocate(batch, heads, head_dim, num_kv_splits, q.device)
-    )
     meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
-    po, pl = ws.partial_o, ws.partial_lse
     _decode_stage1[(batch, k_buffer.shape[1], num_kv_splits)](
-        q,
-        k_buffer,
-        v_buffer,
-        kv_indptr,
-        kv_indices,
-        po,
-        pl,
-        sm_scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        po.stride(0),
-        po.stride(1),
-        po.stride(2),
-        pl.stride(0),
-        pl.stride(1),
-        **meta,
+        *split_kernel_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws), **meta
     )
     _decode_stage2[(batch, heads)](
-        po,
-        pl,
+        *ws,
         o,
-        po.stride(0),
-        po.stride(1),
-        po.stride(2),
-        pl.stride(0),
-        pl.stride(1),
-        o.stride(0),
-        o.stride(1),
+        *ws.strides(),
+        *row_head_strides(o),
         NUM_SPLITS=num_kv_splits,
         HEAD_DIM=head_dim,
         BLOCK_S=next_power_of_2(num_kv_splits),
@@ -338,25 +329,28 @@ def decode_attention(
     return o
 
 
-def _check_decode_args(
+def split_kernel_args(
     q: torch.Tensor,
     k_buffer: torch.Tensor,
     v_buffer: torch.Tensor,
-    o: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
     sm_scale: float,
-    num_kv_splits: int,
-    workspace: DecodeWorkspace | None,
-) -> None:
-    check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
-    if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
-        raise ValueError(
-            f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
-        )
-    if workspace is not None:
-        batch, heads, head_dim = q.shape
-        check_workspace(workspace, (batch, heads, num_kv_splits, head_dim), q.device)
+    ws: DecodeWorkspace,
+) -> tuple[object, ...]:
+    """The positional arguments, Q to stride_plh, of a kernel writing one split per program
+    (``_decode_stage1`` here, the deterministic ``_decode_split_kernel`` too)."""
+    return (
+        q,
+        k_buffer,
+        v_buffer,
+        kv_indptr,
+        kv_indices,
+        *ws,
+        log2_scale(sm_scale),
+        *row_head_strides(q, k_buffer, v_buffer),
+        *ws.strides(),
+    )
 
 
 def check_decode_tensors(
@@ -369,32 +363,9 @@ def check_decode_tensors(
     sm_scale: float,
 ) -> None:
     """The arguments every decode kernel takes (also checked by the deterministic one)."""
-    check_float("q", q, 3)
-    batch, heads, head_dim = q.shape
-    for name, x in (("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_float(name, x, 3, q.dtype)
-    kv_heads = k_buffer.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
-    check_shape("o", o, (batch, heads, head_dim))
-    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
-    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
-    check_index("kv_indptr", kv_indptr, batch + 1)
-    check_index("kv_indices", kv_indices)
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    for name, x in (
-        ("q", q),
-        ("o", o),
-        ("k_buffer", k_buffer),
-        ("v_buffer", v_buffer),
-        ("kv_indptr", kv_indptr),
-        ("kv_indices", kv_indices),
-    ):
-        check_device(name, x, q.device)
-    check_indptr_values("kv_indptr", kv_indptr, None)
-    if kv_indptr.device.type == "cpu":
-        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
+    check_attention_tensors(q, o, k_buffer, v_buffer)
+    check_kv_index(kv_indptr, kv_indices, q.shape[0], k_buffer.shape[0], q.device)
+    check_sm_scale(sm_scale)
 
 
 def check_workspace(

@@ -10,8 +10,8 @@ Per query row, in both kernels:
    from key 0, each split into ``BLOCK_N``-key chunks from its start; the row's last split
    and chunk are masked past its own last key (key p).
 2. ``attend_split`` runs the online softmax of one split chunk by chunk in key order (fp32,
-   exp2 with the scale folded in); ``close_split`` gives its normalised output and
-   log-sum-exp.
+   exp2 with the scale folded in); ``close_split`` (the split-count decode's too) gives its
+   normalised output and log-sum-exp.
 3. ``merge_split`` folds the splits s = 0, 1, ... in that order into a running weighted sum,
    and ``finish`` divides by the total weight.
 Both kernels call these helpers with one set of constexprs (``launch_meta``) on tiles of one
@@ -40,7 +40,6 @@ contraction (``enable_fp_fusion=False``) so the two kernels round the shared cod
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -49,21 +48,24 @@ import triton.language as tl
 
 from radixrt_kernels.triton._common import (
     INTERPRET,
-    check_device,
-    check_float,
-    check_index,
-    check_indptr_values,
-    check_shape,
-    check_slot_values,
-    dot_precision,
-    next_power_of_2,
-    upcast_after_load,
+    check_attention_tensors,
+    check_block,
+    check_launch_options,
+    check_max_len,
+    check_sm_scale,
+    group_rows,
+    head_meta,
+    log2_scale,
+    row_head_strides,
 )
 from radixrt_kernels.triton.decode_attention import (
     DecodeWorkspace,
     check_decode_tensors,
-    check_workspace,
+    close_split,
+    split_kernel_args,
+    workspace_for,
 )
+from radixrt_kernels.triton.extend_attention import check_extend_index, extend_grid
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,17 +82,13 @@ class FixedSplitConfig:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        check_block("block_n", self.block_n)
         if self.split_len < self.block_n or self.split_len % self.block_n:
             raise ValueError(
                 f"split_len ({self.split_len}) must be a positive multiple of "
                 f"block_n ({self.block_n})"
             )
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(
-                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
-            )
+        check_launch_options(self.num_warps, self.num_stages)
 
 
 #: Under the interpreter: two 16-key chunks per split, so short test sequences span splits.
@@ -131,15 +129,10 @@ def launch_meta(
     query row meets the same tile shapes and instructions in both."""
     cfg = config or default_fixed_split_config(head_dim, dtype)
     group = heads // kv_heads
-    return dict(
-        HEAD_DIM=head_dim,
-        GROUP=group,
-        BLOCK_M=max(16, next_power_of_2(group)),
+    return head_meta(dtype, group, head_dim, exact=True) | dict(
+        BLOCK_M=group_rows(group),
         BLOCK_N=cfg.block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
         SPLIT_LEN=cfg.split_len,
-        UPCAST=upcast_after_load(dtype),
-        DOT_PRECISION=dot_precision(dtype, exact=True),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=False,
@@ -156,10 +149,8 @@ def fixed_split_workspace(
     q: torch.Tensor, max_seq_len: int, config: FixedSplitConfig | None = None
 ) -> DecodeWorkspace:
     """A decode workspace for q ``[B, H, D]`` and sequences of up to ``max_seq_len`` keys."""
-    batch, heads, head_dim = q.shape
-    cfg = config or default_fixed_split_config(head_dim, q.dtype)
-    splits = num_fixed_splits(max_seq_len, cfg)
-    return DecodeWorkspace.allocate(batch, heads, head_dim, splits, q.device)
+    cfg = config or default_fixed_split_config(q.shape[2], q.dtype)
+    return workspace_for(q, num_fixed_splits(max_seq_len, cfg))
 
 
 # ---- the per-row reduction both kernels share -----------------------------------------------
@@ -225,17 +216,6 @@ def attend_split(
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def close_split(acc, m, l):
-    """One split's normalised output [M, D] and log-sum-exp [M] (natural log; -inf and an
-    output of 0 for a row that saw no key)."""
-    nonempty = l > 0
-    l_safe = tl.where(nonempty, l, 1.0)
-    o = acc / l_safe[:, None]
-    lse = tl.where(nonempty, (m + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    return o, lse
 
 
 @triton.jit
@@ -397,38 +377,20 @@ def deterministic_decode_attention(
     is ``[B, H, S, D]`` (``fixed_split_workspace``), reusable across layers; None allocates.
     """
     check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    check_max_len("max_seq_len", max_seq_len, kv_indptr)
     batch, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
     cfg = config or default_fixed_split_config(head_dim, q.dtype)
-    _check_max_len("max_seq_len", max_seq_len, kv_indptr)
     splits = num_fixed_splits(max_seq_len, cfg)
-    ws = workspace if workspace is not None else fixed_split_workspace(q, max_seq_len, cfg)
-    check_workspace(ws, (batch, heads, splits, head_dim), q.device)
+    ws = workspace_for(q, splits, workspace)
     if batch == 0:
         return o
     meta = launch_meta(q.dtype, heads, kv_heads, head_dim, cfg)
-    po, pl = ws.partial_o, ws.partial_lse
-    po_strides = (po.stride(0), po.stride(1), po.stride(2), pl.stride(0), pl.stride(1))
     _decode_split_kernel[(batch, kv_heads, splits)](
-        q,
-        k_buffer,
-        v_buffer,
-        kv_indptr,
-        kv_indices,
-        po,
-        pl,
-        sm_scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
-        *po_strides,
-        **meta,
+        *split_kernel_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws), **meta
     )
     _decode_merge_kernel[(batch, kv_heads)](
-        po, pl, kv_indptr, o, *po_strides, o.stride(0), o.stride(1), **merge_meta(meta)
+        *ws, kv_indptr, o, *ws.strides(), *row_head_strides(o), **merge_meta(meta)
     )
     return o
 
@@ -538,17 +500,15 @@ def deterministic_extend_attention(
     K/V must already be stored). max_extend_len sizes the grid; None reads it from qo_indptr
     (a device sync on CUDA).
     """
-    _check_extend_args(q, o, k_buffer, v_buffer, qo_indptr, kv_indptr, kv_indices, sm_scale)
-    t, heads, head_dim = q.shape
-    batch = qo_indptr.numel() - 1
-    if t == 0 or batch == 0:
+    check_attention_tensors(q, o, k_buffer, v_buffer)
+    check_extend_index(q, qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_extend_len)
+    if kv_indptr.device.type == "cpu" and bool((kv_indptr.diff() < qo_indptr.diff()).any()):
+        raise ValueError("kv_indptr has a sequence shorter than its new tokens (qo_indptr)")
+    check_sm_scale(sm_scale)
+    if q.shape[0] == 0 or qo_indptr.numel() <= 1:
         return o
-    if max_extend_len is None:
-        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    _check_max_len("max_extend_len", max_extend_len, qo_indptr)
-    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
-    grid = (triton.cdiv(max_extend_len, meta["BLOCK_M"]), heads, batch)
-    _extend_kernel[grid](
+    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config)
+    _extend_kernel[extend_grid(q, qo_indptr, max_extend_len, meta["BLOCK_M"])](
         q,
         o,
         k_buffer,
@@ -556,68 +516,8 @@ def deterministic_extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
-        sm_scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        o.stride(0),
-        o.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
+        log2_scale(sm_scale),
+        *row_head_strides(q, o, k_buffer, v_buffer),
         **meta,
     )
     return o
-
-
-def _check_extend_args(
-    q: torch.Tensor,
-    o: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
-    qo_indptr: torch.Tensor,
-    kv_indptr: torch.Tensor,
-    kv_indices: torch.Tensor,
-    sm_scale: float,
-) -> None:
-    check_float("q", q, 3)
-    t, heads, head_dim = q.shape
-    for name, x in (("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
-        check_float(name, x, 3, q.dtype)
-    kv_heads = k_buffer.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
-    check_shape("o", o, (t, heads, head_dim))
-    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
-    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
-    check_index("qo_indptr", qo_indptr)
-    check_index("kv_indptr", kv_indptr, qo_indptr.numel())
-    check_index("kv_indices", kv_indices)
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    for name, x in (
-        ("q", q),
-        ("o", o),
-        ("k_buffer", k_buffer),
-        ("v_buffer", v_buffer),
-        ("qo_indptr", qo_indptr),
-        ("kv_indptr", kv_indptr),
-        ("kv_indices", kv_indices),
-    ):
-        check_device(name, x, q.device)
-    check_indptr_values("qo_indptr", qo_indptr, t)
-    check_indptr_values("kv_indptr", kv_indptr, None)
-    if kv_indptr.device.type == "cpu" and kv_indptr.numel():
-        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
-        if bool((kv_indptr.diff() < qo_indptr.diff()).any()):
-            raise ValueError("kv_indptr has a sequence shorter than its new tokens (qo_indptr)")
-
-
-def _check_max_len(name: str, value: int, indptr: torch.Tensor) -> None:
-    """A non-negative int, at least the longest ``indptr`` segment (checked on CPU only)."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative int, got {value!r}")
-    if indptr.device.type == "cpu" and indptr.numel() > 1:
-        longest = int(indptr.diff().max())
-        if value < longest:
-            raise ValueError(f"{name} {value} < the longest segment, {longest}")

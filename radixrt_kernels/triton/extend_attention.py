@@ -22,7 +22,6 @@ is finite after one chunk and no row is ever all -inf.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -31,15 +30,18 @@ import triton.language as tl
 
 from radixrt_kernels.triton._common import (
     INTERPRET,
+    check_attention_tensors,
+    check_block,
     check_device,
-    check_float,
     check_index,
     check_indptr_values,
-    check_shape,
-    check_slot_values,
-    dot_precision,
-    next_power_of_2,
-    upcast_after_load,
+    check_kv_index,
+    check_launch_options,
+    check_max_len,
+    check_sm_scale,
+    head_meta,
+    log2_scale,
+    row_head_strides,
 )
 
 
@@ -53,18 +55,13 @@ class ExtendConfig:
     num_stages: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("block_m", "block_n"):
-            value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        check_block("block_m", self.block_m)
+        check_block("block_n", self.block_n)
         if self.block_m % self.block_n:
             raise ValueError(
                 f"block_m ({self.block_m}) must be a multiple of block_n ({self.block_n})"
             )
-        if self.num_warps not in (1, 2, 4, 8, 16) or self.num_stages < 1:
-            raise ValueError(
-                f"bad launch options num_warps={self.num_warps} num_stages={self.num_stages}"
-            )
+        check_launch_options(self.num_warps, self.num_stages)
 
 
 #: Small tiles for the interpreter: short test sequences still span several chunks.
@@ -96,14 +93,9 @@ def launch_meta(
     """The kernel's constexprs and launch options for these shapes (also used by the compile
     test)."""
     cfg = config or default_extend_config(head_dim, dtype)
-    return dict(
-        HEAD_DIM=head_dim,
-        GROUP=heads // kv_heads,
+    return head_meta(dtype, heads // kv_heads, head_dim, exact=False) | dict(
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
-        BLOCK_D=max(16, next_power_of_2(head_dim)),
-        UPCAST=upcast_after_load(dtype),
-        DOT_PRECISION=dot_precision(dtype, exact=False),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -269,28 +261,13 @@ def extend_attention(
     (the longest ``qo_indptr`` segment) sizes the grid; None reads it from
     qo_indptr (a device sync on CUDA). A smaller value leaves rows unwritten.
     """
-    _check_extend_args(
-        q,
-        k_new,
-        v_new,
-        o,
-        k_buffer,
-        v_buffer,
-        qo_indptr,
-        kv_indptr,
-        kv_indices,
-        sm_scale,
-        max_extend_len,
-    )
-    t, heads, head_dim = q.shape
-    batch = qo_indptr.numel() - 1
-    if t == 0 or batch == 0:
+    check_attention_tensors(q, o, k_buffer, v_buffer, {"k_new": k_new, "v_new": v_new})
+    check_extend_index(q, qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_extend_len)
+    check_sm_scale(sm_scale)
+    if q.shape[0] == 0 or qo_indptr.numel() <= 1:
         return o
-    if max_extend_len is None:
-        max_extend_len = int((qo_indptr[1:] - qo_indptr[:-1]).max())
-    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
-    grid = (triton.cdiv(max_extend_len, meta["BLOCK_M"]), heads, batch)
-    _extend_kernel[grid](
+    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config)
+    _extend_kernel[extend_grid(q, qo_indptr, max_extend_len, meta["BLOCK_M"])](
         q,
         k_new,
         v_new,
@@ -300,78 +277,38 @@ def extend_attention(
         qo_indptr,
         kv_indptr,
         kv_indices,
-        sm_scale * math.log2(math.e),
-        q.stride(0),
-        q.stride(1),
-        k_new.stride(0),
-        k_new.stride(1),
-        v_new.stride(0),
-        v_new.stride(1),
-        o.stride(0),
-        o.stride(1),
-        k_buffer.stride(0),
-        k_buffer.stride(1),
-        v_buffer.stride(0),
-        v_buffer.stride(1),
+        log2_scale(sm_scale),
+        *row_head_strides(q, k_new, v_new, o, k_buffer, v_buffer),
         **meta,
     )
     return o
 
 
-def _check_extend_args(
+def extend_grid(
+    q: torch.Tensor, qo_indptr: torch.Tensor, max_extend_len: int | None, block_m: int
+) -> tuple[int, int, int]:
+    """``(cdiv(max_extend_len, block_m), H, B)``: a program per ``block_m`` new tokens of one
+    query head of one request. None reads max_extend_len from qo_indptr (a device sync on
+    CUDA)."""
+    if max_extend_len is None:
+        max_extend_len = int(qo_indptr.diff().max())
+    return (triton.cdiv(max_extend_len, block_m), q.shape[1], qo_indptr.numel() - 1)
+
+
+def check_extend_index(
     q: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    o: torch.Tensor,
-    k_buffer: torch.Tensor,
-    v_buffer: torch.Tensor,
     qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor,
     kv_indices: torch.Tensor,
-    sm_scale: float,
+    num_slots: int,
     max_extend_len: int | None,
 ) -> None:
-    check_float("q", q, 3)
-    t, heads, head_dim = q.shape
-    for name, x in (
-        ("k_new", k_new),
-        ("v_new", v_new),
-        ("o", o),
-        ("k_buffer", k_buffer),
-        ("v_buffer", v_buffer),
-    ):
-        check_float(name, x, 3, q.dtype)
-    kv_heads = k_buffer.shape[1]
-    if kv_heads == 0 or heads % kv_heads:
-        raise ValueError(f"q has {heads} heads, not a multiple of k_buffer's {kv_heads} KV heads")
-    check_shape("o", o, (t, heads, head_dim))
-    check_shape("k_new", k_new, (t, kv_heads, head_dim))
-    check_shape("v_new", v_new, (t, kv_heads, head_dim))
-    check_shape("k_buffer", k_buffer, (k_buffer.shape[0], kv_heads, head_dim))
-    check_shape("v_buffer", v_buffer, tuple(k_buffer.shape))
+    """qo_indptr ``[B + 1]`` over q's tokens, kv_indptr/kv_indices (``check_kv_index``) on
+    q's device, and ``max_extend_len``, when given, at least the longest qo segment (values
+    checked on CPU only; also checked by the deterministic extend)."""
     check_index("qo_indptr", qo_indptr)
-    check_index("kv_indptr", kv_indptr, qo_indptr.numel())
-    check_index("kv_indices", kv_indices)
-    for name, x in (
-        ("q", q),
-        ("k_new", k_new),
-        ("v_new", v_new),
-        ("o", o),
-        ("k_buffer", k_buffer),
-        ("v_buffer", v_buffer),
-        ("qo_indptr", qo_indptr),
-        ("kv_indptr", kv_indptr),
-        ("kv_indices", kv_indices),
-    ):
-        check_device(name, x, q.device)
-    if not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale) and sm_scale > 0):
-        raise ValueError(f"sm_scale must be a positive finite number, got {sm_scale!r}")
-    if max_extend_len is not None and (not isinstance(max_extend_len, int) or max_extend_len < 0):
-        raise ValueError(f"max_extend_len must be a non-negative int, got {max_extend_len!r}")
-    check_indptr_values("qo_indptr", qo_indptr, t)
-    check_indptr_values("kv_indptr", kv_indptr, None)
-    if kv_indptr.device.type == "cpu" and kv_indptr.numel():
-        check_slot_values("kv_indices", kv_indices, int(kv_indptr[-1]), k_buffer.shape[0])
-        longest = int((qo_indptr[1:] - qo_indptr[:-1]).max()) if qo_indptr.numel() > 1 else 0
-        if max_extend_len is not None and max_extend_len < longest:
-            raise ValueError(f"max_extend_len {max_extend_len} < longest extend {longest}")
+    check_device("qo_indptr", qo_indptr, q.device)
+    check_indptr_values("qo_indptr", qo_indptr, q.shape[0])
+    check_kv_index(kv_indptr, kv_indices, qo_indptr.numel() - 1, num_slots, q.device)
+    if max_extend_len is not None:
+        check_max_len("max_extend_len", max_extend_len, qo_indptr)
