@@ -2,7 +2,7 @@
 
 Once per step, ``init_forward_metadata`` builds the index tensors on the
 pool's device, sized from the batch's host-side lengths (no device sync), into
-a metadata record that runs its kernel:
+a metadata record (``plan``) that runs its kernel (``run``):
 - EXTEND: ``qo_indptr [B+1]`` over the new tokens; ``kv_indptr [B+1]`` and
   ``kv_indices`` over each request's cached prefix,
   ``req_to_token[row_b, :prefix_len_b]``. The new tokens' K/V are read
@@ -16,7 +16,7 @@ run ``deterministic_attention``: a query's output bits do not depend on the
 batch, the cache hit or decode vs extend. Its extend indexes each whole
 sequence ``req_to_token[row_b, :seq_len_b]`` (the new K/V are stored first);
 its decode splits keys at fixed offsets, the split axis sized from the longest
-sequence.
+sequence. Its records subclass the split-count ones: same planning, other kernel.
 Per layer, ``forward`` stores the new K/V with ``store_kv`` and runs the step's
 record. On CPU it works only under the Triton interpreter (``TRITON_INTERPRET=1``
 set before import), which is slow and meant for tests.
@@ -24,7 +24,9 @@ set before import), which is slow and meant for tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -35,6 +37,7 @@ from radixrt_kernels.triton.decode_attention import (
     DecodeWorkspace,
     choose_num_kv_splits,
     decode_attention,
+    workspace_for,
 )
 from radixrt_kernels.triton.deterministic_attention import (
     deterministic_decode_attention,
@@ -53,10 +56,24 @@ MIN_SPLIT_LEN = 256
 
 @dataclass
 class _ExtendMeta:
+    """Split-count extend: kv_indices index each cached prefix; the kernel reads the new
+    tokens' K/V from the layer's k, v."""
+
     qo_indptr: torch.Tensor  # int64 [B + 1] over the T new tokens
     kv_indptr: torch.Tensor  # int64 [B + 1] over kv_indices
-    kv_indices: torch.Tensor  # int64 [sum of prefix lens]: slots of each cached prefix
+    kv_indices: torch.Tensor  # int64 [sum of gathered_lens]: each request's slots
     max_extend_len: int
+    attend: ClassVar[Callable[..., torch.Tensor]] = staticmethod(extend_attention)
+
+    @staticmethod
+    def gathered_lens(batch: ForwardBatch) -> list[int]:
+        return batch.prefix_lens
+
+    @classmethod
+    def plan(cls, table: torch.Tensor, batch: ForwardBatch) -> _ExtendMeta:
+        kv_indptr, kv_indices = _kv_index(table, batch.req_rows, cls.gathered_lens(batch))
+        qo_indptr = _indptr(batch.extend_lens, table.device)
+        return cls(qo_indptr, kv_indptr, kv_indices, max(batch.extend_lens))
 
     def run(
         self,
@@ -68,27 +85,47 @@ class _ExtendMeta:
         scaling: float,
     ) -> torch.Tensor:
         o = q.new_empty(q.shape)
-        return extend_attention(
-            q,
-            k,
-            v,
-            o,
-            k_buf,
-            v_buf,
-            self.qo_indptr,
-            self.kv_indptr,
-            self.kv_indices,
-            scaling,
-            self.max_extend_len,
-        )
+        index = (self.qo_indptr, self.kv_indptr, self.kv_indices)
+        return self.attend(q, k, v, o, k_buf, v_buf, *index, scaling, self.max_extend_len)
+
+
+class _FixedExtendMeta(_ExtendMeta):
+    """Fixed-split extend: kv_indices index each whole sequence (the new K/V are stored
+    first), so the cache hit does not show in the arithmetic."""
+
+    @staticmethod
+    def gathered_lens(batch: ForwardBatch) -> list[int]:
+        return batch.seq_lens
+
+    @staticmethod
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        k_buf: torch.Tensor,
+        v_buf: torch.Tensor,
+        *index_and_scale: object,
+    ) -> torch.Tensor:
+        """``extend_attention``'s arguments; the new K/V (k, v) are read from the buffers."""
+        return deterministic_extend_attention(q, o, k_buf, v_buf, *index_and_scale)
 
 
 @dataclass
 class _DecodeMeta:
+    """Split-count decode over each whole sequence; ``split_arg`` is ``num_kv_splits``,
+    chosen from the batch shape."""
+
     kv_indptr: torch.Tensor  # int64 [B + 1]
     kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
-    num_kv_splits: int
+    split_arg: int  # the kernel's split argument (after sm_scale), which sizes the workspace
     workspace: DecodeWorkspace | None = None  # allocated by the first layer
+    attend: ClassVar[Callable[..., torch.Tensor]] = staticmethod(decode_attention)
+    new_workspace: ClassVar[Callable[..., DecodeWorkspace]] = staticmethod(workspace_for)
+
+    @classmethod
+    def plan(cls, table: torch.Tensor, batch: ForwardBatch, split_arg: int) -> _DecodeMeta:
+        return cls(*_kv_index(table, batch.req_rows, batch.seq_lens), split_arg)
 
     def run(
         self,
@@ -100,84 +137,18 @@ class _DecodeMeta:
         scaling: float,
     ) -> torch.Tensor:
         if self.workspace is None:
-            batch, heads, head_dim = q.shape
-            self.workspace = DecodeWorkspace.allocate(
-                batch, heads, head_dim, self.num_kv_splits, q.device
-            )
+            self.workspace = self.new_workspace(q, self.split_arg)
         o = q.new_empty(q.shape)
-        return decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            o,
-            self.kv_indptr,
-            self.kv_indices,
-            scaling,
-            self.num_kv_splits,
-            self.workspace,
-        )
+        index = (self.kv_indptr, self.kv_indices)
+        return self.attend(q, k_buf, v_buf, o, *index, scaling, self.split_arg, self.workspace)
 
 
-@dataclass
-class _FixedExtendMeta:
-    qo_indptr: torch.Tensor  # int64 [B + 1] over the T new tokens
-    kv_indptr: torch.Tensor  # int64 [B + 1] over kv_indices
-    kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
-    max_extend_len: int
+class _FixedDecodeMeta(_DecodeMeta):
+    """Fixed-split decode; ``split_arg`` is ``max_seq_len``, which sizes the split axis and
+    moves no split boundary."""
 
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor:
-        o = q.new_empty(q.shape)
-        return deterministic_extend_attention(
-            q,
-            o,
-            k_buf,
-            v_buf,
-            self.qo_indptr,
-            self.kv_indptr,
-            self.kv_indices,
-            scaling,
-            self.max_extend_len,
-        )
-
-
-@dataclass
-class _FixedDecodeMeta:
-    kv_indptr: torch.Tensor  # int64 [B + 1]
-    kv_indices: torch.Tensor  # int64 [sum of seq lens]: slots of each whole sequence
-    max_seq_len: int
-    workspace: DecodeWorkspace | None = None  # allocated by the first layer
-
-    def run(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_buf: torch.Tensor,
-        v_buf: torch.Tensor,
-        scaling: float,
-    ) -> torch.Tensor:
-        if self.workspace is None:
-            self.workspace = fixed_split_workspace(q, self.max_seq_len)
-        o = q.new_empty(q.shape)
-        return deterministic_decode_attention(
-            q,
-            k_buf,
-            v_buf,
-            o,
-            self.kv_indptr,
-            self.kv_indices,
-            scaling,
-            self.max_seq_len,
-            self.workspace,
-        )
+    attend = staticmethod(deterministic_decode_attention)
+    new_workspace = staticmethod(fixed_split_workspace)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -196,13 +167,22 @@ class TritonAttentionBackend(AttentionBackend):
                 f"attention_backend='triton' needs a CUDA device, got {pool.device} "
                 "(on CPU set TRITON_INTERPRET=1 before import, or use 'torch')"
             )
-        self._plan = _plan_fixed_splits if deterministic else self._plan_split_count
+        if deterministic:
+            self._extend, self._decode = _FixedExtendMeta, _FixedDecodeMeta
+            self._split_arg = _longest_sequence
+        else:
+            self._extend, self._decode = _ExtendMeta, _DecodeMeta
+            self._split_arg = self._num_kv_splits
 
     def describe(self) -> str:
         return f"{self.name} (deterministic: fixed KV splits)" if self.deterministic else self.name
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        batch.attn_metadata = self._plan(self.pool.req_to_token, batch)
+        table = self.pool.req_to_token
+        if batch.mode is ForwardMode.DECODE:
+            batch.attn_metadata = self._decode.plan(table, batch, self._split_arg(batch))
+        else:
+            batch.attn_metadata = self._extend.plan(table, batch)
 
     def forward(
         self,
@@ -217,34 +197,18 @@ class TritonAttentionBackend(AttentionBackend):
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
         return batch.attn_metadata.run(q, k, v, k_buf, v_buf, scaling)
 
-    def _plan_split_count(
-        self, table: torch.Tensor, batch: ForwardBatch
-    ) -> _DecodeMeta | _ExtendMeta:
-        if batch.mode is ForwardMode.DECODE:
-            kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
-            splits = choose_num_kv_splits(
-                batch.batch_size,
-                self.pool.kv_heads,
-                max(batch.seq_lens),
-                self.num_sms,
-                self.min_split_len,
-            )
-            return _DecodeMeta(kv_indptr, kv_indices, splits)
-        kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.prefix_lens)
-        return _ExtendMeta(
-            _indptr(batch.extend_lens, table.device), kv_indptr, kv_indices, max(batch.extend_lens)
+    def _num_kv_splits(self, batch: ForwardBatch) -> int:
+        return choose_num_kv_splits(
+            batch.batch_size,
+            self.pool.kv_heads,
+            max(batch.seq_lens),
+            self.num_sms,
+            self.min_split_len,
         )
 
 
-def _plan_fixed_splits(
-    table: torch.Tensor, batch: ForwardBatch
-) -> _FixedDecodeMeta | _FixedExtendMeta:
-    """Both modes index whole sequences; the splits depend on no batch shape."""
-    kv_indptr, kv_indices = _kv_index(table, batch.req_rows, batch.seq_lens)
-    if batch.mode is ForwardMode.DECODE:
-        return _FixedDecodeMeta(kv_indptr, kv_indices, max(batch.seq_lens))
-    qo_indptr = _indptr(batch.extend_lens, table.device)
-    return _FixedExtendMeta(qo_indptr, kv_indptr, kv_indices, max(batch.extend_lens))
+def _longest_sequence(batch: ForwardBatch) -> int:
+    return max(batch.seq_lens)
 
 
 def _indptr(lens: list[int], device: torch.device) -> torch.Tensor:
