@@ -89,3 +89,14 @@ def assert_matches(out: torch.Tensor, ref: torch.Tensor, seed: int) -> None:
         rtol=rtol,
         msg=lambda m: f"seed {seed}: max abs err {err:.3g}, rel {rel:.3g}\n{m}",
     )
+
+
+def assert_rejects(kernel, args: dict, name: str, replace, arg: str, checks_values: bool) -> None:
+    """``kernel(**args)`` with ``args[name] = replace(args)`` raises a ValueError naming
+    ``arg`` first. A case that only breaks index values (``checks_values``) runs on CPU only:
+    the wrappers check values only there, where it costs no device sync."""
+    if checks_values and DEVICE.type != "cpu":
+        pytest.skip("index values are checked only for CPU tensors")
+    args[name] = replace(args)
+    with pytest.raises(ValueError, match=rf"^{arg}\b"):
+        kernel(**args)

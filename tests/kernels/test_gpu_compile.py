@@ -40,6 +40,20 @@ SM90 = 90
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 MAX_SHARED_BYTES = 227 * 1024
 TYPE = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
+# (dtype, head_dim, query heads per KV head) of the decode kernels
+DECODE_SHAPES = [
+    (torch.bfloat16, 64, 4),
+    (torch.bfloat16, 128, 1),
+    (torch.bfloat16, 128, 8),
+    (torch.bfloat16, 256, 4),
+    (torch.float32, 128, 4),
+]
+
+
+def _split_pointers(t: str) -> dict[str, str]:
+    """Pointer types of a kernel writing one decode split per program (both families)."""
+    pointers = {"Q": t, "K_buf": t, "V_buf": t, "Kv_indptr": "i64", "Kv_indices": "i64"}
+    return pointers | {"Partial_o": "fp32", "Partial_lse": "fp32"}
 
 
 def _compile(fn, pointers: dict[str, str], meta: dict[str, object]) -> tuple[int, int]:
@@ -104,30 +118,11 @@ def test_extend_compiles_for_sm90(dtype, head_dim):
         assert spills == 0
 
 
-@pytest.mark.parametrize(
-    "dtype,head_dim,group",
-    [
-        (torch.bfloat16, 64, 4),
-        (torch.bfloat16, 128, 1),
-        (torch.bfloat16, 128, 8),
-        (torch.bfloat16, 256, 4),
-        (torch.float32, 128, 4),
-    ],
-    ids=str,
-)
+@pytest.mark.parametrize("dtype,head_dim,group", DECODE_SHAPES, ids=str)
 def test_decode_compiles_for_sm90(dtype, head_dim, group):
     t = TYPE[dtype]
-    pointers = {
-        "Q": t,
-        "K_buf": t,
-        "V_buf": t,
-        "Kv_indptr": "i64",
-        "Kv_indices": "i64",
-        "Partial_o": "fp32",
-        "Partial_lse": "fp32",
-    }
     shared, spills = _compile(
-        decode._decode_stage1, pointers, decode.launch_meta(dtype, 8 * group, 8, head_dim)
+        decode._decode_stage1, _split_pointers(t), decode.launch_meta(dtype, 8 * group, 8, head_dim)
     )
     assert shared <= MAX_SHARED_BYTES
     assert spills == 0
@@ -140,16 +135,7 @@ def test_decode_compiles_for_sm90(dtype, head_dim, group):
 
 @pytest.mark.parametrize(
     "dtype,head_dim,group",
-    [
-        (torch.bfloat16, 64, 4),
-        (torch.bfloat16, 128, 1),
-        (torch.bfloat16, 128, 8),
-        (torch.bfloat16, 256, 4),
-        (torch.bfloat16, 256, 32),
-        (torch.float16, 128, 32),
-        (torch.float32, 128, 4),
-        (torch.float32, 256, 8),
-    ],
+    DECODE_SHAPES + [(torch.bfloat16, 256, 32), (torch.float16, 128, 32), (torch.float32, 256, 8)],
     ids=str,
 )
 def test_deterministic_kernels_compile_for_sm90(dtype, head_dim, group):
@@ -157,13 +143,11 @@ def test_deterministic_kernels_compile_for_sm90(dtype, head_dim, group):
     t = TYPE[dtype]
     meta = fixed.launch_meta(dtype, 8 * group, 8, head_dim)
     assert meta["enable_fp_fusion"] is False
-    split = {"Q": t, "K_buf": t, "V_buf": t, "Kv_indptr": "i64", "Kv_indices": "i64"}
-    split |= {"Partial_o": "fp32", "Partial_lse": "fp32"}
     merge = {"Partial_o": "fp32", "Partial_lse": "fp32", "Kv_indptr": "i64", "O": t}
     extend_ptrs = {n: t for n in ("Q", "O", "K_buf", "V_buf")}
     extend_ptrs |= {n: "i64" for n in ("Qo_indptr", "Kv_indptr", "Kv_indices")}
     for kernel, pointers, kernel_meta in (
-        (fixed._decode_split_kernel, split, meta),
+        (fixed._decode_split_kernel, _split_pointers(t), meta),
         (fixed._decode_merge_kernel, merge, fixed.merge_meta(meta)),
         (fixed._extend_kernel, extend_ptrs, meta),
     ):
