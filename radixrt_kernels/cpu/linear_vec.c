@@ -421,11 +421,18 @@ int radixrt_linear_vec_available(int kernel) {
  * [k][rows of the panel]. (Threads that share the work split the features: a panel's rows
  * interleave, its features lie one after another.) */
 void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
-    const int64_t m = c->m, k = c->k;
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
+    const int64_t m = c->m, k = c->k, xs = c->x_stride;
+    for (int64_t p0 = r0 / MR_FMA * MR_FMA; p0 < r1; p0 += MR_FMA) {
+        const int64_t mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
         float *panel = xf + p0 * k;
-        for (int64_t i = i0; i < i1; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * c->x_stride + i]);
+        if (mr == MR_FMA && p0 >= r0 && p0 + MR_FMA <= r1) { /* a whole panel: a feature's rows at once */
+            for (int64_t i = i0; i < i1; i++)
+#pragma GCC unroll 16
+                for (int q = 0; q < MR_FMA; q++) panel[i * MR_FMA + q] = bf16_to_f32(c->x[(p0 + q) * xs + i]);
+            continue;
+        }
+        for (int64_t r = p0 > r0 ? p0 : r0; r < p0 + mr && r < r1; r++)
+            for (int64_t i = i0; i < i1; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * xs + i]);
     }
 }
 
@@ -495,7 +502,7 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
     if (kernel == KERNEL_FMA) {
         if ((xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64))) == NULL) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
-        for (int64_t r = 0; r < m; r++) radixrt_vec_widen(&c, xf, r, r + 1, 0, k);
+        for (int64_t r = 0; r < m; r += MR_FMA) radixrt_vec_widen(&c, xf, r, r + MR_FMA < m ? r + MR_FMA : m, 0, k);
     }
 #pragma omp parallel num_threads(num_threads)
     radixrt_vec_part(&c, xf, omp_get_thread_num(), omp_get_num_threads());
