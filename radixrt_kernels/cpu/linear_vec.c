@@ -21,6 +21,7 @@
  * thread takes its blocks in groups that stay in L2 while every pass of rows runs over them.
  */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -285,15 +286,27 @@ static void wide_block(const float *xf, int64_t m, int64_t k, int64_t r0, int ro
         wide_segment(xf, m, k, r0, rows, wb, k0, k0 + WIDE_SEGMENT < k ? k0 + WIDE_SEGMENT : k, acc);
 }
 
+static pthread_key_t room_key; /* a thread's room, freed when the thread ends ... */
+static pthread_once_t room_key_once = PTHREAD_ONCE_INIT;
+static int room_key_made; /* ... where the key could be made (else no thread has room) */
+
+static void room_key_create(void) {
+    room_key_made = pthread_key_create(&room_key, free) == 0;
+}
+
 /* This thread's room for widened weights: grown to `floats` where smaller, kept for the
  * thread's life (reused by every call). NULL if it cannot be had. */
 static float *wide_room(int64_t floats) {
     static __thread float *room;
     static __thread int64_t size;
     if (floats > size) {
+        pthread_once(&room_key_once, room_key_create);
+        if (!room_key_made) return NULL;
         free(room);
         size = 0;
-        if ((room = aligned_alloc(64, (size_t)floats * 4)) == NULL) return NULL;
+        room = aligned_alloc(64, (size_t)floats * 4);
+        pthread_setspecific(room_key, room);
+        if (room == NULL) return NULL;
         size = floats;
     }
     return room;
