@@ -136,7 +136,9 @@ def fma_cases(lib, x: torch.Tensor, positions: torch.Tensor, gen: torch.Generato
             elementwise.silu_mul(lib, f32_linear(lib, x, w[320])),
         ),
         "rotary": (
-            lambda r: cpu_linear.linear(lib, x[r], packed[640], 640, bias[640], rope=rope(r), **fma),
+            lambda r: cpu_linear.linear(
+                lib, x[r], packed[640], 640, bias[640], rope=rope(r), **fma
+            ),
             rotated,
         ),
     }
