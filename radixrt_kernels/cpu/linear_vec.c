@@ -7,15 +7,21 @@
  *   masked: one instruction per 16 values) and multiplied with float32 FMA by x converted to
  *   float32 once per call. Built for AVX-512 (MR_FMA rows × 2 tiles of accumulators in
  *   registers) or the build's narrower vectors (AVX2, SSE, NEON: 4 rows, one tile at a
- *   time; 1-2 rows over both tiles).
+ *   time; 1-2 rows over both tiles). In builds with FMA but without AVX-512 (AVX2), calls of
+ *   WIDE_MIN_ROWS rows or more take the widened path instead: each thread widens a group of its
+ *   blocks to float32 once per call, into a buffer it keeps, and every pass multiplies from
+ *   there, MR_W rows × WV vectors of accumulators at a time.
  * - DPBF16 (AVX512-BF16): vdpbf16ps on the pairs as they are, x's pairs broadcast.
- * Both add the products in input-feature order into float32 sums per row and feature; the
- * results are written by linear_out.h, as the AMX kernel's are (bias in float32, one rounding
- * to bf16; the gated and rotary epilogues). Threads split the blocks as the AMX kernel does;
- * with more than 64 rows a thread takes its blocks in groups that stay in L2 while every pass
- * of 32 rows runs over them.
+ * The FMA kernel computes each output as one chain over the input features in order from 0
+ * (an FMA per feature; a multiply and an add in a build without FMA), whatever its path,
+ * register block, pass or thread count: the bits of linear_f32 on the same weights. DPBF16
+ * adds its pairs' products in input-feature order. Both kernels' float32 sums are written by
+ * linear_out.h, as the AMX kernel's are (bias in float32, one rounding to bf16; the gated and
+ * rotary epilogues). Threads split the blocks as the AMX kernel does; with more than 64 rows a
+ * thread takes its blocks in groups that stay in L2 while every pass of rows runs over them.
  */
 #include <omp.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -39,6 +45,20 @@
 #define MR_FMA 4 /* 4 rows × one tile (16 features) in the build's vectors (vf, common.h) */
 #define NT_FMA 1
 #endif
+/* The FMA kernel's widened path: builds with FMA but not AVX-512 (whose register block takes
+ * both tiles of a chunk, the widening shared by 12 rows), calls of WIDE_MIN_ROWS rows or more
+ * (prefills: decode-sized calls stream their weights once and keep the packed path). */
+#if !defined(__AVX512F__) && defined(__FMA__)
+#define WIDE 1
+#else
+#define WIDE 0
+#endif
+#define WIDE_MIN_ROWS 65     /* from this many rows */
+#define MR_W 6               /* rows per register block ... */
+#define WV 2                 /* ... by this many vectors of VL features: 12 accumulators */
+#define WIDE_PASS 24         /* rows per pass (whole register blocks) */
+#define WIDE_SEGMENT 256     /* input features per segment */
+#define WIDE_BYTES (1 << 20) /* float32 weights a thread widens per group, about (at least a unit) */
 #define MR_DP 12
 #define SEGMENT 8 /* chunks per segment: 16 KiB of weights */
 #define WIDEN_PARALLEL_MIN 65536 /* x values widened by the threads together from here */
@@ -158,6 +178,162 @@ static inline __attribute__((always_inline)) void fma_rows(int mr, const float *
 }
 #endif
 
+#if WIDE
+/* ---- the widened path (see WIDE) ----
+ * A thread widens a group's blocks to float32 once per call, [2 tiles][k][16 features] per
+ * block, into a buffer of its own; every pass of the call then multiplies from it, MR_W rows
+ * × WV vectors at a time, each sum continued by one FMA per input feature in order, as
+ * fma_rows adds them: the same bits. x is read in radixrt_vec_widen's panels as they are. */
+
+/* Block w (packed: chunks × 2 tiles × 16 K-pairs × 16 features) as float32 at out: feature
+ * 16·t + f, input feature i at out[(t·k + i)·16 + f], k = chunks·KC. */
+static void widen_block(const uint32_t *w, int64_t chunks, float *out) {
+    const int64_t k = chunks * KC;
+    for (int64_t c = 0; c < chunks; c++) {
+        for (int t = 0; t < 2; t++)
+            for (int p = 0; p < 16; p++) {
+                const uint32_t *src = w + (c * 2 + t) * TILE_DWORDS + p * 16;
+                float *lo = out + (t * k + c * KC + 2 * p) * 16, *hi = lo + 16;
+                for (int h = 0; h < 16 / VL; h++) {
+                    vfu d;
+                    memcpy(&d, src + VL * h, sizeof d);
+                    const vf l = (vf)(d << 16), u = (vf)(d & 0xffff0000u);
+                    memcpy(lo + VL * h, &l, sizeof l);
+                    memcpy(hi + VL * h, &u, sizeof u);
+                }
+            }
+    }
+}
+
+/* acc[i][0 .. WV·VL - 1] for rows i < mr over input features k0 .. k1 - 1: row i's x value
+ * for input kk at xr[i][kk·xs] (its panel of x widened, see radixrt_vec_widen), the weights
+ * at wt[kk·16 ..] (a widened tile from some feature); the sums continue from acc, or start
+ * at 0 where k0 is 0. */
+static inline __attribute__((always_inline)) void wide_rows(int mr, const float *const *xr, int64_t xs,
+                                                            const float *wt, int64_t k0, int64_t k1,
+                                                            float (*acc)[NB], int col) {
+    vf a[MR_W][WV];
+#pragma GCC unroll 8
+    for (int i = 0; i < MR_W; i++)
+        for (int v = 0; v < WV; v++) {
+            a[i][v] = (vf){0};
+            if (k0 > 0 && i < mr) memcpy(&a[i][v], &acc[i][col + VL * v], sizeof(vf));
+        }
+#pragma GCC unroll 4
+    for (int64_t kk = k0; kk < k1; kk++) {
+        vf wv[WV];
+        for (int v = 0; v < WV; v++) memcpy(&wv[v], wt + kk * 16 + VL * v, sizeof(vf));
+#pragma GCC unroll 8
+        for (int i = 0; i < mr; i++) {
+            const float xi = xr[i][kk * xs];
+            for (int v = 0; v < WV; v++) a[i][v] += xi * wv[v];
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < WV; v++) memcpy(&acc[i][col + VL * v], &a[i][v], sizeof(vf));
+}
+
+/* wide_rows for n rows (1 .. MR_W), with n, and x's stride where the rows lie in whole panels,
+ * constants in its loop. A function of its own: the 12 accumulators, 2 weight vectors and a broadcast take 15 of
+ * AVX2's 16 registers, none left for a caller's values. */
+static __attribute__((noinline)) void wide_register_block(int n, const float *const *xr, int64_t xs,
+                                                          const float *wt, int64_t k0, int64_t k1,
+                                                          float (*acc)[NB], int col) {
+    if (xs != MR_FMA) { /* the last, partial panel's rows */
+        wide_rows(n, xr, xs, wt, k0, k1, acc, col);
+        return;
+    }
+    switch (n) {
+#define WIDE_ROWS(c) \
+    case c: wide_rows(c, xr, MR_FMA, wt, k0, k1, acc, col); break;
+        WIDE_ROWS(1) WIDE_ROWS(2) WIDE_ROWS(3) WIDE_ROWS(4) WIDE_ROWS(5) WIDE_ROWS(6)
+#undef WIDE_ROWS
+    default: break;
+    }
+}
+
+/* Rows r0 .. r0 + rows - 1 of x widened (m rows, k input features: panels of MR_FMA rows, the
+ * last holding the rest) into acc (row r0 at acc[0]), input features k0 .. k1 - 1 of block wb
+ * (widened). A register block takes rows that share a panel stride: rows of whole panels, or
+ * of the last, partial one. */
+static void wide_segment(const float *xf, int64_t m, int64_t k, int64_t r0, int rows, const float *wb,
+                         int64_t k0, int64_t k1, float (*acc)[NB]) {
+    const int64_t whole = m / MR_FMA * MR_FMA; /* rows in whole panels */
+    for (int col = 0; col < NB; col += WV * VL) {
+        const float *wt = wb + col / 16 * k * 16 + col % 16;
+        for (int i = 0; i < rows;) {
+            const int64_t j = r0 + i, xs = j < whole ? MR_FMA : m - whole;
+            int64_t n = (j < whole ? whole : m) - j; /* rows up to the stride's end, at most MR_W */
+            n = n < rows - i ? n : rows - i;
+            n = n < MR_W ? n : MR_W;
+            const float *xr[MR_W] = {0};
+            for (int q = 0; q < n; q++) { /* row j + q: its panel, from the row's column */
+                const int64_t p0 = j + q < whole ? (j + q) / MR_FMA * MR_FMA : whole;
+                xr[q] = xf + p0 * k + (j + q - p0);
+            }
+            wide_register_block((int)n, xr, xs, wt, k0, k1, acc + i, col);
+            i += (int)n;
+        }
+    }
+}
+
+/* One block's sums (wb: widened) for rows r0 .. r0 + rows - 1, over segments of WIDE_SEGMENT
+ * input features (a segment's weights and x stay in L1 while every register block reads them). */
+static void wide_block(const float *xf, int64_t m, int64_t k, int64_t r0, int rows, const float *wb,
+                       float (*acc)[NB]) {
+    for (int64_t k0 = 0; k0 < k; k0 += WIDE_SEGMENT)
+        wide_segment(xf, m, k, r0, rows, wb, k0, k0 + WIDE_SEGMENT < k ? k0 + WIDE_SEGMENT : k, acc);
+}
+
+static pthread_key_t room_key; /* a thread's room, freed when the thread ends ... */
+static pthread_once_t room_key_once = PTHREAD_ONCE_INIT;
+static int room_key_made; /* ... where the key could be made (else no thread has room) */
+
+static void room_key_create(void) {
+    room_key_made = pthread_key_create(&room_key, free) == 0;
+}
+
+/* This thread's room for widened weights: grown to `floats` where smaller, kept for the
+ * thread's life (reused by every call). NULL if it cannot be had. */
+static float *wide_room(int64_t floats) {
+    static __thread float *room;
+    static __thread int64_t size;
+    if (floats > size) {
+        pthread_once(&room_key_once, room_key_create);
+        if (!room_key_made) return NULL;
+        free(room);
+        size = 0;
+        room = aligned_alloc(64, (size_t)floats * 4);
+        pthread_setspecific(room_key, room);
+        if (room == NULL) return NULL;
+        size = floats;
+    }
+    return room;
+}
+
+/* Blocks b0 .. b1 - 1 of c's weights widened into this thread's room (block b at
+ * (b - b0)·k·NB), or NULL where there is no room: the caller then reads the packed weights. */
+static const float *widen_group(const struct vec_call *c, int64_t b0, int64_t b1) {
+    const int64_t chunks = c->k / KC, block_elems = chunks * 2 * 512;
+    float *room = wide_room((b1 - b0) * c->k * NB);
+    if (room == NULL) return NULL;
+    for (int64_t b = b0; b < b1; b++)
+        widen_block((const uint32_t *)(c->packed + b * block_elems), chunks, room + (b - b0) * c->k * NB);
+    return room;
+}
+#else
+static const float *widen_group(const struct vec_call *c, int64_t b0, int64_t b1) {
+    (void)c, (void)b0, (void)b1;
+    return NULL;
+}
+
+static void wide_block(const float *xf, int64_t m, int64_t k, int64_t r0, int rows, const float *wb,
+                       float (*acc)[NB]) {
+    (void)xf, (void)m, (void)k, (void)r0, (void)rows, (void)wb, (void)acc;
+}
+#endif
+
 /* Rows 0 .. rows - 1 of acc over chunks c0 .. c1 - 1 of tiles t0 .. t0 + NT_FMA - 1; x: the
  * pass's panels of MR_FMA rows (the last may have fewer), k input features each. */
 static inline void fma_segment(const float *x, int64_t k, const uint32_t *w, int64_t c0, int64_t c1,
@@ -258,11 +434,18 @@ int radixrt_linear_vec_available(int kernel) {
  * [k][rows of the panel]. (Threads that share the work split the features: a panel's rows
  * interleave, its features lie one after another.) */
 void radixrt_vec_widen(const struct vec_call *c, float *xf, int64_t r0, int64_t r1, int64_t i0, int64_t i1) {
-    const int64_t m = c->m, k = c->k;
-    for (int64_t r = r0; r < r1; r++) {
-        const int64_t p0 = r / MR_FMA * MR_FMA, mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
+    const int64_t m = c->m, k = c->k, xs = c->x_stride;
+    for (int64_t p0 = r0 / MR_FMA * MR_FMA; p0 < r1; p0 += MR_FMA) {
+        const int64_t mr = m - p0 < MR_FMA ? m - p0 : MR_FMA;
         float *panel = xf + p0 * k;
-        for (int64_t i = i0; i < i1; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * c->x_stride + i]);
+        if (mr == MR_FMA && p0 >= r0 && p0 + MR_FMA <= r1) { /* a whole panel: a feature's rows at once */
+            for (int64_t i = i0; i < i1; i++)
+#pragma GCC unroll 16
+                for (int q = 0; q < MR_FMA; q++) panel[i * MR_FMA + q] = bf16_to_f32(c->x[(p0 + q) * xs + i]);
+            continue;
+        }
+        for (int64_t r = p0 > r0 ? p0 : r0; r < p0 + mr && r < r1; r++)
+            for (int64_t i = i0; i < i1; i++) panel[i * mr + (r - p0)] = bf16_to_f32(c->x[r * xs + i]);
     }
 }
 
@@ -281,23 +464,26 @@ int radixrt_vec_check(const struct vec_call *c) {
 /* Thread `id` of `threads`: its share of the call's output blocks (xf: x widened, for FMA). */
 void radixrt_vec_part(const struct vec_call *c, const float *xf, int64_t id, int64_t threads) {
     const int64_t m = c->m, n = c->n, k = c->k;
-    /* rows per pass: the FMA kernel's are whole panels, so a pass never splits one */
-    const int64_t pass = c->kernel == KERNEL_FMA ? 32 / MR_FMA * MR_FMA : 32;
     const int64_t blocks = (n + NB - 1) / NB, chunks = k / KC, block_elems = chunks * 2 * 512;
     const int unit = c->rope_dim ? (int)(c->rope_dim / NB) : c->gated ? 2 : 1;
     float acc[MAX_UNIT][32][NB] __attribute__((aligned(64)));
     const struct output o = {c->y, c->y_stride, c->gated ? n / 2 : n, c->bias, c->y_f32, c->gated,
                              c->positions, c->rope_cos, c->rope_sin, c->rope_dim, c->rope_cols};
     const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
-    int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
+    const int wide = WIDE && c->kernel == KERNEL_FMA && m >= WIDE_MIN_ROWS;
+    int64_t group = (wide ? WIDE_BYTES / (k * NB * 4) : GROUP_BYTES / (block_elems * 2)) / unit * unit;
     group = m <= 64 || group < unit ? unit : group > GROUP ? GROUP : group;
     for (int64_t g0 = b0; g0 < b1; g0 += group) {
         const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
+        const float *wg = wide ? widen_group(c, g0, g1) : NULL;
+        const int64_t pass = wg != NULL ? WIDE_PASS : c->kernel == KERNEL_FMA ? 32 / MR_FMA * MR_FMA : 32;
         for (int64_t r0 = 0; r0 < m; r0 += pass) {
             const int rows = m - r0 < pass ? (int)(m - r0) : (int)pass;
             for (int64_t b = g0; b < g1; b++) {
                 const uint32_t *w = (const uint32_t *)(c->packed + b * block_elems);
-                if (c->kernel == KERNEL_FMA)
+                if (wg != NULL)
+                    wide_block(xf, m, k, r0, rows, wg + (b - g0) * k * NB, acc[b % unit]);
+                else if (c->kernel == KERNEL_FMA)
                     fma_block(xf + r0 * k, k, w, chunks, rows, acc[b % unit]);
 #ifdef __AVX512BF16__
                 else
@@ -329,7 +515,7 @@ int radixrt_linear_vec(int kernel, const bf16 *x, int64_t x_stride, const bf16 *
     if (kernel == KERNEL_FMA) {
         if ((xf = aligned_alloc(64, (size_t)(((m * k * 4) + 63) / 64 * 64))) == NULL) return -1;
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k >= WIDEN_PARALLEL_MIN)
-        for (int64_t r = 0; r < m; r++) radixrt_vec_widen(&c, xf, r, r + 1, 0, k);
+        for (int64_t r = 0; r < m; r += MR_FMA) radixrt_vec_widen(&c, xf, r, r + MR_FMA < m ? r + MR_FMA : m, 0, k);
     }
 #pragma omp parallel num_threads(num_threads)
     radixrt_vec_part(&c, xf, omp_get_thread_num(), omp_get_num_threads());

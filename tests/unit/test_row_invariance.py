@@ -89,6 +89,85 @@ def check_rows(lib, kernel: str, gated: bool) -> None:
     )
 
 
+# ---- the fma kernel is the float32 kernel on bf16 weights ---------------------------------
+
+FMA_ROWS = [*range(1, 9), 13, 31, 32, 33, 63, 64, 65, 66, 67, 68, 69, 70, 71, 97, 130, 257, 512,
+            700, 2048]  # fmt: skip
+
+
+def f32_linear(lib, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None):
+    """x · wᵀ (+ bias) by the float32 kernel on the bf16 values as float32, rounded to bf16."""
+    b = None if bias is None else bias.float()
+    out = cpu_linear.linear_f32(lib, x.float(), cpu_linear.pack_f32(w.float()), w.shape[0], b)
+    return out.bfloat16()
+
+
+def fma_cases(lib, x: torch.Tensor, positions: torch.Tensor, gen: torch.Generator) -> dict:
+    """name: (run(rows) -> the fma kernel's output for x[rows], the same by the float32 kernel
+    and the separate epilogue calls for all of x). 520 features with a bias: 17 blocks, the
+    last one short; [gate; up] of 160 + 160; qkv of 5 heads of 128, 4 of them rotated."""
+    from radixrt_kernels.cpu import elementwise
+
+    half = x.shape[1] // 2
+
+    def weight(n: int) -> torch.Tensor:  # w[:, half + i] nearly -w[:, i] (see x)
+        h = torch.randn(n, half, generator=gen) * 0.05
+        return torch.cat([h, 0.002 * torch.randn(n, half, generator=gen) - h], 1).bfloat16()
+
+    w = {n: weight(n) for n in (520, 320, 640)}
+    bias = {n: torch.randn(n, generator=gen).bfloat16() for n in (520, 640)}
+    packed = {n: cpu_linear.pack(lib, w[n], gated=n == 320) for n in w}
+    rotary = RotaryEmbedding(128, 4096, 10000.0)
+
+    def rope(rows: slice) -> cpu_linear.Rope:
+        return cpu_linear.Rope(positions[rows], rotary.cos, rotary.sin_signed, 128, 512)
+
+    rotated = f32_linear(lib, x, w[640], bias[640])
+    heads = rotated[:, :512].view(len(x), 4, 128)
+    elementwise.rope_(lib, heads, positions, rotary.cos, rotary.sin_signed)
+    fma = dict(kernel="fma")
+    return {
+        "plain": (
+            lambda r: cpu_linear.linear(lib, x[r], packed[520], 520, bias[520], **fma),
+            f32_linear(lib, x, w[520], bias[520]),
+        ),
+        "gated": (
+            lambda r: cpu_linear.linear(lib, x[r], packed[320], 320, gated=True, **fma),
+            elementwise.silu_mul(lib, f32_linear(lib, x, w[320])),
+        ),
+        "rotary": (
+            lambda r: cpu_linear.linear(
+                lib, x[r], packed[640], 640, bias[640], rope=rope(r), **fma
+            ),
+            rotated,
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "flags", [[], ["-mno-avx512f"], ["-mno-avx"]], ids=["native", "no-avx512f", "no-avx"]
+)
+def test_the_fma_kernel_gives_the_float32_kernels_bits(flags: list[str], monkeypatch, tmp_path):
+    """Each output of the fma kernel is one chain over the input features in order from 0, then
+    the bias and one rounding to bf16: the float32 kernel's bits on the same weights, then the
+    separate SiLU-and-mul and rotary calls, for every row count (its decode-sized and its
+    prefill-sized paths: the native build, and as built without AVX-512 or without AVX)."""
+    lib = narrow_build(flags, monkeypatch, tmp_path) if flags else loaded()
+    if not cpu_linear.kernel_available(lib, "fma"):
+        pytest.skip("this CPU does not run that build's fma kernel")
+    gen = torch.Generator().manual_seed(7)
+    # 544 input features (17 chunks: the widened path's segments of 256 and a short last one),
+    # x[:, 272 + i] = x[:, i]: with fma_cases' weights each sum cancels to a small part of its
+    # terms, so an error of a float32 rounding in the chain moves its bf16 result often
+    half = torch.randn(max(FMA_ROWS), 272, generator=gen).bfloat16()
+    x = torch.cat([half, half], 1)
+    positions = torch.randint(0, 4096, (len(x),), generator=gen)
+    for name, (run, want) in fma_cases(lib, x, positions, gen).items():
+        for rows in FMA_ROWS:
+            got = run(slice(0, rows))
+            assert torch.equal(bits(got), bits(want[:rows])), (name, rows)
+
+
 # ---- the float32 kernel --------------------------------------------------------------------
 
 F32_SHAPES = [(192, 160), (100, 77), (576, 576), (70, 1)]  # (n, k): K any width, N any height
