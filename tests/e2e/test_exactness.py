@@ -177,3 +177,28 @@ def test_structured_outputs_are_exact(engines):
     want = [alone(p, sp, None) for p, sp in zip(ids, sps)]
     eng.flush_cache()
     assert [output_bits(o) for o in eng.generate(input_ids=ids, sampling_params=sps)] == want
+
+
+@pytest.mark.parametrize("kernel", ["fma", "avx512_bf16"])
+def test_the_decode_chain_keeps_outputs_exact(tiny_llama, kernel):
+    """bf16 on a kernel the decode chain runs: batched with the chain on, the same bits as
+    alone layer by layer."""
+    from radixrt_kernels.cpu import chain as cpu_chain
+    from radixrt_kernels.cpu import library as cpu_library
+    from radixrt_kernels.cpu import linear as cpu_linear
+
+    lib = cpu_library.loaded()
+    if kernel not in cpu_chain.KERNELS or not cpu_linear.kernel_available(lib, kernel):
+        pytest.skip(f"the {kernel} linear kernel does not run here")
+    args = dict(model=tiny_llama, dtype="bfloat16", max_total_tokens=4096, linear_kernel=kernel)
+    ids = [[VOCAB_LO + (17 * i + 5 * j) % 1900 for j in range(40)] for i in range(3)]
+    ids += [ids[0][:30] + [VOCAB_LO + 3 * i + j for j in range(6)] for i in range(5)]
+    sp = SamplingParams(max_new_tokens=10, temperature=0.0, logprobs=True, top_logprobs=2)
+    with Engine(**args, disable_decode_chain=True) as plain:
+        alone = Alone(plain)
+        want = [alone(p, sp, None) for p in ids]
+    with Engine(**args) as chained:
+        assert chained.runner.decode_chain is not None, chained.runner.decode_chain_info
+        assert chained.runner.exactness.exact
+        got = [output_bits(o) for o in chained.generate(input_ids=ids, sampling_params=sp)]
+    assert got == want
