@@ -13,9 +13,9 @@ unless ``disable_deterministic_inference``, elsewhere with ``enable_deterministi
 (``EngineConfig.wants_exact``). Where it is wanted:
 - an option the user chose that is not exact (``CONFLICTS``) is refused at start, naming it;
 - a part that cannot be exact here (no C kernels' library, a head size the C attention kernel
-  does not take, cuBLAS's linears on CUDA) is refused with ``enable_deterministic_inference``;
-  otherwise it is logged as a warning and reported (``Exactness.why_not``, in ``server_info``
-  as ``exact_outputs`` and ``exact_outputs_detail``).
+  does not take) is refused with ``enable_deterministic_inference``; otherwise it is logged as
+  a warning and reported (``Exactness.why_not``, in ``server_info`` as ``exact_outputs`` and
+  ``exact_outputs_detail``); cuBLAS's linears on CUDA are always only reported.
 """
 
 from __future__ import annotations
@@ -79,15 +79,24 @@ def refuse_conflicts(config: EngineConfig, device_type: str) -> bool:
     return wanted
 
 
-def settle(config: EngineConfig, wanted: bool, why_not: list[str]) -> Exactness:
+CUBLAS = "the linears run on cuBLAS, whose sums for a row depend on the rows beside it"
+
+
+def settle(
+    config: EngineConfig, wanted: bool, why_not: list[str], device_type: str = "cpu"
+) -> Exactness:
     """The run's exactness, given the parts that turned out not exact here (``why_not``):
-    refused with ``enable_deterministic_inference``, else logged."""
+    refused with ``enable_deterministic_inference``, else logged. Off the CPU the linears are
+    cuBLAS's, which radixrt has no row-invariant replacement for: reported, not refused, so
+    that the flag still gives deterministic attention there."""
     if not wanted:
         return Exactness(False)
     if why_not and config.enable_deterministic_inference:
         raise RuntimeError(
             "enable_deterministic_inference: outputs cannot be exact here: " + "; ".join(why_not)
         )
+    if device_type != "cpu":
+        why_not = [CUBLAS, *why_not]
     result = Exactness(True, tuple(why_not))
     if why_not:
         logger.warning("outputs are not exact: %s", "; ".join(why_not))

@@ -119,7 +119,7 @@ class ModelRunner:
             from radixrt.attention.cpu_backend import unavailable_reason
 
             not_exact.append(f"attention runs on PyTorch ({unavailable_reason(self.pool)})")
-        self.exactness = exactness.settle(config, wanted, not_exact)
+        self.exactness = exactness.settle(config, wanted, not_exact, self.device.type)
         logger.info("outputs: %s", self.exactness.describe())
         self.decode_chain, self.decode_chain_info = None, "off: disable_decode_chain"
         if not config.disable_decode_chain:
@@ -152,6 +152,8 @@ class ModelRunner:
             linear=config.linear_kernel,
             cache_dir=cache_dir(),
         )
+        if exact and self.device.type != "cpu":
+            return choose()  # cuBLAS's linears: reported by exactness.settle, not refused
         if exact:
             try:
                 return choose(exact=True)

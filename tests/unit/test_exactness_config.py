@@ -44,3 +44,9 @@ def test_a_part_that_cannot_be_exact_is_reported_or_refused():
     assert exactness.settle(EngineConfig(), True, []).exact
     off = exactness.settle(EngineConfig(disable_deterministic_inference=True), False, [])
     assert not off.exact and off.describe().startswith("off")
+
+
+def test_cuda_with_the_flag_is_reported_not_refused():
+    config = EngineConfig(enable_deterministic_inference=True)
+    got = exactness.settle(config, True, [], "cuda")
+    assert not got.exact and "cuBLAS" in got.describe()
