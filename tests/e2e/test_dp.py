@@ -140,6 +140,7 @@ def test_replicas_give_the_bits_of_one_server(fleets):
         want = bits(single)
     finally:
         single.stop()
+    assert "radixrt: outputs: exact" in single.proc.stderr.read()  # the launch log says so
     assert bits(fleets["cache_aware"]) == want
     assert bits(fleets["round_robin"]) == want
 
