@@ -5,7 +5,7 @@ its run alone on a cold engine (``==`` on the floats).
 
 Random workloads come from hypothesis, for the tiny model in float32 and bf16. The engines are
 built once per dtype: a reference (page 1, no chunking, a large pool) and variants (pages of 4;
-chunks of 16; a pool small enough that requests are retracted and prefixes evicted to the host
+chunks of 16; pages of 16 with chunks of 37 and prefill batches of 64 tokens; a pool small enough that requests are retracted and prefixes evicted to the host
 tier and to storage)."""
 
 from __future__ import annotations
@@ -29,6 +29,14 @@ def engines(request, tiny_llama, tmp_path_factory):
         "paged": Engine(model=tiny_llama, dtype=dtype, max_total_tokens=8192, page_size=4),
         "chunked": Engine(
             model=tiny_llama, dtype=dtype, max_total_tokens=8192, chunked_prefill_size=16
+        ),
+        "odd": Engine(
+            model=tiny_llama,
+            dtype=dtype,
+            max_total_tokens=8192,
+            page_size=16,
+            chunked_prefill_size=37,
+            max_prefill_tokens=64,
         ),
         "tight": Engine(
             model=tiny_llama,
@@ -93,7 +101,7 @@ def workloads(draw):
         start = draw(st.one_of(st.none(), st.integers(1, len(ids) - 1))) if len(ids) > 1 else None
         reqs.append((ids, sp, start, draw(st.integers(0, 3))))  # the last: its arrival step
     cache = draw(st.sampled_from(["flushed", "warm", "partly"]))
-    engine = draw(st.sampled_from(["reference", "paged", "chunked", "tight"]))
+    engine = draw(st.sampled_from(["reference", "paged", "chunked", "odd", "tight"]))
     return reqs, cache, engine
 
 
