@@ -5,8 +5,8 @@ its run alone on a cold engine (``==`` on the floats).
 
 Random workloads come from hypothesis, for the tiny model in float32 and bf16. The engines are
 built once per dtype: a reference (page 1, no chunking, a large pool) and variants (pages of 4;
-chunks of 16; pages of 16 with chunks of 37 and prefill batches of 64 tokens; a pool small enough that requests are retracted and prefixes evicted to the host
-tier and to storage)."""
+chunks of 16; pages of 16 with chunks of 37 and prefill batches of 64 tokens; a pool small
+enough that requests are retracted and prefixes evicted to the host tier and to storage)."""
 
 from __future__ import annotations
 
