@@ -77,7 +77,7 @@ class CpuAttentionBackend(AttentionBackend):
         elif bf16_dots is None:
             group = (num_heads or pool.kv_heads) // pool.kv_heads
             bf16_dots = Calibrator(self.lib, cache_dir(), exact=exact).attention_dots(
-                pool.kv_heads, group, pool.head_dim, exact=exact
+                pool.kv_heads, group, pool.head_dim
             )
         self.bf16_dots = bf16_dots
 

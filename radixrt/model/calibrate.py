@@ -28,7 +28,7 @@ Exact mode (``Calibrator(..., exact=True)``): every call of a shape runs one row
 path, so a row's bits do not depend on its batch: only the packed kernels are timed (on
 weights padded to whole chunks where ``K`` is not, ``PadK``), and the one with the least sum
 of slowdowns against each class's fastest serves both classes (``Choice(p, p)``). Every process
-on this machine must take the same choices (data-parallel replicas start together; a later
+of one CPU model must take the same choices (data-parallel replicas start together; a later
 engine must match a running server), so the file's name leaves out the thread count, chain
 use, PyTorch version and oneDNN limit, and a choice is kept once measured, even on a busy CPU.
 A cache the process cannot lock or write is refused there (``NotExact``) rather than measured
@@ -359,7 +359,7 @@ class Calibrator:
         self.table: dict[str, dict] = self._read()
 
     def _key(self) -> str:
-        """What the choices depend on; in exact mode only what every process on this machine
+        """What the choices depend on; in exact mode only what every process of this CPU model
         shares (not its thread count, chains or oneDNN limit: the packed kernels' results do
         not depend on them)."""
         parts = [VERSION, cpu_library._cpu_features(), getattr(self.lib, "_name", "")]
@@ -396,13 +396,10 @@ class Calibrator:
             return small == large and small in row_invariant_paths(self.lib)
         return small in PATHS and large in PATHS
 
-    def attention_dots(self, kv_heads: int, group: int, head_dim: int, exact: bool = False) -> bool:
+    def attention_dots(self, kv_heads: int, group: int, head_dim: int) -> bool:
         """Whether the CPU attention kernel runs this shape's bf16 work faster on dot products
-        (False where this build has none). ``exact`` (or an exact Calibrator): the choice every
-        process on this machine takes."""
-        if exact and not self.exact:
-            twin = Calibrator(self.lib, self.cache_dir, self.threads, self.chained, exact=True)
-            return twin.attention_dots(kv_heads, group, head_dim)
+        (False where this build has none). An exact Calibrator's: the choice every process
+        sharing its file takes."""
         if not cpu_attention.dots_available(self.lib):
             return False
         key = f"attention:{kv_heads}x{group}x{head_dim}"

@@ -43,8 +43,8 @@ def conflicts(config: EngineConfig) -> list[str]:
 
 
 class Exactness(NamedTuple):
-    """``exact``: outputs are exact; ``why_not``: the parts that are not (empty when exact,
-    or when exactness was not asked for)."""
+    """``wanted``: exactness was asked for (or is the default); ``why_not``: the parts that
+    are not exact here (empty when exact, or when it was not wanted); ``exact``: both."""
 
     wanted: bool
     why_not: tuple[str, ...] = ()

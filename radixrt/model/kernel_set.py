@@ -13,7 +13,7 @@ one path.
   their pass.
 - Exact mode (``exact=True``): a row's results must not depend on the rows beside it, so
   every linear runs one row-invariant path for every row count: a bf16 shape one packed
-  kernel (the exact calibration's, the same in every process on this machine; weights of
+  kernel (the exact calibration's, the same in every process of this CPU model; weights of
   any width, ``PadK``), a float32 model the float32 kernel, the LM head's logits included.
   What cannot be exact (another device or dtype, no library, a forced path that is not
   row-invariant) raises ``NotExact`` naming why.
@@ -325,7 +325,7 @@ def exact_kernels(
 ) -> Kernels:
     """``choose_kernels`` in exact mode: a float32 model's linears on the float32 kernel
     (``calibrate.F32``), a bf16 model's each on one packed kernel, ``linear`` or the one the
-    exact calibration picks (the same in every process on this machine). Raises ``NotExact``
+    exact calibration picks (the same in every process of this CPU model). Raises ``NotExact``
     where that cannot be: another device or dtype, no kernels' library, a forced path whose
     rows depend on their batch."""
     if device.type != "cpu":

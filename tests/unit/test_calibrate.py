@@ -374,7 +374,7 @@ def test_the_attention_choice_in_exact_mode_is_the_shared_one(lib, monkeypatch, 
 
     monkeypatch.setattr(calibrate, "time_attention", time_attention)
     fake_contention(monkeypatch, [2.0])  # busy throughout: kept all the same
-    assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64, exact=True) is True
+    assert Calibrator(lib, str(tmp_path), exact=True).attention_dots(3, 3, 64) is True
     assert Calibrator(lib, str(tmp_path), threads=5, exact=True).attention_dots(3, 3, 64) is True
     assert Calibrator(lib, str(tmp_path)).attention_dots(3, 3, 64) is False  # its own file
 
