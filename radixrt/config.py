@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import os
 import tomllib
 import typing
@@ -34,6 +35,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
+DEFAULT_PREFILL_STEP_MS = 200.0
 
 
 def setting(
@@ -105,6 +107,18 @@ class EngineConfig:
         choices=LINEAR_KERNELS,
     )
     max_prefill_tokens: int = setting(16384, "token budget of one prefill batch")
+    max_prefill_step_ms: float = setting(
+        DEFAULT_PREFILL_STEP_MS,
+        "the time a step that prefills should take: its prompt tokens are budgeted by this "
+        "machine's measured cost per token (prompts longer than that are chunked); while "
+        "requests decode, a step is also held to a few times their decode step; 0: token "
+        "budgets only",
+    )
+    disable_mixed_chunk: bool = setting(
+        False,
+        "prefill steps do not carry the running requests' next tokens (they wait for a "
+        "decode step)",
+    )
     new_token_ratio: float = setting(
         0.5,
         "share of a running request's remaining max_new_tokens "
@@ -176,6 +190,10 @@ class EngineConfig:
         _check_optional_text("model", self.model)
         _check_positive("page_size", self.page_size)
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
+        if not 0 <= self.max_prefill_step_ms < math.inf:
+            raise ValueError(
+                f"max_prefill_step_ms must be a number >= 0, got {self.max_prefill_step_ms!r}"
+            )
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))

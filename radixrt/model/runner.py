@@ -207,25 +207,36 @@ class ModelRunner:
     def _compile_graphs(self) -> None:
         """Compile before serving, not in a request's forward. Dynamo gives token and logit
         counts of 1 graphs of their own, so three shapes cover every later batch: several
-        requests (extend or decode), one request's extend, one request's decode. Their K/V go
-        to slot 0, the reserved padding slot, which is zeroed again afterwards."""
+        requests (extend or decode), one request's extend, one request's decode."""
         for mode, lens in (
             (ForwardMode.EXTEND, [3, 2]),
             (ForwardMode.EXTEND, [4]),
             (ForwardMode.DECODE, [1]),
         ):
-            t = sum(lens)
-            self.forward(
-                ForwardBatch(
-                    mode=mode,
-                    input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
-                    positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
-                    out_cache_loc=torch.zeros(t, dtype=torch.int64, device=self.device),
-                    req_rows=torch.zeros(len(lens), dtype=torch.int64, device=self.device),
-                    seq_lens=list(lens),
-                    extend_lens=list(lens),
-                )
+            self._padding_forward(mode, lens)
+
+    def probe_forward(self, n: int) -> None:
+        """One request's extend of n tokens, finished on the device before returning: a
+        forward to time (``radixrt.scheduler.step_cost``)."""
+        self._padding_forward(ForwardMode.EXTEND, [n])
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _padding_forward(self, mode: ForwardMode, lens: list[int]) -> None:
+        """A forward of requests of ``lens`` tokens whose K/V go to slot 0, the reserved
+        padding slot, which is zeroed again afterwards."""
+        t = sum(lens)
+        self.forward(
+            ForwardBatch(
+                mode=mode,
+                input_ids=torch.zeros(t, dtype=torch.int64, device=self.device),
+                positions=torch.cat([torch.arange(n) for n in lens]).to(self.device),
+                out_cache_loc=torch.zeros(t, dtype=torch.int64, device=self.device),
+                req_rows=torch.zeros(len(lens), dtype=torch.int64, device=self.device),
+                seq_lens=list(lens),
+                extend_lens=list(lens),
             )
+        )
         for buf in (*self.pool.k_buffers, *self.pool.v_buffers):
             buf[0].zero_()
 

@@ -10,6 +10,7 @@ import torch
 from radixrt.attention.base import ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
 from radixrt.scheduler.req import Req
+from radixrt.scheduler.step_cost import attention_pairs
 
 
 class LogitsLayout(NamedTuple):
@@ -30,7 +31,18 @@ class ScheduledBatch:
     mode: ForwardMode
     reqs: list[Req]
     extend_lens: list[int]  # tokens each request computes this step (1 in decode)
+    # A mixed step's first decode_rows requests are running ones computing their next token.
+    decode_rows: int = 0
     layout: LogitsLayout | None = field(default=None, init=False)  # set by to_forward_batch
+
+    def prefills(self, i: int) -> bool:
+        """Whether request i computes prompt tokens (not a running request's next token)."""
+        return self.mode is ForwardMode.EXTEND and i >= self.decode_rows
+
+    def work(self) -> tuple[int, int]:
+        """(new tokens, (query, key) pairs their attention reads), before the step runs."""
+        pairs = sum(attention_pairs(r.kv_len, n) for r, n in zip(self.reqs, self.extend_lens))
+        return sum(self.extend_lens), pairs
 
     def to_forward_batch(self, pool: KVPool) -> ForwardBatch:
         """Index tensors for the step; slots must already be in the requests' rows."""

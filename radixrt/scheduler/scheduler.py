@@ -2,17 +2,25 @@
 
 One ``step()`` runs one model forward:
 - a prefill (extend) batch when waiting requests can be admitted (or a chunked
-  prompt continues), otherwise
-- a decode batch of every running request (continuous batching: new prefills
-  slip in between decode steps).
-Admission is bounded by a token budget, ``max_running_requests`` and the KV
+  prompt continues), which also carries every running request's next token (a
+  mixed step; not with ``disable_mixed_chunk``), otherwise
+- a decode batch of every running request (continuous batching).
+A step's prompt tokens are bounded by the token budgets (``max_prefill_tokens``,
+``chunked_prefill_size``) and by time: ``max_prefill_step_ms``, converted to tokens
+with what steps cost on this machine (``step_cost``, measured at start and as it
+runs), and while requests decode, ``ITL_FACTOR`` times their decode step, so their
+inter-token latency stays bounded during a burst of prompts. A prompt the budget
+cannot take whole is chunked, and a request's first token is sampled in the step
+that completes its own prompt.
+Admission is also bounded by ``max_running_requests`` and the KV
 that running requests are still expected to need. When decode runs out of KV
 it evicts, then retracts the requests with the fewest generated tokens; they
 re-queue and resume from the tree.
 
 Fault isolation: an exception from the forward pass (runner, backend, prompt
 logprobs) finishes every request of that batch with reason "error" (message
-in ``Req.error``); the slots allocated for the failed batch are freed, never
+in ``Req.error``), but for the running requests riding along in a mixed step,
+which decode again next step; the slots allocated for the failed batch are freed, never
 cached, and ``forward_failures`` counts consecutive failures (reset by the
 next good forward) so the caller can give up. An exception while finishing
 one request's step (e.g. its stop-string check) fails only that request;
@@ -49,10 +57,15 @@ from radixrt.scheduler.grammar_wait import GrammarWait
 from radixrt.scheduler.kv import KVManager
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.req import Req, ReqState
+from radixrt.scheduler.step_cost import StepCost, attention_pairs, for_runner
 
 # A waiting request sharing at least this many more tokens with a request admitted
 # in the same round than it hits in the tree waits one round (in-batch prefix caching).
 DEDUP_MIN_TOKENS = 32
+# A step's first prompt computes at least this many tokens, whatever the time budget says.
+MIN_PREFILL_TOKENS = 64
+# A mixed step takes at most this many times the decode step of its running requests.
+ITL_FACTOR = 4.0
 GRAMMAR_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to compile
 
 
@@ -65,7 +78,10 @@ class Scheduler:
         max_context: int,
         grammars: GrammarCompiler | None = None,
         hicache: HierarchicalCache | None = None,
+        step_cost: StepCost | None = None,
     ) -> None:
+        """``step_cost``: what steps cost (None: measured on ``runner`` by
+        ``step_cost.for_runner``)."""
         self.config = config
         self.runner = runner
         self.decode_fn = decode_fn
@@ -77,6 +93,7 @@ class Scheduler:
             config.eviction_policy,
             hicache,
         )
+        self.cost = step_cost or for_runner(runner, config, max_context)
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
         self.compiling = GrammarWait(grammars)  # constrained requests until their grammar is ready
@@ -133,13 +150,13 @@ class Scheduler:
     def step(self) -> list[Req]:
         """Run one forward; return the requests that finished in it."""
         failed = self._take_compiled()
-        batch = self.schedule_prefill() or self.schedule_decode()
+        batch = self._schedule()
         self._prefetch_waiting()
         if batch is None:
             if self.compiling and not failed:
                 self.compiling.wait(GRAMMAR_POLL_S)
             return failed
-        start = time.perf_counter()
+        work, start = batch.work(), time.perf_counter()
         try:
             logits = self._forward(batch)
         except Exception as e:  # fail the batch, keep serving the rest
@@ -150,7 +167,28 @@ class Scheduler:
             "decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"
         ] += elapsed
         self.forward_failures = 0
-        return failed + self.process_output(batch, logits)
+        finished = self.process_output(batch, logits)
+        self.cost.observe(time.perf_counter() - start, *work)
+        return failed + finished
+
+    def _schedule(self) -> ScheduledBatch | None:
+        """This step's batch: prompts to prefill (after the running requests' next tokens,
+        unless ``disable_mixed_chunk``), else a decode step."""
+        if self.config.disable_mixed_chunk:
+            return self.schedule_prefill() or self.schedule_decode()
+        decode = self.schedule_decode() if self.waiting or self.chunked else None
+        prefill = self.schedule_prefill(decode)
+        if prefill is None:
+            return decode or self.schedule_decode()
+        if decode is None:
+            return prefill
+        self.stats["mixed_steps"] += 1
+        return ScheduledBatch(
+            ForwardMode.EXTEND,
+            decode.reqs + prefill.reqs,
+            decode.extend_lens + prefill.extend_lens,
+            decode_rows=len(decode.reqs),
+        )
 
     def _prefetch_waiting(self) -> None:
         """Requests left waiting have their blocks in storage read ahead, once, while this
@@ -176,53 +214,78 @@ class Scheduler:
             logits = self._collect_prompt_logprobs(batch, logits)
         return logits
 
-    def schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.config.prefill_budget
+    def schedule_prefill(self, decode: ScheduledBatch | None = None) -> ScheduledBatch | None:
+        """Prompts to prefill this step (the chunked one first), within the token budgets and
+        the step time left beside ``decode`` (the running requests' rows of a mixed step)."""
+        if self.chunked is None and not self.waiting:
+            return None
+        budget = _Budget(self.config.prefill_budget, self._step_units(decode))
         reqs, lens = [], []
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
-            n = self._extend_len(req, budget)
+            n = self._extend_len(req, budget, first=True)
             if self.kv.alloc(req, n) is None:
                 self.chunked = req  # try again after decode frees memory
                 return None
             reqs.append(req), lens.append(n)
-            budget -= n
+            budget.take(self.cost, req, n)
             if n < req.fill_len - req.kv_len:
-                self.chunked = req
-                self.stats["prefill_chunks"] += 1
-                return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+                return self._chunk(req, reqs, lens)
         reserved = self._decode_reservation()
         for req in order_waiting(self.config.schedule_policy, self.waiting, self.kv):
-            if budget <= 0 or len(self.decoding) + len(reqs) >= self.config.running_limit:
+            if (reqs and budget.spent) or len(self.decoding) + len(
+                reqs
+            ) >= self.config.running_limit:
                 break
             if reqs and self._shares_unbuilt_prefix(req, reqs):
                 continue
             future = math.ceil(req.remaining_new_tokens * self.config.new_token_ratio)
-            n = self._admit(req, budget, future + reserved, busy=bool(reqs or self.decoding))
+            busy = bool(reqs or self.decoding)
+            n = self._admit(req, budget, future + reserved, busy=busy, first=not reqs)
             if n == 0:
                 break
             reqs.append(req), lens.append(n)
-            budget -= n
+            budget.take(self.cost, req, n)
             reserved += future
             if n < req.fill_len - req.kv_len:
-                self.chunked = req
-                self.stats["prefill_chunks"] += 1
-                break
+                return self._chunk(req, reqs, lens)
         if not reqs:
             return None
         self.waiting = [r for r in self.waiting if r.row is None]
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
 
-    def _admit(self, req: Req, budget: int, reserve: int, busy: bool) -> int:
+    def _chunk(self, req: Req, reqs: list[Req], lens: list[int]) -> ScheduledBatch:
+        """The batch ends with a chunk of req, which continues first next step."""
+        self.chunked = req
+        self.stats["prefill_chunks"] += 1
+        self.waiting = [r for r in self.waiting if r.row is None]
+        return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
+
+    def _step_units(self, decode: ScheduledBatch | None) -> float:
+        """The cost units (``step_cost``) left for prompt tokens in this step: what
+        ``max_prefill_step_ms`` buys, held to ``ITL_FACTOR`` times the running requests' decode
+        step while they decode in it, less their rows (infinite: no time budget)."""
+        ms = self.config.max_prefill_step_ms
+        if ms == 0 or not self.cost.known:
+            return math.inf
+        target = ms / 1e3
+        if decode is None:
+            return self.cost.budget_units(target)
+        tokens, pairs = decode.work()
+        target = min(target, ITL_FACTOR * self.cost.predict(tokens, pairs))
+        return self.cost.budget_units(target) - self.cost.units(tokens, pairs)
+
+    def _admit(self, req: Req, budget: _Budget, reserve: int, busy: bool, first: bool) -> int:
         """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run
         now."""
         if not self.kv.admit(req):
             return 0
-        n = self._extend_len(req, budget)
+        n = self._extend_len(req, budget, first)
         whole = req.fill_len - req.kv_len
-        too_big = n < whole and self.config.chunked_prefill_size is None and busy
+        too_big = n < whole and not self._chunks and busy
         if (
-            too_big
+            n == 0
+            or too_big
             or (busy and n + reserve > self.kv.free_for_new())
             or self.kv.alloc(req, n) is None
         ):
@@ -236,11 +299,21 @@ class Scheduler:
         req.state = ReqState.RUNNING
         return n
 
-    def _extend_len(self, req: Req, budget: int) -> int:
-        """Tokens of req to compute now: everything, or a chunk when chunking applies."""
+    @property
+    def _chunks(self) -> bool:
+        """Whether a prompt may be split over steps (a chunk size or a step time is set)."""
+        return self.config.chunked_prefill_size is not None or self.config.max_prefill_step_ms > 0
+
+    def _extend_len(self, req: Req, budget: _Budget, first: bool) -> int:
+        """Tokens of req to compute now: everything, or what the budgets leave when chunking
+        applies (at least ``MIN_PREFILL_TOKENS`` for a step's first prompt)."""
         n = req.fill_len - req.kv_len
         if self.config.chunked_prefill_size is not None:
-            n = min(n, max(budget, 1))
+            n = min(n, max(budget.tokens, 1))
+        if self.config.max_prefill_step_ms > 0:
+            fits = self.cost.prefill_tokens(budget.units, req.kv_len)
+            floor = min(MIN_PREFILL_TOKENS, self.config.prefill_budget) if first else 0
+            n = min(n, max(fits, floor))
         return n
 
     def _shares_unbuilt_prefix(self, req: Req, admitted: list[Req]) -> bool:
@@ -313,7 +386,7 @@ class Scheduler:
         rows, to_sample, finished = [], [], []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             req.kv_len += n
-            if batch.mode is ForwardMode.EXTEND:
+            if batch.prefills(i):
                 self.stats["prefill_tokens"] += n
                 self.kv.cache_computed(req)
             if req.kv_len == req.fill_len and not req.finished:
@@ -355,7 +428,7 @@ class Scheduler:
                 continue
             if reason is not None:
                 finished.append(self._finish(req, reason))
-            elif batch.mode is ForwardMode.EXTEND:
+            elif batch.prefills(rows[j]):
                 self.decoding.append(req)
         return finished
 
@@ -407,10 +480,13 @@ class Scheduler:
         self.forward_failures += 1
         self.last_forward_error = f"{type(error).__name__}: {error}"
         self.stats["forward_failures"] += 1
-        for req, n in zip(batch.reqs, batch.extend_lens):
+        failed = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             self.kv.free_uncomputed(req, n)
-            self._fail(req, f"forward pass failed: {self.last_forward_error}")
-        return list(batch.reqs)
+            if batch.mode is ForwardMode.EXTEND and not batch.prefills(i):
+                continue  # a running request's row of a mixed step: it retries next step
+            failed.append(self._fail(req, f"forward pass failed: {self.last_forward_error}"))
+        return failed
 
     # ---------------------------------------------------------------- misc
 
@@ -435,3 +511,20 @@ class Scheduler:
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         return s
+
+
+class _Budget:
+    """What a step has left for prompt tokens: ``tokens`` (``max_prefill_tokens``, the chunk
+    size) and cost ``units`` (its time, ``step_cost``)."""
+
+    def __init__(self, tokens: int, units: float) -> None:
+        self.tokens, self.units = tokens, units
+
+    def take(self, cost: StepCost, req: Req, n: int) -> None:
+        """req computes n tokens after its kv_len."""
+        self.tokens -= n
+        self.units -= cost.units(n, attention_pairs(req.kv_len, n))
+
+    @property
+    def spent(self) -> bool:
+        return self.tokens <= 0 or self.units < 1

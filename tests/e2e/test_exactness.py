@@ -4,7 +4,9 @@ evicted, the host and storage tiers), the chunk size, the page size and retracti
 its run alone on a cold engine (``==`` on the floats).
 
 Random workloads come from hypothesis, for the tiny model in float32 and bf16. The engines are
-built once per dtype: a reference (page 1, no chunking, a large pool) and variants (pages of 4;
+built once per dtype: a reference (page 1, no chunking, no time budget, decode steps apart from
+prefill steps, a large pool) and variants, which mix running requests' tokens into prefill
+steps and budget steps by time (pages of 4;
 chunks of 16; pages of 16 with chunks of 37 and prefill batches of 64 tokens; a pool small
 enough that requests are retracted and prefixes evicted to the host tier and to storage)."""
 
@@ -25,7 +27,13 @@ def engines(request, tiny_llama, tmp_path_factory):
     dtype = request.param
     storage = tmp_path_factory.mktemp(f"exact-storage-{dtype}")
     made = {
-        "reference": Engine(model=tiny_llama, dtype=dtype, max_total_tokens=8192),
+        "reference": Engine(
+            model=tiny_llama,
+            dtype=dtype,
+            max_total_tokens=8192,
+            max_prefill_step_ms=0,
+            disable_mixed_chunk=True,
+        ),
         "paged": Engine(model=tiny_llama, dtype=dtype, max_total_tokens=8192, page_size=4),
         "chunked": Engine(
             model=tiny_llama, dtype=dtype, max_total_tokens=8192, chunked_prefill_size=16

@@ -18,7 +18,8 @@ from radixrt.cache import KVPool
 from radixrt.config import EngineConfig
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.req import Req
-from radixrt.scheduler.scheduler import Scheduler
+from radixrt.scheduler.scheduler import ITL_FACTOR, MIN_PREFILL_TOKENS, Scheduler
+from radixrt.scheduler.step_cost import StepCost
 
 VOCAB = 97
 
@@ -274,15 +275,19 @@ def test_forward_failure_fails_the_batch_and_frees_its_slots(cfg, fail_on):
     assert [r.output_ids for r in again] == [reference(p, 8) for p in prompts]
 
 
-def test_forward_failure_spares_requests_outside_the_batch():
-    sched = make_flaky({3})
+@pytest.mark.parametrize("mixed", [True, False])
+def test_forward_failure_spares_requests_outside_the_batch(mixed):
+    """A failed prefill fails its prompts only: a running request decodes on, whether it
+    rode along in the failed (mixed) step or not."""
+    sched = make_flaky({3}, disable_mixed_chunk=not mixed)
     sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
     a, b = Req("a", list(range(10)), sp), Req("b", list(range(40, 60)), sp)
     sched.add_request(a)
     sched.step()  # forward 1: a's prefill
     sched.step()  # forward 2: a decodes
     sched.add_request(b)
-    assert sched.step() == [b]  # forward 3: b's prefill fails
+    assert sched.step() == [b]  # forward 3: b's prefill (with a's next token if mixed) fails
+    assert len(a.output_ids) == 2
     assert b.finish_reason == "error" and sched.forward_failures == 1
     drive(sched, [a])
     assert a.finish_reason == "length" and a.output_ids == reference(a.prompt_ids, 6)
@@ -365,7 +370,7 @@ def test_fault_spec_parsing():
 
 
 def test_a_failing_sampler_fails_the_requests_it_samples_for():
-    sched = make()
+    sched = make(disable_mixed_chunk=True)  # b's prefill step samples for b alone
     sp = SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)
     a = Req("a", list(range(10)), sp)
     sched.add_request(a)
@@ -416,3 +421,94 @@ def test_polling_the_queue_changes_neither_eviction_order_nor_hit_counts(policy)
     ]
     assert any(sched.kv.prefix_len_hint(r) > 0 for r in waiting)
     assert state() == before
+
+
+# ---------------------------------------------------------------- time budget and mixed steps
+
+
+class FixedCost(StepCost):
+    """Steps cost 1 ms per token and nothing else, whatever they take here (never learns)."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0, fixed=0.0, per_unit=1e-3)
+
+    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+        pass
+
+
+class RecordingRunner(FakeRunner):
+    def __init__(self, num_slots: int) -> None:
+        super().__init__(num_slots)
+        self.batches: list[tuple[str, list[int]]] = []
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        self.batches.append((batch.mode.value, list(batch.extend_lens)))
+        return super().forward(batch)
+
+
+def make_timed(**cfg) -> Scheduler:
+    return Scheduler(
+        EngineConfig(**cfg),
+        RecordingRunner(4096),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=512,
+        step_cost=FixedCost(),
+    )
+
+
+def test_a_step_prefills_what_its_time_buys_and_running_requests_ride_along():
+    sched = make_timed(max_prefill_step_ms=100)  # 100 tokens a step
+    prompts = [[(7 * i + j) % VOCAB for j in range(150)] for i in range(3)]
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    reqs = [Req(str(i), p, sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()
+    sched.step()
+    assert [len(r.output_ids) for r in reqs] == [1, 0, 0]  # the first token as its prompt ends
+    drive(sched, reqs)
+    batches = sched.runner.batches
+    assert batches[:2] == [("extend", [100]), ("extend", [50, 50])]
+    # Request 0 decodes: each step holds its token and as much prompt as ITL_FACTOR times its
+    # decode step buys, at least MIN_PREFILL_TOKENS.
+    fits = max(int(ITL_FACTOR * 1) - 1, MIN_PREFILL_TOKENS)
+    assert batches[2] == ("extend", [1, min(fits, 100)])
+    assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_tokens"] == 450
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == reference(p, 4)
+
+
+def test_without_a_time_budget_prompts_are_not_chunked():
+    sched = make_timed(max_prefill_step_ms=0)
+    run(sched, [[(3 * i + j) % VOCAB for j in range(150)] for i in range(3)], 2)
+    assert sched.runner.batches[0] == ("extend", [150, 150, 150])
+    assert sched.stats["prefill_chunks"] == 0
+
+
+def test_without_mixed_steps_running_requests_wait_for_a_decode_step():
+    sched = make_timed(max_prefill_step_ms=100, disable_mixed_chunk=True)
+    prompts = [[(5 * i + j) % VOCAB for j in range(150)] for i in range(3)]
+    reqs = run(sched, prompts, 4, check_every_step=True)
+    batches = sched.runner.batches
+    assert batches[:3] == [("extend", [100]), ("extend", [50, 50]), ("extend", [100])]
+    assert sched.stats["mixed_steps"] == 0
+    assert all(mode == "decode" or all(n > 1 for n in lens) for mode, lens in batches)
+    assert [r.output_ids for r in reqs] == [reference(p, 4) for p in prompts]
+
+
+@pytest.mark.parametrize("cfg", [{}, {"page_size": 4}, {"chunked_prefill_size": 24}])
+def test_mixed_steps_under_memory_pressure_keep_the_outputs(cfg):
+    """Small steps, many arrivals, a pool that forces retraction: outputs stay the reference's
+    and the pool's accounting holds after every step."""
+    sched = Scheduler(
+        EngineConfig(max_prefill_step_ms=40, new_token_ratio=0.0, **cfg),
+        RecordingRunner(512),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=512,
+        step_cost=FixedCost(),
+    )
+    prompts = shared_prompts(groups=4, per=6, system=90, q=30)
+    reqs = run(sched, prompts, 24, check_every_step=True)
+    assert [r.output_ids for r in reqs] == [reference(p, 24) for p in prompts]
+    assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_chunks"] > 0
+    assert sched.stats["retractions"] > 0

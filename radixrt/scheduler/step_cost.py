@@ -1,0 +1,139 @@
+"""What a step costs on this machine, learned as it runs, and the prefill a step time buys.
+
+A step (forward and sampling) over T new tokens whose attention reads A (query, key) pairs
+takes ``fixed + per_unit * units`` seconds, with ``units = T + attention_weight * A``:
+- ``attention_weight`` is the model's attention FLOPs per pair over its linear FLOPs per
+  token, times ``ATTENTION_EFFICIENCY`` (attention does less per second than a linear);
+- ``fixed`` is what a step costs whatever its size (streaming the weights of a small step,
+  per-layer calls, sampling), learned from steps of at most ``SMALL_STEP_TOKENS`` tokens;
+- ``per_unit`` is learned from larger steps, once ``fixed`` is taken off.
+Both are exponential moving averages of what the steps took, seeded by ``probe`` (a few
+forwards timed at start-up), so the first burst is budgeted by this machine's speed too.
+
+``prefill_tokens(target_s, used_units, prefix)``: the new tokens of one request (after
+``prefix`` cached or computed tokens) that fit in a step of ``target_s`` seconds beside
+``used_units`` already in it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+ATTENTION_EFFICIENCY = 3.0
+SMALL_STEP_TOKENS = 64
+EMA = 0.2  # weight of the newest step
+PROBE_SECONDS = 0.25  # how long the larger probe forward should take
+PROBE_TOKENS = (16, 256)  # the probes' sizes: the smaller, and the most the larger takes
+
+
+def attention_pairs(prefix: int, n: int) -> int:
+    """(query, key) pairs of n new causal tokens after ``prefix`` tokens."""
+    return n * prefix + n * (n + 1) // 2
+
+
+class StepCost:
+    def __init__(self, attention_weight: float, fixed: float = 0.0, per_unit: float = 0.0):
+        """``per_unit`` 0: unknown until a step is observed (no budget is given meanwhile)."""
+        self.attention_weight = attention_weight
+        self.fixed, self.per_unit = fixed, per_unit
+
+    @classmethod
+    def for_model(cls, cfg) -> StepCost:
+        """An unseeded cost for a model config (``radixrt.model.hf_config.ModelConfig``)."""
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        h = cfg.hidden_size
+        linear = 2 * (h * (2 * q + 2 * kv) + 3 * h * cfg.intermediate_size)  # qkv, o, mlp
+        attention = 4 * q  # q·k and p·v for every head
+        return cls(ATTENTION_EFFICIENCY * attention / linear)
+
+    @property
+    def known(self) -> bool:
+        return self.per_unit > 0
+
+    def units(self, tokens: int, pairs: int) -> float:
+        return tokens + self.attention_weight * pairs
+
+    def predict(self, tokens: int, pairs: int) -> float:
+        """Seconds of a step of ``tokens`` new tokens reading ``pairs`` (query, key) pairs."""
+        return self.fixed + self.per_unit * self.units(tokens, pairs)
+
+    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+        units = self.units(tokens, pairs)
+        if tokens <= SMALL_STEP_TOKENS:
+            self.fixed = _blend(self.fixed, max(seconds - self.per_unit * units, 0.0))
+        elif seconds > self.fixed:
+            self.per_unit = _blend(self.per_unit, (seconds - self.fixed) / units)
+
+    def budget_units(self, target_s: float) -> float:
+        """Units a step of ``target_s`` seconds holds (infinite while the cost is unknown)."""
+        if not self.known:
+            return math.inf
+        return max(target_s - self.fixed, 0.0) / self.per_unit
+
+    def prefill_tokens(self, units_left: float, prefix: int) -> int:
+        """The most new tokens n after ``prefix`` with units(n) <= units_left (0 if none)."""
+        if math.isinf(units_left):
+            return 1 << 62
+        if units_left < 1:
+            return 0
+        # n + w * (n * prefix + n * (n + 1) / 2) <= left
+        w = self.attention_weight
+        a, b = w / 2, 1 + w * prefix + w / 2
+        n = units_left / b if a == 0 else (-b + math.sqrt(b * b + 4 * a * units_left)) / (2 * a)
+        n = int(n)
+        while n > 0 and self.units(n, attention_pairs(prefix, n)) > units_left:
+            n -= 1
+        return n
+
+    def probe(
+        self,
+        forward: Callable[[int], None],
+        max_tokens: int,
+        timed: Callable[[Callable[[int], None], int], float] | None = None,
+    ) -> None:
+        """Seed ``fixed`` and ``per_unit`` by timing ``forward(n)`` (one request's extend of n
+        tokens, synchronised) at a small n and a larger one sized to ``PROBE_SECONDS``; each
+        the faster of two runs, after one that pays one-off costs. ``timed(forward, n)``:
+        the seconds of one run (tests give their own)."""
+        timed = timed or _timed
+        small = min(PROBE_TOKENS[0], max_tokens)
+        forward(small)
+        t_small = min(timed(forward, small), timed(forward, small))
+        u_small = self.units(small, attention_pairs(0, small))
+        guess = t_small / u_small
+        large = int(min(PROBE_TOKENS[1], max_tokens, max(2 * small, PROBE_SECONDS / guess)))
+        if large <= small:
+            self.fixed, self.per_unit = 0.0, guess
+            return
+        t_large = min(timed(forward, large), timed(forward, large))
+        u_large = self.units(large, attention_pairs(0, large))
+        self.per_unit = max((t_large - t_small) / (u_large - u_small), t_large / u_large / 2)
+        self.fixed = max(t_small - self.per_unit * u_small, 0.0)
+
+    def describe(self) -> dict[str, float]:
+        return {
+            "step_fixed_ms": round(self.fixed * 1e3, 3),
+            "step_per_token_ms": round(self.per_unit * 1e3, 4),
+        }
+
+
+def for_runner(runner, config, max_context: int) -> StepCost:
+    """The cost of ``runner``'s steps, probed on it where a time budget is set and the runner
+    can be probed (a ``ModelRunner``); otherwise learned from the first steps."""
+    cfg = getattr(runner, "model_cfg", None)
+    cost = StepCost.for_model(cfg) if cfg is not None else StepCost(0.0)
+    if config.max_prefill_step_ms > 0 and hasattr(runner, "probe_forward"):
+        cost.probe(runner.probe_forward, max(max_context - 1, 1))
+    return cost
+
+
+def _blend(old: float, new: float) -> float:
+    return new if old <= 0 else (1 - EMA) * old + EMA * new
+
+
+def _timed(forward: Callable[[int], None], n: int) -> float:
+    start = time.perf_counter()
+    forward(n)
+    return time.perf_counter() - start

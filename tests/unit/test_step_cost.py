@@ -1,0 +1,84 @@
+"""The step cost model: its units, what a step budget buys, learning from steps, the probe."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from radixrt.scheduler.step_cost import (
+    ATTENTION_EFFICIENCY,
+    SMALL_STEP_TOKENS,
+    StepCost,
+    attention_pairs,
+)
+
+
+def test_attention_pairs_count_causal_keys():
+    assert attention_pairs(0, 1) == 1
+    assert attention_pairs(0, 4) == 1 + 2 + 3 + 4
+    assert attention_pairs(10, 3) == 11 + 12 + 13
+
+
+@pytest.mark.parametrize("w", [0.0, 1e-3, 0.05])
+@pytest.mark.parametrize("prefix", [0, 7, 500])
+@pytest.mark.parametrize("left", [0.5, 1, 10, 300.5, 4096])
+def test_prefill_tokens_is_the_most_that_fits(w, prefix, left):
+    cost = StepCost(w, fixed=0.01, per_unit=1e-4)
+    n = cost.prefill_tokens(left, prefix)
+    assert cost.units(n, attention_pairs(prefix, n)) <= left
+    assert cost.units(n + 1, attention_pairs(prefix, n + 1)) > left
+
+
+def test_an_unknown_cost_gives_no_time_budget():
+    cost = StepCost(1e-3)
+    assert not cost.known and math.isinf(cost.budget_units(0.1))
+    assert cost.prefill_tokens(cost.budget_units(0.1), 0) >= 1 << 40
+
+
+def test_budget_units_leave_out_the_fixed_cost():
+    cost = StepCost(0.0, fixed=0.02, per_unit=1e-3)
+    assert cost.budget_units(0.1) == pytest.approx(80)
+    assert cost.budget_units(0.01) == 0
+    assert cost.predict(80, 0) == pytest.approx(0.1)
+
+
+def test_steps_teach_the_fixed_cost_and_the_cost_per_token():
+    """Steps of a machine with 5 ms fixed and 0.2 ms per unit: the estimates converge."""
+    assert 8 <= SMALL_STEP_TOKENS < 100  # decode-sized steps below, prefill-sized above
+    cost = StepCost(1e-3, fixed=0.05, per_unit=1e-3)
+    for i in range(200):
+        tokens = 1 + i % 8 if i % 2 else 100 + 37 * (i % 11)
+        pairs = attention_pairs(300, tokens)
+        cost.observe(0.005 + 2e-4 * cost.units(tokens, pairs), tokens, pairs)
+    assert cost.fixed == pytest.approx(0.005, rel=1e-3)
+    assert cost.per_unit == pytest.approx(2e-4, rel=1e-3)
+
+
+def test_the_probe_seeds_both_costs_from_two_sizes():
+    cost = StepCost(1e-3)
+    sizes, forwards = [], []
+
+    def timed(forward, n):
+        forward(n)
+        sizes.append(n)
+        return 0.004 + 1e-4 * cost.units(n, attention_pairs(0, n))
+
+    cost.probe(forwards.append, max_tokens=4096, timed=timed)
+    assert forwards[0] == sizes[0] == 16 and max(sizes) > 16  # a first, untimed run
+    assert cost.fixed == pytest.approx(0.004) and cost.per_unit == pytest.approx(1e-4)
+
+
+def test_a_short_context_probes_one_size():
+    cost = StepCost(0.0)
+    cost.probe(lambda n: None, max_tokens=8, timed=lambda f, n: 0.008)
+    assert cost.fixed == 0 and cost.per_unit == pytest.approx(1e-3)
+
+
+def test_the_cost_of_a_model_weighs_attention_by_its_shape():
+    class Cfg:  # the fields of a ModelConfig that for_model reads
+        num_heads, num_kv_heads, head_dim, hidden_size, intermediate_size = 8, 2, 64, 512, 1536
+
+    w = StepCost.for_model(Cfg).attention_weight
+    linear = 2 * (512 * (2 * 512 + 2 * 128) + 3 * 512 * 1536)
+    assert w == pytest.approx(ATTENTION_EFFICIENCY * 4 * 512 / linear)
