@@ -505,6 +505,7 @@ class Scheduler:
             running=len(self.kv.running),
             waiting=len(self.waiting),
             waiting_tokens=sum(len(r.prompt_ids) for r in self.waiting),
+            **self.cost.describe(),
         )
         if self.kv.hicache is not None:
             s.update(self.kv.hicache.get_stats())
