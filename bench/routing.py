@@ -69,12 +69,26 @@ class Launched:
             raise RuntimeError(f"the server did not start: {line!r}")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc)
+
+
+def health_ok(url: str, timeout: float = 2.0) -> bool:
+    """Whether GET ``url``/health answers 200 now."""
+    try:
+        return httpx.get(url + "/health", timeout=timeout).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    """SIGTERM (a radixrt server drains), SIGKILL if it is still there 30 s later."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 class Router:
@@ -89,11 +103,8 @@ class Router:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.http + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
+            if health_ok(self.http):
+                return
             time.sleep(0.5)
         self.stop()
         raise RuntimeError("sglang-router did not become ready")

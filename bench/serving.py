@@ -128,9 +128,12 @@ class RadixrtBackend:
     async def server_info(self) -> dict:
         return await self.client.server_info()
 
-    async def request(self, kwargs: dict, sp: dict, stream: bool) -> tuple[Record, str]:
-        """One request; without ``stream`` TTFT is the whole latency and ITL is not measured."""
-        rec, text, t0 = Record(), [], time.perf_counter()
+    async def request(
+        self, kwargs: dict, sp: dict, stream: bool, rec: Record | None = None
+    ) -> tuple[Record, str]:
+        """One request; without ``stream`` TTFT is the whole latency and ITL is not measured.
+        ``rec``: filled as chunks arrive (a caller may watch a stream's progress in it)."""
+        rec, text, t0 = rec if rec is not None else Record(), [], time.perf_counter()
         last = t0
         client = self.client
         if not stream:
@@ -223,8 +226,10 @@ class OpenAIBackend:
             return (choice.get("delta") or choice.get("message") or {}).get("content") or ""
         return choice.get("text") or ""
 
-    async def request(self, kwargs: dict, sp: dict, stream: bool) -> tuple[Record, str]:
-        rec, text, t0 = Record(), [], time.perf_counter()
+    async def request(
+        self, kwargs: dict, sp: dict, stream: bool, rec: Record | None = None
+    ) -> tuple[Record, str]:
+        rec, text, t0 = rec if rec is not None else Record(), [], time.perf_counter()
         body = self.body(kwargs, sp, stream)
         if not stream:
             async with self.http.post(self.path, json=body) as resp:
@@ -244,7 +249,7 @@ class OpenAIBackend:
                 if "error" in data:
                     raise RuntimeError(data["error"]["message"])
                 now = time.perf_counter()
-                if data["choices"]:  # radixrt sends a chunk per step with new tokens
+                if self.carries_tokens(data["choices"]):  # radixrt: a chunk per step
                     if not chunks:
                         rec.ttft = now - t0
                     else:
@@ -255,6 +260,11 @@ class OpenAIBackend:
                 if data.get("usage"):
                     self._usage(rec, data["usage"])
         return rec, "".join(text)
+
+    def carries_tokens(self, choices: list[dict]) -> bool:
+        """Whether a streamed chunk brings tokens: not the usage chunk (no choices), nor a
+        closing chunk with a finish_reason and no text (llama-server's after its last token)."""
+        return any(self.text_of(c) or c.get("finish_reason") is None for c in choices)
 
     @staticmethod
     def _usage(rec: Record, usage: dict) -> None:
@@ -273,11 +283,14 @@ def make_backend(args):
 # ---------------------------------------------------------------- runner
 
 
-async def one_request(backend, kwargs: dict, sp: dict, stream: bool = True) -> tuple[Record, str]:
-    """One request through the backend; errors (overloaded, timeouts) are counted, not fatal."""
+async def one_request(
+    backend, kwargs: dict, sp: dict, stream: bool = True, rec: Record | None = None
+) -> tuple[Record, str]:
+    """One request through the backend; errors (overloaded, timeouts) are counted, not fatal.
+    ``rec``: the Record the backend fills as chunks arrive (default: a new one)."""
     t0 = time.perf_counter()
     try:
-        rec, text = await backend.request(kwargs, sp, stream)
+        rec, text = await backend.request(kwargs, sp, stream, rec)
     except Exception as e:
         rec, text = Record(), ""
         rec.error = f"{type(e).__name__}: {e}"
@@ -444,7 +457,46 @@ async def compare_fronts(args, reqs: list[dict]) -> dict:
 # ------------------------------------------------------- engine compare
 
 
-class EngineRunner:
+class WorkerProcess:
+    """``target(conn, *args)`` in a spawned process, answering calls over a pipe
+    (``serve_calls`` on its side); ``_call`` raises RuntimeError with the worker's error."""
+
+    def __init__(self, target, *args) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        self._call("ready")
+
+    def _call(self, method: str, *args):
+        self.conn.send((method, args))
+        ok, value = self.conn.recv()
+        if not ok:
+            raise RuntimeError(f"worker process: {value}")
+        return value
+
+    def close(self) -> None:
+        self.conn.send(("stop", ()))
+        self.proc.join(30)
+
+
+def serve_calls(conn, methods: dict) -> None:
+    """The worker's side of ``WorkerProcess``: (method, args) in, (ok, value) out, until
+    "stop"; "ready" answers True."""
+    methods = {"ready": lambda: True, **methods}
+    while True:
+        method, args = conn.recv()
+        if method == "stop":
+            return
+        try:
+            conn.send((True, methods[method](*args)))
+        except Exception as e:  # noqa: BLE001 (reported to the parent)
+            conn.send((False, f"{type(e).__name__}: {e}"))
+
+
+class EngineRunner(WorkerProcess):
     """The Engine on the server's model, for --compare-engine, in a process of its own.
 
     Not in this process: a second PyTorch process computing on the same cores
@@ -456,22 +508,7 @@ class EngineRunner:
     """
 
     def __init__(self, model: str, dtype: str, max_total_tokens: int | None) -> None:
-        import multiprocessing
-
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_engine_worker, args=(child, model, dtype, max_total_tokens), daemon=True
-        )
-        self.proc.start()
-        self._call("ready")
-
-    def _call(self, method: str, *args):
-        self.conn.send((method, args))
-        ok, value = self.conn.recv()
-        if not ok:
-            raise RuntimeError(f"engine worker: {value}")
-        return value
+        super().__init__(_engine_worker, model, dtype, max_total_tokens)
 
     def throughput(self, reqs: list[dict], max_new_tokens: int) -> dict:
         return self._call("throughput", [r["input_ids"] for r in reqs], max_new_tokens)
@@ -483,10 +520,6 @@ class EngineRunner:
     def first_token(self, input_ids: list[int]) -> tuple[float, float]:
         """(wall s, forward s) of a 1-token generate on a cold cache."""
         return self._call("first_token", input_ids)
-
-    def close(self) -> None:
-        self.conn.send(("stop", ()))
-        self.proc.join(30)
 
 
 def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -> None:
@@ -518,15 +551,7 @@ def _engine_worker(conn, model: str, dtype: str, max_total_tokens: int | None) -
         )
         return time.perf_counter() - t0, eng.stats().get("forward_s", 0.0) - before
 
-    methods = {"ready": lambda: True, "throughput": throughput, "first_token": first_token}
-    while True:
-        method, args = conn.recv()
-        if method == "stop":
-            return
-        try:
-            conn.send((True, methods[method](*args)))
-        except Exception as e:  # noqa: BLE001 (reported to the parent)
-            conn.send((False, f"{type(e).__name__}: {e}"))
+    serve_calls(conn, {"throughput": throughput, "first_token": first_token})
 
 
 async def paired_ttft(client, engine: EngineRunner, reqs: list[dict]) -> dict:
