@@ -105,6 +105,7 @@ static inline __attribute__((always_inline)) void scores(const int nv, const vf 
         vf a[8][QV];
         for (int u = 0; u < ks; u++)
             for (int v = 0; v < nv; v++) a[u][v] = (vf){0};
+#pragma GCC unroll 4
         for (int64_t i = 0; i < d; i++) {
             for (int v = 0; v < nv; v++) {
                 const vf qv = qt[i][v];
@@ -136,6 +137,7 @@ static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const flo
                 a[rr][0] = *(vf *)&acc[r0 + rr][c] * scale;
                 a[rr][1] = *(vf *)&acc[r0 + rr][c + VL] * scale;
             }
+#pragma GCC unroll 4
             for (int64_t t = 0; t < nk; t++) {
                 const vf va = *(const vf *)&v[t][c], vc = *(const vf *)&v[t][c + VL];
                 for (int rr = 0; rr < RB; rr++) {
