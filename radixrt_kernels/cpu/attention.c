@@ -105,6 +105,7 @@ static inline __attribute__((always_inline)) void scores(const int nv, const vf 
         vf a[8][QV];
         for (int u = 0; u < ks; u++)
             for (int v = 0; v < nv; v++) a[u][v] = (vf){0};
+#pragma GCC unroll 4
         for (int64_t i = 0; i < d; i++) {
             for (int v = 0; v < nv; v++) {
                 const vf qv = qt[i][v];
@@ -136,6 +137,7 @@ static inline void pv_update(float (*acc)[DMAX], const float (*p)[32], const flo
                 a[rr][0] = *(vf *)&acc[r0 + rr][c] * scale;
                 a[rr][1] = *(vf *)&acc[r0 + rr][c + VL] * scale;
             }
+#pragma GCC unroll 4
             for (int64_t t = 0; t < nk; t++) {
                 const vf va = *(const vf *)&v[t][c], vc = *(const vf *)&v[t][c + VL];
                 for (int rr = 0; rr < RB; rr++) {
@@ -248,6 +250,19 @@ static inline void seed_rows(const struct call *c, const struct item *it, float 
     }
 }
 
+/* Per lane (a query row): the largest of m and the scores st[0 .. nk)[v], NaN scores passed
+ * over. Four independent chains: a maximum is the same value in any order (a +0 and a -0 may
+ * trade places, which no exp(s - max) or later state tells apart). */
+static inline vf block_max(const vf (*st)[QV], int v, int64_t nk, vf m) {
+    vf mq[4] = {m, m, m, m};
+    int64_t t = 0;
+    for (; t + 4 <= nk; t += 4)
+        for (int u = 0; u < 4; u++) mq[u] = vsel(st[t + u][v] > mq[u], st[t + u][v], mq[u]);
+    for (; t < nk; t++) mq[0] = vsel(st[t][v] > mq[0], st[t][v], mq[0]);
+    const vf a = vsel(mq[1] > mq[0], mq[1], mq[0]), b = vsel(mq[3] > mq[2], mq[3], mq[2]);
+    return vsel(b > a, b, a);
+}
+
 /* A work item with the item's query rows as the vector lanes of the scores (q transposed once
  * per item, so keys need no transposing), float32 math. */
 static void attend_item(const struct call *c, const struct item *it) {
@@ -309,8 +324,7 @@ static void attend_item(const struct call *c, const struct item *it) {
         /* online softmax, lane by lane (a lane is a query row) */
         vf alpha[QV];
         for (int v = 0; v < nv; v++) {
-            vf mx = m[v];
-            for (int64_t t = 0; t < nk; t++) mx = vsel(st[t][v] > mx, st[t][v], mx);
+            const vf mx = block_max(st, v, nk, m[v]);
             alpha[v] = vexpf(m[v] - mx); /* 0 on the first block (m = -inf) */
             vf sum = {0};
             for (int64_t t = 0; t < nk; t++) {
