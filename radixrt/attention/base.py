@@ -38,6 +38,9 @@ class ForwardBatch:
     extend_lens: list[int]  # [B] new tokens per request (all 1 in decode)
     # Which token positions (indices into T) need logits; default: each request's last.
     logits_indices: torch.Tensor | None = None
+    # EXTEND: the first decode_rows requests are running ones computing their next token (a
+    # mixed step); a backend may treat them as a decode step's rows.
+    decode_rows: int = 0
     attn_backend: AttentionBackend | None = field(default=None, repr=False)  # set by the runner
     attn_metadata: Any = field(default=None, repr=False)  # set by the backend
 

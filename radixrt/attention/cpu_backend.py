@@ -11,7 +11,9 @@ new K/V. Its work is described once per step as segments (``attention.Segments``
   ``SPLIT_MIN_KEYS`` keys has them in two halves, two parts merged as a group's are, so the
   threads share one long sequence's keys;
 - extend: each request's whole sequence (cached prefix and new tokens) is one causal segment
-  for its new tokens.
+  for its new tokens;
+- a mixed step (an extend whose first ``decode_rows`` requests compute one running request's
+  next token each): the decode rows' segments as a decode step's, then the extend's.
 The kernel takes float32 and bf16 with head_dim a multiple of 32 (``supports``). Its bf16 work
 that AMX does not take runs on AVX512-BF16 dot products or widened to float32 for FMA, whichever
 ``calibrate.Calibrator.attention_dots`` measured faster for the model's attention shape on this
@@ -87,23 +89,34 @@ class CpuAttentionBackend(AttentionBackend):
         return f"cpu ({', '.join(notes)})" if notes else "cpu"
 
     def init_forward_metadata(self, batch: ForwardBatch) -> None:
-        table = self.pool.req_to_token
         if batch.mode is ForwardMode.DECODE:
             few = len(batch.seq_lens) * self.pool.kv_heads < 2 * torch.get_num_threads()
-            batch.attn_metadata = cpu_attention.decode_segments(
-                self.lib,
-                table,
-                batch.req_rows,
-                batch.seq_lens,
-                MIN_SHARED_PREFIX,
-                MIN_GROUP_SIZE,
-                SPLIT_MIN_KEYS if few and not self.exact else 0,
-                exact=self.exact,
-            )
-        else:
-            batch.attn_metadata = extend_segments(
-                table, batch.req_rows, batch.seq_lens, batch.extend_lens, self.exact
-            )
+            batch.attn_metadata = self._decode_segments(batch.req_rows, batch.seq_lens, few)
+            return
+        d, table = batch.decode_rows, self.pool.req_to_token
+        extend = extend_segments(
+            table, batch.req_rows[d:], batch.seq_lens[d:], batch.extend_lens[d:], self.exact
+        )
+        if d:  # a mixed step: its decode rows grouped by shared prefix as a decode step's are
+            decode = self._decode_segments(batch.req_rows[:d], batch.seq_lens[:d], few=False)
+            extend = cpu_attention.concat_segments(decode, extend)
+        batch.attn_metadata = extend
+
+    def _decode_segments(
+        self, req_rows: torch.Tensor, seq_lens: list[int], few: bool
+    ) -> cpu_attention.Segments:
+        """Segments of decode rows; ``few``: too few work items for the threads (split the
+        long lone requests' keys, outside exact mode)."""
+        return cpu_attention.decode_segments(
+            self.lib,
+            self.pool.req_to_token,
+            req_rows,
+            seq_lens,
+            MIN_SHARED_PREFIX,
+            MIN_GROUP_SIZE,
+            SPLIT_MIN_KEYS if few and not self.exact else 0,
+            exact=self.exact,
+        )
 
     def forward(
         self,

@@ -69,6 +69,7 @@ class ScheduledBatch:
             ),
             seq_lens=[r.kv_len + n for r, n in zip(self.reqs, self.extend_lens)],
             extend_lens=list(self.extend_lens),
+            decode_rows=self.decode_rows,
         )
 
     def _logits_layout(self) -> LogitsLayout | None:

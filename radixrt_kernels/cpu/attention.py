@@ -88,6 +88,28 @@ class Segments:
         return self._call[2]
 
 
+def concat_segments(a: Segments, b: Segments) -> Segments:
+    """One call's segments for a's query tokens followed by b's (b's token i is token
+    ``a.num_parts.numel() + i`` of the call): a step whose first tokens are decode rows and
+    whose rest extend, each described as its kind is."""
+    if a.exact != b.exact:
+        raise ValueError("concat_segments: both sides must be exact, or neither")
+
+    def causal(x: Segments) -> torch.Tensor:
+        return x.causal if x.causal is not None else torch.zeros_like(x.part)
+
+    return Segments(
+        slots=torch.cat([a.slots, b.slots]),
+        slot_start=torch.cat([a.slot_start, b.slot_start[1:] + a.slot_start[-1]]),
+        members=torch.cat([a.members, b.members + a.num_parts.numel()]),
+        member_start=torch.cat([a.member_start, b.member_start[1:] + a.member_start[-1]]),
+        part=torch.cat([a.part, b.part]),
+        num_parts=torch.cat([a.num_parts, b.num_parts]),
+        causal=None if a.causal is None and b.causal is None else torch.cat([causal(a), causal(b)]),
+        exact=a.exact,
+    )
+
+
 def supports(k_buf: torch.Tensor) -> bool:
     """True if the kernel takes this KV buffer [N, KH, D] (CPU, float32 or bfloat16, a head_dim
     it handles); queries are cast to its dtype."""

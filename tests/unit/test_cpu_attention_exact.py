@@ -186,6 +186,41 @@ def test_an_extend_token_has_its_decode_bits(lib, dtype, dots) -> None:
         row += n
 
 
+@pytest.mark.parametrize("dtype,dots", PATHS)
+def test_a_mixed_steps_rows_have_their_own_bits(lib, dtype, dots) -> None:
+    """A mixed step (concat_segments): decode rows grouped by shared prefixes, then extends
+    after cached keys, in one call: each decode row's bits are its decode alone, each extend
+    token's its extend alone."""
+    w = World(dtype, seed=11)
+    grouped = 0  # steps whose decode rows shared a prefix segment
+    for b in (1, 5, 17, 30):
+        target = w.slots(w.randint(100, 400))
+        decodes, _ = batch_around(w, target, b)
+        decodes = [(slots, w.q()) for slots in decodes]
+        extends = [(w.slots(c + n), w.q(n)) for c, n in ((0, 33), (w.randint(1, 300), 7), (64, 1))]
+        seg = cpu_attention.concat_segments(
+            decode(lib, w, decodes, dots)[1],
+            extend_segments(
+                _table([s for s, _ in extends]),
+                torch.arange(len(extends)),
+                [len(s) for s, _ in extends],
+                [q.shape[0] for _, q in extends],
+                exact=True,
+            ),
+        )
+        q = torch.cat([torch.stack([q for _, q in decodes]), *[q for _, q in extends]])
+        got = cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots)
+        for i, one in enumerate(decodes):
+            assert torch.equal(got[i], decode(lib, w, [one], dots)[0][0]), f"decode row {i}"
+        row = len(decodes)
+        for one in extends:
+            n = one[1].shape[0]
+            assert torch.equal(got[row : row + n], extend(lib, w, [one], dots)), f"row {row}"
+            row += n
+        grouped += seg.two_parts
+    assert grouped
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_without_exact_a_shared_prefix_changes_the_bits(dtype) -> None:
     """The harness above sees a difference where there is one: without exact mode, a token's
