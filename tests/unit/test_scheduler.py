@@ -113,11 +113,16 @@ def test_outputs_follow_the_kv(cfg):
         assert stats["cached_tokens"] > 0
 
 
-def test_in_batch_dedup_computes_each_shared_prefix_once():
+@pytest.mark.parametrize("policy", ["lpm", "dfs-weight", "fcfs"])
+@pytest.mark.parametrize("step_ms", [0, 30, 100])
+def test_in_batch_dedup_computes_each_shared_prefix_once(policy, step_ms):
+    """Whatever the time budget (none; steps that chunk the prefixes; steps of a few
+    prompts), requests wait for a shared prefix another one is computing."""
     prompts = shared_prompts(groups=3, per=4, system=64, q=6)
-    sched = make()
-    run(sched, prompts, 2)
+    sched = make_timed(max_prefill_step_ms=step_ms, schedule_policy=policy)
+    reqs = run(sched, prompts, 2)
     assert sched.get_stats()["prefill_tokens"] == 3 * 64 + len(prompts) * 6
+    assert [r.output_ids for r in reqs] == [reference(p, 2) for p in prompts]
 
 
 def run_salted(
