@@ -70,13 +70,22 @@ struct prefetcher {
     int lines;
 };
 
+/* Rows [lo, hi) of a unit's finished results r (the same acc, shifted by lo rows). */
+static inline void write_rows(const struct output *o, const struct results *r, int unit, int lo, int hi) {
+    if (hi <= lo) return;
+    const struct results part = {(float(*)[32][NB])(&r->acc[0][lo][0]), hi - lo, r->r0 + lo, r->f0};
+    write_results(o, &part, unit);
+}
+
 /* One block's results for rows r0 .. r0 + 31 (two = 1) or r0 .. r0 + 15 into acc: x rows from xa
- * and xb (16 rows each, a_stride and b_stride elements apart), the block's chunks from w. The
- * previous block's results are written out while this block's first products run (reading back
- * stored tiles stalls; this way the stall overlaps the tile products). */
+ * and xb (16 rows each, a_stride and b_stride elements apart), the block's chunks from w. It is
+ * step `step` of `steps` blocks (a unit's) during which the previous unit's results are written:
+ * a slice of rows with each chunk's products, so the epilogue's vector work runs beside the tile
+ * products (all of it after one chunk would leave the tile unit idle while it runs). */
 static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, int64_t b_stride,
                               const bf16 *w, int64_t chunks, int two, struct prefetcher *pf, float (*acc)[NB],
-                              const struct output *o, const struct results *previous, int unit) {
+                              const struct output *o, const struct results *previous, int unit, int step) {
+    const int64_t slices = chunks * unit; /* previous->rows over every chunk of the unit's blocks */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -95,7 +104,11 @@ static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (c == 0 && previous->rows) write_results(o, previous, unit);
+        if (previous->rows) {
+            const int64_t at = step * chunks + c;
+            write_rows(o, previous, unit, (int)(at * previous->rows / slices),
+                       (int)((at + 1) * previous->rows / slices));
+        }
     }
     _tile_stored(0, &acc[0][0], NB * 4);
     _tile_stored(1, &acc[0][16], NB * 4);
@@ -152,14 +165,15 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Blocks go in units (a block; a gated pair; a rotary head's blocks), block i's results to
-         * acc[i % (2·unit)]: a unit's stay untouched until written during the next unit's first
-         * products. */
+        /* Blocks go in units (a block; a gated pair; a rotary head's blocks); the units' results
+         * go to acc's halves in turn: a unit's stay untouched while they are written, during the
+         * next unit's products. */
         const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
         float acc[2 * MAX_UNIT][32][NB] __attribute__((aligned(64)));
         const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated,
                                  positions, rope_cos, rope_sin, rope_dim, rope_cols};
         struct results done = {NULL, 0, 0, 0};
+        int half = 0; /* the units alternate between acc's halves */
         const int64_t threads = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t b0 = blocks / unit * id / threads * unit, b1 = blocks / unit * (id + 1) / threads * unit;
         amx_configure(); /* tiles 0-3: the 2 × 2 results; 4, 5: x; 6, 7: the weight tiles */
@@ -181,11 +195,13 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
                         claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
                     block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
                                b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
-                               packed + b * block_elems, chunks, two, &pf, acc[b % (2 * unit)], &o, &done, unit);
-                    if (b % unit == 0) done.rows = 0; /* written above; the unit's last block sets it */
-                    if (b % unit == unit - 1) /* the unit's first block: b - unit + 1 */
-                        done = (struct results){&acc[(b - unit + 1) % (2 * unit)], m - r0 < 32 ? (int)(m - r0) : 32,
-                                                r0, gated ? f0 : (b - unit + 1) * NB};
+                               packed + b * block_elems, chunks, two, &pf, acc[half * unit + b % unit], &o, &done, unit,
+                               (int)(b % unit));
+                    if (b % unit == unit - 1) { /* written above; the unit's first block: b - unit + 1 */
+                        done = (struct results){&acc[half * unit], m - r0 < 32 ? (int)(m - r0) : 32, r0,
+                                                gated ? f0 : (b - unit + 1) * NB};
+                        half ^= 1;
+                    }
                 }
             }
         }
