@@ -26,7 +26,13 @@
  * rows (a prefill) a thread takes its blocks in groups (up to GROUP blocks,
  * about GROUP_BYTES of weights): all passes over a group's blocks, which stay
  * in L2, so each weight still streams from memory once and each output row is
- * written in runs of up to GROUP·64 bytes.
+ * written in runs of up to GROUP·64 bytes. Where a pass's x fits in L1 (K up to 640), the
+ * weight tiles are loaded with the streaming hint, so the x tiles every block of the group reads
+ * stay there.
+ *
+ * A unit's results (a block; a gated pair; a rotary head's blocks) are written during the next
+ * unit's products, a slice of rows per chunk, so the epilogue's vector work overlaps the tile
+ * products. None of this changes what is added to what, or in which order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +49,7 @@
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
+#define X_PASS_L1 (40 << 10)  /* x bytes of a pass (32 rows) that stay in L1 beside the weight tiles */
 
 /* Pack w [n, k] (row-major bf16) into packed: ceil(n / NB)·NB·k values (cpu_linear.packed_elems). */
 int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
@@ -68,6 +75,7 @@ int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
 struct prefetcher {
     const char *at, *end;
     int lines;
+    int once; /* the weight tiles are loaded with the streaming hint (tileloaddt1) */
 };
 
 /* Rows [lo, hi) of a unit's finished results r (the same acc, shifted by lo rows). */
@@ -94,8 +102,13 @@ static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, 
         const bf16 *wc = w + c * 2 * TILE_ELEMS;
         for (int i = 0; i < pf->lines && pf->at < pf->end; i++, pf->at += 64)
             _mm_prefetch(pf->at, _MM_HINT_T1);
-        _tile_loadd(6, wc, 64);
-        _tile_loadd(7, wc + TILE_ELEMS, 64);
+        if (pf->once) {
+            _tile_stream_loadd(6, wc, 64);
+            _tile_stream_loadd(7, wc + TILE_ELEMS, 64);
+        } else {
+            _tile_loadd(6, wc, 64);
+            _tile_loadd(7, wc + TILE_ELEMS, 64);
+        }
         _tile_loadd(4, xa + c * KC, a_stride * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -179,11 +192,15 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
         amx_configure(); /* tiles 0-3: the 2 × 2 results; 4, 5: x; 6, 7: the weight tiles */
         const int64_t block_elems = chunks * 2 * TILE_ELEMS;
         const int passes = (int)((tiles + 1) / 2);
-        struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
-                                (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes};
         /* a decode batch: each block's passes back to back; else groups of whole units */
         int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
         group = passes <= 2 || group < unit ? unit : group > GROUP ? GROUP : group;
+        /* In a group, a pass's x is read by every block and each weight tile once: where the
+         * x fits in L1, the weight tiles are loaded past it, and the output lines are left to
+         * the writes, spread over the products (claimed ahead otherwise). */
+        struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
+                                (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes,
+                                passes > 2 && 32 * k * 2 <= X_PASS_L1};
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
             for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32) {
@@ -191,7 +208,7 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
                 const int a_tail = tail && r0 / 16 == tiles - 1, b_tail = tail && r0 / 16 + 1 == tiles - 1;
                 for (int64_t b = g0; b < g1; b++) {
                     const int64_t f0 = gated ? b / 2 * NB : b * NB; /* the block's output features */
-                    if (r0 + 32 < m && (!gated || b % 2 == 0))
+                    if (!pf.once && r0 + 32 < m && (!gated || b % 2 == 0))
                         claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
                     block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
                                b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
