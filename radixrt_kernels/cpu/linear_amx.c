@@ -26,7 +26,14 @@
  * rows (a prefill) a thread takes its blocks in groups (up to GROUP blocks,
  * about GROUP_BYTES of weights): all passes over a group's blocks, which stay
  * in L2, so each weight still streams from memory once and each output row is
- * written in runs of up to GROUP·64 bytes.
+ * written in runs of up to GROUP·64 bytes. A pass goes over the chunks in segments whose x fits
+ * in L1 (one segment up to K = 640), each segment over all the group's blocks, a block's float32
+ * sums stored between segments and loaded back (exactly); the weight tiles, used once per pass,
+ * are loaded with the streaming hint, so the x tiles every block reads stay in L1.
+ *
+ * A unit's results (a block; a gated pair; a rotary head's blocks) are written during the next
+ * unit's products, a slice of rows per chunk, so the epilogue's vector work overlaps the tile
+ * products. None of this changes what is added to what, or in which order.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +50,7 @@
 #define PREFETCH_AHEAD 32768  /* bytes of the weight stream ahead of the products, into L2 */
 #define GROUP 16              /* blocks per group with more than two passes, at most ... */
 #define GROUP_BYTES (3 << 19) /* ... and about this much weight (1.5 MiB: a group stays in L2) */
+#define X_PASS_L1 (40 << 10)  /* x bytes of a pass's segment (32 rows) that stay in L1 */
 
 /* Pack w [n, k] (row-major bf16) into packed: ceil(n / NB)·NB·k values (cpu_linear.packed_elems). */
 int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
@@ -68,25 +76,50 @@ int radixrt_linear_pack(const bf16 *w, int64_t n, int64_t k, bf16 *packed) {
 struct prefetcher {
     const char *at, *end;
     int lines;
+    int once; /* the weight tiles are loaded with the streaming hint (tileloaddt1) */
 };
 
+/* Rows [lo, hi) of a unit's finished results r (the same acc, shifted by lo rows). */
+static inline void write_rows(const struct output *o, const struct results *r, int unit, int lo, int hi) {
+    if (hi <= lo) return;
+    const struct results part = {(float(*)[32][NB])(&r->acc[0][lo][0]), hi - lo, r->r0 + lo, r->f0};
+    write_results(o, &part, unit);
+}
+
 /* One block's results for rows r0 .. r0 + 31 (two = 1) or r0 .. r0 + 15 into acc: x rows from xa
- * and xb (16 rows each, a_stride and b_stride elements apart), the block's chunks from w. The
- * previous block's results are written out while this block's first products run (reading back
- * stored tiles stalls; this way the stall overlaps the tile products). */
+ * and xb (16 rows each, a_stride and b_stride elements apart), the block's chunks from w. It is
+ * step `step` of `steps` blocks (a unit's) during which the previous unit's results are written:
+ * a slice of rows with each chunk's products, so the epilogue's vector work runs beside the tile
+ * products (all of it after one chunk would leave the tile unit idle while it runs). */
 static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, int64_t b_stride,
                               const bf16 *w, int64_t chunks, int two, struct prefetcher *pf, float (*acc)[NB],
-                              const struct output *o, const struct results *previous, int unit) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+                              int resume, const struct output *o, const struct results *previous, int unit,
+                              int step) {
+    const int64_t slices = chunks * unit; /* previous->rows over every chunk of the unit's blocks */
+    if (resume) { /* the sums of the block's earlier chunks, as stored (float32: exact) */
+        _tile_loadd(0, &acc[0][0], NB * 4);
+        _tile_loadd(1, &acc[0][16], NB * 4);
+        if (two) {
+            _tile_loadd(2, &acc[16][0], NB * 4);
+            _tile_loadd(3, &acc[16][16], NB * 4);
+        }
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
     for (int64_t c = 0; c < chunks; c++) {
         const bf16 *wc = w + c * 2 * TILE_ELEMS;
         for (int i = 0; i < pf->lines && pf->at < pf->end; i++, pf->at += 64)
             _mm_prefetch(pf->at, _MM_HINT_T1);
-        _tile_loadd(6, wc, 64);
-        _tile_loadd(7, wc + TILE_ELEMS, 64);
+        if (pf->once) {
+            _tile_stream_loadd(6, wc, 64);
+            _tile_stream_loadd(7, wc + TILE_ELEMS, 64);
+        } else {
+            _tile_loadd(6, wc, 64);
+            _tile_loadd(7, wc + TILE_ELEMS, 64);
+        }
         _tile_loadd(4, xa + c * KC, a_stride * 2);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
@@ -95,7 +128,11 @@ static inline void block_rows(const bf16 *xa, int64_t a_stride, const bf16 *xb, 
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        if (c == 0 && previous->rows) write_results(o, previous, unit);
+        if (previous->rows) {
+            const int64_t at = step * chunks + c;
+            write_rows(o, previous, unit, (int)(at * previous->rows / slices),
+                       (int)((at + 1) * previous->rows / slices));
+        }
     }
     _tile_stored(0, &acc[0][0], NB * 4);
     _tile_stored(1, &acc[0][16], NB * 4);
@@ -152,11 +189,10 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        /* Blocks go in units (a block; a gated pair; a rotary head's blocks), block i's results to
-         * acc[i % (2·unit)]: a unit's stay untouched until written during the next unit's first
-         * products. */
+        /* Blocks go in units (a block; a gated pair; a rotary head's blocks); the units' results
+         * go to acc's halves in turn: a unit's stay untouched while they are written, during the
+         * next unit's products. */
         const int unit = rope_dim ? (int)(rope_dim / NB) : gated ? 2 : 1;
-        float acc[2 * MAX_UNIT][32][NB] __attribute__((aligned(64)));
         const struct output o = {y, y_stride, gated ? n / 2 : n, bias, y_f32, gated,
                                  positions, rope_cos, rope_sin, rope_dim, rope_cols};
         struct results done = {NULL, 0, 0, 0};
@@ -165,27 +201,44 @@ int radixrt_linear(const bf16 *x, int64_t x_stride, const bf16 *packed, const bf
         amx_configure(); /* tiles 0-3: the 2 × 2 results; 4, 5: x; 6, 7: the weight tiles */
         const int64_t block_elems = chunks * 2 * TILE_ELEMS;
         const int passes = (int)((tiles + 1) / 2);
-        struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
-                                (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes};
         /* a decode batch: each block's passes back to back; else groups of whole units */
         int64_t group = GROUP_BYTES / (block_elems * 2) / unit * unit;
         group = passes <= 2 || group < unit ? unit : group > GROUP ? GROUP : group;
+        /* In a group, a pass's x is read by every block and each weight tile once: the weight
+         * tiles are loaded past L1, and the output lines are left to the writes, spread over the
+         * products (a decode batch claims them ahead). */
+        struct prefetcher pf = {(const char *)(packed + b0 * block_elems) + PREFETCH_AHEAD,
+                                (const char *)(packed + b1 * block_elems), (32 + passes - 1) / passes,
+                                passes > 2};
+        /* A grouped pass goes over the chunks in segments whose x fits in L1, each segment over
+         * all the group's blocks; a block's sums wait in acc between segments. */
+        const int64_t segments = passes > 2 ? (32 * k * 2 + X_PASS_L1 - 1) / X_PASS_L1 : 1;
+        const int64_t seg_chunks = (chunks + segments - 1) / segments;
+        /* A block's results go to acc[parity · group + its place in the group], the parity turning
+         * with each pass: a unit's stay untouched while they are written, during the next unit's
+         * products (in this pass, or in the next with the other parity). */
+        float acc[2 * group][32][NB] __attribute__((aligned(64)));
+        int parity = 0;
         for (int64_t g0 = b0; g0 < b1; g0 += group) {
             const int64_t g1 = g0 + group < b1 ? g0 + group : b1;
-            for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32) {
+            for (int64_t r0 = 0; r0 < 16 * tiles; r0 += 32, parity ^= 1) {
                 const int two = r0 + 16 < 16 * tiles;
                 const int a_tail = tail && r0 / 16 == tiles - 1, b_tail = tail && r0 / 16 + 1 == tiles - 1;
-                for (int64_t b = g0; b < g1; b++) {
-                    const int64_t f0 = gated ? b / 2 * NB : b * NB; /* the block's output features */
-                    if (r0 + 32 < m && (!gated || b % 2 == 0))
-                        claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
-                    block_rows(a_tail ? tail : x + r0 * x_stride, a_tail ? k : x_stride,
-                               b_tail ? tail : x + (r0 + 16) * x_stride, b_tail ? k : x_stride,
-                               packed + b * block_elems, chunks, two, &pf, acc[b % (2 * unit)], &o, &done, unit);
-                    if (b % unit == 0) done.rows = 0; /* written above; the unit's last block sets it */
-                    if (b % unit == unit - 1) /* the unit's first block: b - unit + 1 */
-                        done = (struct results){&acc[(b - unit + 1) % (2 * unit)], m - r0 < 32 ? (int)(m - r0) : 32,
-                                                r0, gated ? f0 : (b - unit + 1) * NB};
+                const bf16 *xa = a_tail ? tail : x + r0 * x_stride, *xb = b_tail ? tail : x + (r0 + 16) * x_stride;
+                for (int64_t c0 = 0; c0 < chunks; c0 += seg_chunks) {
+                    const int64_t c1 = c0 + seg_chunks < chunks ? c0 + seg_chunks : chunks;
+                    for (int64_t b = g0; b < g1; b++) {
+                        const int64_t f0 = gated ? b / 2 * NB : b * NB; /* the block's output features */
+                        float(*slot)[32][NB] = &acc[parity * group + (b - g0)];
+                        if (!pf.once && c1 == chunks && r0 + 32 < m && (!gated || b % 2 == 0))
+                            claim_output(&o, r0 + 32, m - r0 - 32 < 32 ? m - r0 - 32 : 32, f0);
+                        block_rows(xa + c0 * KC, a_tail ? k : x_stride, xb + c0 * KC, b_tail ? k : x_stride,
+                                   packed + b * block_elems + c0 * 2 * TILE_ELEMS, c1 - c0, two, &pf, *slot,
+                                   c0 > 0, &o, &done, unit, (int)(b % unit));
+                        if (b % unit == unit - 1) /* written above; the unit's first block: b - unit + 1 */
+                            done = (struct results){slot - (unit - 1), c1 < chunks ? 0 : m - r0 < 32 ? (int)(m - r0) : 32,
+                                                    r0, gated ? f0 : (b - unit + 1) * NB};
+                    }
                 }
             }
         }

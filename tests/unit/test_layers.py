@@ -118,6 +118,38 @@ def test_amx_linear_equals_pytorch(rows: int) -> None:
     assert err_ours <= err_torch * 1.05
 
 
+@pytest.mark.parametrize("k", [576, 1024])  # a pass's x fits in L1 (streamed weight tiles), or not
+def test_amx_prefill_gives_each_32_row_slice_the_bits_of_f_linear(k: int) -> None:
+    # A prefill's grouped passes (several groups of blocks, a short last slice of rows) add in the
+    # order of a decode batch: each 32-row slice gets F.linear's bits for those rows alone, with
+    # a bias, widened to float32, and through the gated and rotary epilogues (written a slice of
+    # rows at a time during the next unit's products).
+    from radixrt.model.layers import RotaryEmbedding
+    from radixrt_kernels.cpu import elementwise
+
+    lib = amx_library()
+    torch.manual_seed(k)
+    n, rows = 1152, 700  # 36 blocks: more than one group of 16
+    w = (torch.randn(n, k) * 0.05).bfloat16()
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    x = torch.randn(rows, k, dtype=torch.bfloat16)
+    want = torch.cat(
+        [torch.nn.functional.linear(x[r : r + 32], w, bias) for r in range(0, rows, 32)]
+    )
+    packed = cpu_linear.pack(lib, w)
+    assert torch.equal(cpu_linear.linear(lib, x, packed, n, bias), want)
+    assert torch.equal(cpu_linear.linear(lib, x, packed, n, bias, float_out=True), want.float())
+    plain = cpu_linear.linear(lib, x, packed, n)
+    gated = cpu_linear.linear(lib, x, cpu_linear.pack(lib, w, gated=True), n, gated=True)
+    assert torch.equal(gated, elementwise.silu_mul(lib, plain))
+    rotary = RotaryEmbedding(128, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (rows,))
+    rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, 128, 512)
+    rotated = cpu_linear.linear(lib, x, packed, n, bias, rope=rope)
+    elementwise.rope_(lib, want[:, :512].view(rows, 4, 128), positions, rotary.cos, rotary.sin_signed)
+    assert torch.equal(rotated, want)
+
+
 @pytest.mark.parametrize("kernel", ["avx512_bf16", "fma"])
 @pytest.mark.parametrize("rows", [1, 2, 3, 12, 13, 32, 45, 100, 700])
 def test_vector_kernels_equal_pytorch_within_bf16_rounding(kernel: str, rows: int) -> None:
