@@ -146,7 +146,9 @@ def test_amx_prefill_gives_each_32_row_slice_the_bits_of_f_linear(k: int) -> Non
     positions = torch.randint(0, 4096, (rows,))
     rope = cpu_linear.Rope(positions, rotary.cos, rotary.sin_signed, 128, 512)
     rotated = cpu_linear.linear(lib, x, packed, n, bias, rope=rope)
-    elementwise.rope_(lib, want[:, :512].view(rows, 4, 128), positions, rotary.cos, rotary.sin_signed)
+    elementwise.rope_(
+        lib, want[:, :512].view(rows, 4, 128), positions, rotary.cos, rotary.sin_signed
+    )
     assert torch.equal(rotated, want)
 
 
