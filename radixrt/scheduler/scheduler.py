@@ -233,9 +233,8 @@ class Scheduler:
                 return self._chunk(req, reqs, lens)
         reserved = self._decode_reservation()
         for req in order_waiting(self.config.schedule_policy, self.waiting, self.kv):
-            if (reqs and budget.spent) or len(self.decoding) + len(
-                reqs
-            ) >= self.config.running_limit:
+            full = len(self.decoding) + len(reqs) >= self.config.running_limit
+            if full or (reqs and budget.spent):  # a step's first prompt always gets a chance
                 break
             if reqs and self._shares_unbuilt_prefix(req, reqs):
                 continue
