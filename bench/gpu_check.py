@@ -513,6 +513,8 @@ def run_steps(args: argparse.Namespace, report: dict) -> None:
                     name, False, 0.0, error=f"not run: --budget-s {args.budget_s:.0f} spent"
                 )
             print(f"gpu_check: {row.name}: {'pass' if row.passed else 'FAIL'}", flush=True)
+            if row.error:
+                print(f"gpu_check: {row.name}: {row.error}", file=sys.stderr, flush=True)
             report["steps"].append(asdict(row))
             report["passed"] = all(r["passed"] for r in report["steps"])
             write_report(Path(args.out), report)
