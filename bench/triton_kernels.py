@@ -20,8 +20,8 @@ every request's KV is scattered, as after a while of serving).
 Times are ``triton.testing.do_bench`` medians. Prints a table and writes
 bench/results/kernels.json. Without a CUDA device it says so and exits 0.
 
-    python bench/kernels.py            # all sizes
-    python bench/kernels.py --quick    # a few sizes, including both target points
+    python bench/triton_kernels.py            # all sizes
+    python bench/triton_kernels.py --quick    # a few sizes, including both target points
 """
 
 from __future__ import annotations
@@ -243,7 +243,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device, nothing to benchmark (the kernels need a GPU).")
+        print("bench/triton_kernels.py: no CUDA device, nothing to benchmark (the kernels need a GPU).")
         return 0
     props = torch.cuda.get_device_properties(0)
     copy_gbps, peak = copy_bandwidth_gbps(), matmul_tflops()
