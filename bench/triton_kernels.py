@@ -243,7 +243,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "kernels.json")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/triton_kernels.py: no CUDA device, nothing to benchmark (the kernels need a GPU).")
+        print("bench/triton_kernels.py: no CUDA device, nothing to benchmark (needs a GPU).")
         return 0
     props = torch.cuda.get_device_properties(0)
     copy_gbps, peak = copy_bandwidth_gbps(), matmul_tflops()
