@@ -133,7 +133,15 @@ def test_heap_collapser_collapses_growth_past_its_step() -> None:
     blocks = []  # 4 MiB blocks come from the heap; grow it past the step (reusing free space first)
     while heap._heap_end() - heap.end < 10 * HUGE_PAGE and len(blocks) < 256:
         blocks.append(np.ones(4 << 20, dtype=np.uint8))
+    if heap._heap_end() - heap.end < 10 * HUGE_PAGE:
+        pytest.skip("the heap did not grow here (glibc extended it with mappings of its own)")
     done = heap.maybe_collapse()
+    if done == 0:
+        probe, start = _touched_anonymous_mapping(4 * HUGE_PAGE)
+        can_collapse = collapse(start, start + 4 * HUGE_PAGE) > 0
+        del probe
+        if not can_collapse:  # fragmented or busy host memory: no huge page to collapse into
+            pytest.skip("the kernel collapses nothing into huge pages right now")
     assert done >= 8 * HUGE_PAGE and heap.collapsed == done
     assert _huge_bytes(heap.end - done, heap.end) >= done - HUGE_PAGE
     assert heap.maybe_collapse() == 0  # nothing new since
