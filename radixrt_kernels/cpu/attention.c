@@ -26,7 +26,7 @@
  * Work items are (segment, KV head, block of at most QB query rows, AMX_QB where AMX runs
  * the items; in a causal
  * segment the last block, the one with the most keys, first); threads
- * of the caller's OpenMP runtime take them from a shared counter (PyTorch's
+ * of the caller's OpenMP runtime take them, KH at a time, from a shared counter (PyTorch's
  * libgomp: the library is linked against it, so no second thread pool runs).
  * Per item, by what the CPU has (the build is -march=native):
  * - attend_item_amx: bf16, items of >= AMX_MIN_ROWS query rows (a shared
@@ -837,11 +837,16 @@ static void run_item(const struct attn_call *c, const struct call *call, const s
 void radixrt_attn_items(const struct attn_call *c, int64_t *next, int phase) {
     const struct call call = call_of(c);
     int configured = 0;
+    /* KH items at a time: a decode segment's KV heads on one thread, which then reads whole
+     * K/V rows (the heads of a slot are adjacent) */
+    const int64_t take = c->a.kh;
     for (;;) {
-        const int64_t item = __atomic_fetch_add(next, 1, __ATOMIC_RELAXED);
-        if (item >= c->items[phase]) break;
-        const struct item it = item_at(c, phase, item);
-        run_item(c, &call, &it, &configured);
+        const int64_t first = __atomic_fetch_add(next, take, __ATOMIC_RELAXED);
+        if (first >= c->items[phase]) break;
+        for (int64_t item = first; item < first + take && item < c->items[phase]; item++) {
+            const struct item it = item_at(c, phase, item);
+            run_item(c, &call, &it, &configured);
+        }
     }
 #ifdef HAVE_AMX
     if (configured) _tile_release();
