@@ -18,8 +18,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 
 from radixrt.model.hf_config import ModelConfig
 from radixrt.model.weights import cache_dir, make_shareable
+from radixrt.quant.gguf_model import cleaned_config, file_lock, gguf_model_folder, replace_folder
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -67,11 +67,12 @@ class ModelNotInstalledError(RuntimeError):
 
 
 def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
-    """The model folder to load: the default model for None, else ``model`` itself.
+    """The model folder to load: the default model for None, the folder written from a GGUF
+    file's metadata for a ``.gguf`` file (``gguf_model.gguf_model_folder``: its weights stay in
+    the file), else ``model`` itself.
 
-    Raises FileNotFoundError when the path does not exist or lacks config.json,
-    and ValueError when it is a file (a single .gguf or .safetensors file is not
-    a model folder).
+    Raises FileNotFoundError when the path does not exist or lacks config.json, and
+    ValueError when it is another file or a GGUF file radixrt does not serve.
     """
     if model is None:
         return default_model_path()
@@ -83,11 +84,12 @@ def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
             f"model folder {str(p)!r} has no config.json; expected a Hugging Face model folder "
             "(config.json, *.safetensors and tokenizer files)"
         )
+    if p.is_file() and p.suffix == ".gguf":
+        return gguf_model_folder(p)
     if p.exists():
-        hint = " (GGUF files must be converted first)" if p.suffix == ".gguf" else ""
         raise ValueError(
-            f"model path {str(p)!r} is a file{hint}; expected a Hugging Face model folder "
-            "containing config.json, *.safetensors and tokenizer files"
+            f"model path {str(p)!r} is a file; expected a GGUF file (.gguf) or a Hugging Face "
+            "model folder containing config.json, *.safetensors and tokenizer files"
         )
     raise FileNotFoundError(
         f"model path {str(p)!r} does not exist; expected a local Hugging Face model folder "
@@ -134,22 +136,6 @@ def _find_default_gguf() -> Path:
     )
 
 
-@contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
-    """Exclusive advisory lock (POSIX); a no-op where fcntl is unavailable."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - non-POSIX
-        yield
-        return
-    with open(path, "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def default_model_path() -> str:
     """Folder of the default model, SmolLM2-135M-Instruct, converting it on first use.
 
@@ -173,7 +159,7 @@ def default_model_path() -> str:
             f"    {CONVERT_DEPS_COMMAND}"
         )
     target.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
+    with file_lock(target.parent / f".{DEFAULT_MODEL_NAME}.lock"):
         if _read_marker(target) is None:  # another process may have finished meanwhile
             try:
                 version = importlib.metadata.version(DEFAULT_MODEL_DIST)
@@ -183,13 +169,6 @@ def default_model_path() -> str:
                 gguf, target, source_info={"distribution": f"{DEFAULT_MODEL_DIST}=={version}"}
             )
     return str(target)
-
-
-def _f32_roundtrip_clean(x: float) -> float:
-    """1e-5 stored as float32 in GGUF reads back as 9.999999747378752e-06; undo that."""
-    short = float(f"{x:.7g}")
-    as_f32 = torch.tensor(short, dtype=torch.float32).item()
-    return short if as_f32 == torch.tensor(x, dtype=torch.float32).item() else x
 
 
 def convert_gguf(
@@ -227,7 +206,7 @@ def convert_gguf(
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         make_shareable(tmp)
-        _replace_folder(tmp, target)
+        replace_folder(tmp, target)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -243,7 +222,7 @@ def _write_dequantised(gguf: Path, dtype: torch.dtype, folder: Path) -> int | No
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     eos_id = tokenizer.convert_tokens_to_ids(tokenizer.eos_token) if tokenizer.eos_token else None
     src = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
-    config = _cleaned_config(src.config, dtype, eos_id)
+    config = cleaned_config(src.config, eos_id, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.load_state_dict(src.state_dict(), strict=True)
     del src
@@ -262,26 +241,6 @@ def _write_dequantised(gguf: Path, dtype: torch.dtype, folder: Path) -> int | No
         tokenizer.init_kwargs.pop(key, None)
     tokenizer.save_pretrained(str(folder))
     return eos_id
-
-
-def _cleaned_config(src_config: Any, dtype: torch.dtype, eos_id: int | None) -> Any:
-    """The GGUF model's transformers config without the GGUF loader's entries, with
-    rms_norm_eps as written before float32 storage, ``dtype``, and ``eos_id`` where the
-    config names no eos token."""
-    cfg = src_config.to_dict()
-    for key in (
-        "quantization_config",
-        "_name_or_path",
-        "_model_name_or_path",
-        "transformers_version",
-    ):
-        cfg.pop(key, None)
-    if isinstance(cfg.get("rms_norm_eps"), float):
-        cfg["rms_norm_eps"] = _f32_roundtrip_clean(cfg["rms_norm_eps"])
-    cfg["dtype"] = str(dtype).removeprefix("torch.")
-    if eos_id is not None and cfg.get("eos_token_id") is None:
-        cfg["eos_token_id"] = eos_id
-    return type(src_config).from_dict(cfg)
 
 
 def _check_reloads(folder: Path, eos_id: int | None) -> None:
@@ -303,13 +262,3 @@ def _transformers_version() -> dict[str, str]:
         return {"transformers": transformers.__version__}
     except Exception:  # pragma: no cover
         return {}
-
-
-def _replace_folder(new: Path, target: Path) -> None:
-    """Rename ``new`` to ``target``; a stale ``target`` (old version or unmarked) is moved out
-    of the way and deleted first."""
-    if target.exists():
-        trash = Path(tempfile.mkdtemp(prefix=f".old-{target.name}-", dir=target.parent))
-        os.replace(target, trash / "old")
-        shutil.rmtree(trash, ignore_errors=True)
-    os.replace(new, target)

@@ -26,6 +26,7 @@ from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.weights import cache_dir, iter_weights
+from radixrt.quant.gguf_model import is_gguf_folder, iter_gguf_weights
 from radixrt_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
@@ -169,7 +170,8 @@ class ModelRunner:
                 model = LlamaForCausalLM(self.model_cfg, kernels)
         finally:
             torch.set_default_dtype(default)
-        model.load_weights(iter_weights(path))  # each linear's weight laid out for its method
+        weights = iter_gguf_weights(path) if is_gguf_folder(path) else iter_weights(path)
+        model.load_weights(weights)  # each linear's weight laid out for its method
         return model.eval()
 
     def _num_slots(self, config: EngineConfig) -> int:

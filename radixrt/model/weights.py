@@ -57,7 +57,13 @@ def iter_weights(
                 yield name, f.get_tensor(name)
 
 
-_FINGERPRINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+_FINGERPRINT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "radixrt-gguf.json",  # a GGUF model's folder: the file it names (path, size, time)
+)
 
 
 def model_fingerprint(path: str | os.PathLike[str], *layout: object) -> bytes:

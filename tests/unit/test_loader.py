@@ -437,11 +437,17 @@ def test_resolve_model_path(tiny_models, tmp_path):
         resolve_model_path(str(empty))
     assert str(empty) in str(e.value) and "config.json" in str(e.value)
 
-    a_file = tmp_path / "model.gguf"
+    a_file = tmp_path / "model.gguf"  # a GGUF file is read: a damaged one is refused
     a_file.write_bytes(b"GGUF")
     with pytest.raises(ValueError) as e:
         resolve_model_path(str(a_file))
-    assert str(a_file) in str(e.value) and "folder" in str(e.value)
+    assert str(a_file) in str(e.value) and "not a readable GGUF file" in str(e.value)
+
+    other = tmp_path / "model.bin"
+    other.write_bytes(b"\0")
+    with pytest.raises(ValueError) as e:
+        resolve_model_path(str(other))
+    assert str(other) in str(e.value) and "folder" in str(e.value)
 
 
 def test_default_model_not_installed_message(tmp_path, monkeypatch):
