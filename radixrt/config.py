@@ -73,7 +73,15 @@ def setting(
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     model: str | None = setting(
-        None, "a Hugging Face model folder", unset="SmolLM2-135M-Instruct, the embedded model"
+        None,
+        "a Hugging Face model folder or a GGUF file",
+        unset="SmolLM2-135M-Instruct, the embedded model",
+    )
+    quantization: str | None = setting(
+        None,
+        "weights in GGUF blocks: gguf (a .gguf model's own, implied), or a safetensors model's "
+        "2-D weights quantized at load to q8_0, q4_0 or q4_k (round to nearest)",
+        unset="the model's own weights",
     )
     dtype: str = setting(
         "auto",
@@ -188,6 +196,7 @@ class EngineConfig:
         _check_types(self)
         _check_choices(self)
         _check_optional_text("model", self.model)
+        _check_quantization(self.model, self.quantization)
         _check_positive("page_size", self.page_size)
         _check_positive("max_prefill_tokens", self.max_prefill_tokens)
         if not 0 <= self.max_prefill_step_ms < math.inf:
@@ -491,6 +500,24 @@ def _check_choices(config: object) -> None:
         choices = f.metadata["choices"]
         if choices is not None and getattr(config, f.name) not in choices:
             raise ValueError(f"{f.name} must be one of {choices}, got {getattr(config, f.name)!r}")
+
+
+QUANTIZATIONS = ("gguf", "q8_0", "q4_0", "q4_k")
+
+
+def _check_quantization(model: str | None, quantization: str | None) -> None:
+    if quantization is None:
+        return
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    is_gguf = model is not None and model.endswith(".gguf")
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError("quantization 'gguf' needs a .gguf model file")
+    if quantization != "gguf" and is_gguf:
+        raise ValueError(
+            f"quantization {quantization!r}: a .gguf model is already quantized (its blocks run "
+            "as they are)"
+        )
 
 
 def _check_positive(name: str, value: object) -> None:

@@ -27,6 +27,7 @@ from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.weights import cache_dir, iter_weights
 from radixrt.quant.gguf_model import is_gguf_folder, iter_gguf_weights
+from radixrt.quant.rtn import quantized_weights
 from radixrt_kernels.cpu import library as cpu_library
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_cfg: ModelConfig) -> None:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device, model_cfg)
+        self.quantization = config.quantization
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
         host_memory = anonymous_regions(heap=False)  # not ours to collapse (see below)
         self.model_cfg = model_cfg
@@ -171,6 +173,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default)
         weights = iter_gguf_weights(path) if is_gguf_folder(path) else iter_weights(path)
+        if self.quantization not in (None, "gguf"):
+            weights = quantized_weights(weights, self.quantization)
         model.load_weights(weights)  # each linear's weight laid out for its method
         return model.eval()
 

@@ -26,6 +26,7 @@ EXISTING_FLAGS = (
 # One non-default, valid value per field, as argv and as the field then holds it.
 FLAG_VALUES = {
     "model": (["--model", "/m"], "/m"),
+    "quantization": (["--quantization", "q4_k"], "q4_k"),
     "dtype": (["--dtype", "float32"], "float32"),
     "max_total_tokens": (["--max-total-tokens", "4096"], 4096),
     "page_size": (["--page-size", "16"], 16),
