@@ -1,0 +1,1 @@
+"""Quantized weights: GGUF block formats and the arithmetic their linear layers compute."""
