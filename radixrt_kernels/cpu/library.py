@@ -4,7 +4,8 @@ One C file per concern, each with its wrapper module: ``attention.c`` (attention
 indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul,
 ``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
 ``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
-``linear``), ``linear_f32.c`` (float32 linear layers, ``linear``) and ``chain.c`` (several
+``linear``), ``quant.c`` and ``quant_x86.c`` (linear layers on GGUF-quantized weights,
+``quant``), ``linear_f32.c`` (float32 linear layers, ``linear``) and ``chain.c`` (several
 steps in one call, ``chain``). They are compiled with the system C compiler (``-O3
 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
 library links against the OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's
@@ -39,10 +40,12 @@ SOURCES = [
         "linear_amx.c",
         "linear_f32.c",
         "linear_vec.c",
+        "quant.c",
+        "quant_x86.c",
         "sampling.c",
     )
 ]
-HEADERS = [FOLDER / n for n in ("common.h", "linear_out.h", "parts.h")]
+HEADERS = [FOLDER / n for n in ("common.h", "linear_out.h", "parts.h", "quant.h")]
 CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC"]
 
 _i64, _ptr, _int, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
@@ -112,10 +115,31 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_chain": [_ptr, _i64, _int],
     "radixrt_chain_fields": [],
     "radixrt_chain_attention_fields": [],
+    "radixrt_quant_pack": [_int, _ptr, _i64, _i64, _i64, _ptr],
+    "radixrt_quant_dequantize": [_int, _ptr, _i64, _i64, _ptr],
+    "radixrt_quant_linear": [
+        _int,
+        _ptr,
+        _i64,
+        _int,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _int,
+        _i64,
+        _i64,
+        _i64,
+        _int,
+        _int,
+    ],
+    "radixrt_quant_path": [_int, _i64],
+    "radixrt_quant_path_available": [_int, _int],
 }
 # radixrt_linear_vec: a kernel number, then radixrt_linear's arguments
 SIGNATURES["radixrt_linear_vec"] = [_int, *SIGNATURES["radixrt_linear"]]
 RESTYPES = {
+    "radixrt_quant_packed_bytes": (ctypes.c_int64, [_int, _i64, _i64]),
     "radixrt_decode_segments": (
         ctypes.c_int64,
         [

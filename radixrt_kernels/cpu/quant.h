@@ -1,0 +1,83 @@
+/* What quant.c and quant_x86.c share: the packed layout of each GGUF block type, the call's
+ * description and the activation quantization's results.
+ *
+ * Packed layout (radixrt_quant_pack): the weight's N output rows in panels of LANES = 16
+ * (N padded with zero rows to whole panels); a panel is K / QK records, one per GGUF block
+ * (QK = 32, or 256 for the K types), each record holding that block of the panel's 16 rows:
+ *   - per-row fields as arrays over the 16 lanes: d (fp16 [16]), m or dmin (fp16 [16]),
+ *     the K types' 6-bit scales and mins (uint8 [8][16]: sub-block j's 16 lanes side by
+ *     side), Q6_K's int8 scales (int8 [16][16]);
+ *   - the values, per 32 of K ("a 32-block", i = 0 .. 31 within it), as 64-byte vectors of
+ *     16 lanes × 4 bytes (lane o's bytes 4o .. 4o + 3, "dword lanes"):
+ *       8 bits (Q8_0): vector v (0 .. 7) byte 4o + t = w(i = 4v + t), the int8 itself;
+ *       4-6 bits: vector v (0 .. 3) byte 4o + t: low nibble = q(8v + t) & 15, high nibble =
+ *         q(8v + 4 + t) & 15 (q the unsigned stored value, w = q - OFF);
+ *       5 bits: one more vector, byte 4o + t: bit 2v = bit 4 of q(8v + t), bit 2v + 1 = bit 4
+ *         of q(8v + 4 + t);
+ *       6 bits: two more vectors, h = v / 2, byte 4o + t: bits 4(v % 2) .. +1 = bits 4-5 of
+ *         q(8v + t), bits 4(v % 2) + 2 .. +3 = bits 4-5 of q(8v + 4 + t).
+ *   So a record is exactly 16 raw blocks' bytes (Q4_K, Q5_K: 4 more per block: their scales
+ *   unpacked to bytes), and unpacking a 32-block gives 8 vectors, vector u covering values
+ *   4u .. 4u + 3 of all 16 lanes: integer dot products run with lanes = output rows.
+ */
+#ifndef RADIXRT_CPU_QUANT_H
+#define RADIXRT_CPU_QUANT_H
+
+#include <stdint.h>
+
+#define LANES 16  /* output rows per panel */
+#define XB 32     /* values per activation block */
+
+enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, QTYPES };
+enum { A_D, A_DSC, A_DSC16 };     /* a = d | d·sc_j (uint8) | d·sc_j (int8, 16-value sub-blocks) */
+enum { C_NONE, C_M, C_DMIN };     /* c = none | m | -(dmin·m_j) */
+
+struct qlayout {
+    int ggml;              /* gguf.GGMLQuantizationType value */
+    int qk, type_size;     /* values and bytes per GGUF block */
+    int rec;               /* bytes per record (a block of 16 lanes) */
+    int bits, off;         /* stored bits per value; w = q - off (Q8_0: w = (int8)q) */
+    int a_kind, c_kind;
+    int d_at, m_at, sc_at, mn_at;   /* field offsets in a record (-1: none) */
+    int qh_at, qh_stride;           /* high-bit vectors: offset, bytes per 32-block */
+    int ql_at, ql_stride;           /* low-nibble (or int8) vectors */
+};
+
+static const struct qlayout LAYOUTS[QTYPES] = {
+    [Q8_0] = {8, 32, 34, 544, 8, 0, A_D, C_NONE, 0, -1, -1, -1, -1, 0, 32, 512},
+    [Q4_0] = {2, 32, 18, 288, 4, 8, A_D, C_NONE, 0, -1, -1, -1, -1, 0, 32, 256},
+    [Q4_1] = {3, 32, 20, 320, 4, 0, A_D, C_M, 0, 32, -1, -1, -1, 0, 64, 256},
+    [Q5_0] = {6, 32, 22, 352, 5, 16, A_D, C_NONE, 0, -1, -1, -1, 32, 64, 96, 256},
+    [Q5_1] = {7, 32, 24, 384, 5, 0, A_D, C_M, 0, 32, -1, -1, 64, 64, 128, 256},
+    [Q4_K] = {12, 256, 144, 2368, 4, 0, A_DSC, C_DMIN, 0, 32, 64, 192, -1, 0, 320, 256},
+    [Q5_K] = {13, 256, 176, 2880, 5, 0, A_DSC, C_DMIN, 0, 32, 64, 192, 320, 64, 832, 256},
+    [Q6_K] = {14, 256, 210, 3360, 6, 32, A_DSC16, C_NONE, 0, -1, 32, -1, 288, 128, 1312, 256},
+};
+
+/* One call: x quantized (xq [m][k] int8, dx [m][k / 32], sx16 [m][k / 16]: sums of xq over 16
+ * values) times the packed weight, into y [m][n] (float32, or bf16 where y_bf16). */
+struct qcall {
+    const struct qlayout *L;
+    const int8_t *xq;
+    const float *dx;
+    const int32_t *sx16;
+    const uint8_t *packed;
+    int64_t panel_bytes;
+    const float *bias;
+    void *y;
+    int64_t y_stride;
+    int y_bf16;
+    int64_t m, n, k;
+};
+
+/* Rows r0 .. r0 + rows - 1 of one panel's outputs (the path's kernel for the call's type). */
+typedef void (*panel_fn)(const struct qcall *c, int64_t panel, int64_t r0, int rows);
+
+/* Writes row r of panel p's 16 sums (+ bias, rounded to y's dtype; lanes past n dropped). */
+void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc);
+
+/* The x86 paths' kernels per type, or NULL where this build lacks the instructions. */
+panel_fn quant_avx2_kernel(int qt);
+panel_fn quant_avx512_kernel(int qt);
+
+#endif

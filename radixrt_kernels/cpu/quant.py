@@ -1,0 +1,135 @@
+"""Linear layers on GGUF-quantized weights on the CPU (``quant.c``, ``quant_x86.c``).
+
+Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (super blocks
+of 256). ``pack(lib, qtype, raw, k)`` turns a weight's GGUF blocks (uint8 [N, row_bytes], as
+stored in the file; never written) into the kernels' layout (panels of 16 rows; at most 1.03×
+raw's bytes, plus N's padding to a multiple of 16); ``linear(lib, qtype, x, packed, n, k)``
+multiplies. The arithmetic is ``radixrt.quant.arithmetic``'s (x quantized to int8 per block of
+32, exact integer dot products, one float32 chain per output): every path (``portable``,
+``avx2``, ``avx512_vnni``) gives its bits, whatever the rows in a call or the thread count, so a
+row's outputs are the same alone or in any batch.
+
+Without the library (``lib`` None) ``pack`` returns raw itself and ``linear`` runs the
+reference (slow, same bits). A type, K or shape the kernels do not take is refused with a
+ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import gguf
+import torch
+
+from radixrt.quant import arithmetic as reference
+
+QTYPES: dict[str, int] = {name: int(gguf.GGMLQuantizationType[name]) for name in reference.BLOCK}
+PATHS = ("portable", "avx2", "avx512_vnni")  # radixrt_quant_linear's path numbers
+
+
+def _type(qtype: str) -> int:
+    if qtype not in QTYPES:
+        raise ValueError(f"unknown quantization type {qtype!r} (one of {sorted(QTYPES)})")
+    return QTYPES[qtype]
+
+
+def supported(lib: ctypes.CDLL | None, qtype: str) -> bool:
+    """Whether the kernels run qtype here (the reference runs every type)."""
+    return lib is not None and qtype in QTYPES and lib.radixrt_quant_path(QTYPES[qtype], 1) >= 0
+
+
+def path(lib: ctypes.CDLL | None, qtype: str, rows: int) -> str:
+    """The path a call of ``rows`` rows runs (``reference`` without the library)."""
+    t = _type(qtype)
+    return "reference" if lib is None else PATHS[lib.radixrt_quant_path(t, rows)]
+
+
+def path_available(lib: ctypes.CDLL, qtype: str, name: str) -> bool:
+    """Whether ``linear(..., force_path=name)`` runs here."""
+    return lib is not None and bool(lib.radixrt_quant_path_available(_type(qtype), PATHS.index(name)))
+
+
+def packed_bytes(lib: ctypes.CDLL, qtype: str, n: int, k: int) -> int:
+    size = lib.radixrt_quant_packed_bytes(_type(qtype), n, k)
+    if size < 0:
+        raise ValueError(f"{qtype}: K = {k} is not a multiple of {reference.BLOCK[qtype]} (or N = {n} < 1)")
+    return size
+
+
+def pack(lib: ctypes.CDLL | None, qtype: str, raw: torch.Tensor, k: int) -> torch.Tensor:
+    """raw uint8 [N, row_bytes] (K / block GGUF blocks per row) in the kernels' layout: a flat
+    uint8 tensor (raw itself without the library)."""
+    _type(qtype)
+    reference.check(qtype, raw, k)
+    if lib is None:
+        return raw
+    if raw.stride(1) != 1:
+        raw = raw.contiguous()
+    n = raw.shape[0]
+    packed = torch.empty(packed_bytes(lib, qtype, n, k), dtype=torch.uint8)
+    if lib.radixrt_quant_pack(QTYPES[qtype], raw.data_ptr(), raw.stride(0), n, k, packed.data_ptr()) != 0:
+        raise ValueError(f"{qtype}: pack does not take [{n}, {k}]")
+    return packed
+
+
+def _check_packed(lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int) -> None:
+    if lib is None:
+        reference.check(qtype, packed, k)
+        if packed.shape[0] != n:
+            raise ValueError(f"{qtype}: raw {tuple(packed.shape)} does not hold [{n}, {k}]")
+    elif packed.dtype != torch.uint8 or packed.numel() != packed_bytes(lib, qtype, n, k):
+        raise ValueError(f"{qtype}: the packed weight does not hold [{n}, {k}]")
+
+
+def dequantize(lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The packed weight as float32 [n, k], read back by the kernels' unpacking: gguf's
+    dequantized values (a·w + c), bit for bit."""
+    _type(qtype)
+    _check_packed(lib, qtype, packed, n, k)
+    if lib is None:
+        return reference.dequantize(qtype, packed, k)
+    out = torch.empty(n, k, dtype=torch.float32)
+    if lib.radixrt_quant_dequantize(QTYPES[qtype], packed.data_ptr(), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"{qtype}: dequantize does not take [{n}, {k}]")
+    return out
+
+
+def linear(
+    lib: ctypes.CDLL | None,
+    qtype: str,
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    n: int,
+    k: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    force_path: str | None = None,
+) -> torch.Tensor:
+    """x [..., K] (bf16 or float32; rows may be strided) · Wᵀ + bias (float32 [n] or None) for W
+    [n, k] packed by ``pack``: [..., n] in out_dtype (bf16 or float32; default x's dtype).
+    ``force_path``: one of ``PATHS`` instead of ``path``'s choice (tests, benchmarks)."""
+    t = _type(qtype)
+    out_dtype = out_dtype or x.dtype
+    if x.shape[-1] != k or x.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{qtype}: x must be bf16 or float32 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+    if out_dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"{qtype}: out_dtype must be bf16 or float32, got {out_dtype}")
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"{qtype}: the bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+    _check_packed(lib, qtype, packed, n, k)
+    x2 = x.reshape(-1, k)
+    if lib is None:
+        return reference.linear(qtype, x2, packed, n, k, bias, out_dtype).view(*x.shape[:-1], n)
+    if x2.stride(1) != 1 or x2.stride(0) < k:
+        x2 = x2.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    y = torch.empty(x2.shape[0], n, dtype=out_dtype)
+    chosen = -1 if force_path is None else PATHS.index(force_path)
+    rc = lib.radixrt_quant_linear(
+        t, x2.data_ptr(), x2.stride(0), x2.dtype == torch.bfloat16, packed.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, out_dtype == torch.bfloat16,
+        x2.shape[0], n, k, torch.get_num_threads(), chosen,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{qtype}: the {force_path or 'chosen'} path does not take x {tuple(x.shape)} here")
+    return y.view(*x.shape[:-1], n)
