@@ -56,6 +56,8 @@ from radixrt.model.linear_methods import (
     RotateAfter,
     onednn_works,
 )
+from radixrt.quant.formats import QuantTensor
+from radixrt.quant.quant_linear import QuantLinear
 from radixrt_kernels.cpu import elementwise as cpu_ops
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
@@ -272,6 +274,19 @@ class Kernels:
             return RotateAfter(self._plain(small, big), shape)
 
         return self._split(choice, form, in_features)
+
+    def quantized_for(self, segments: list[QuantTensor]) -> QuantLinear:
+        """The method of a quantized weight (``formats.QuantTensor`` segments, stacked in row
+        order): row-invariant whatever the row count, so exact mode takes it as it is."""
+        if self.compiled:
+            raise ValueError(
+                "enable_torch_compile does not run quantized weights (their kernels are C calls "
+                "the graph cannot take); serve the model without it"
+            )
+        method = QuantLinear(self.lib, segments)
+        n, k = sum(s.shape[0] for s in segments), segments[0].k
+        self.chosen[f"{n}x{k} {'+'.join(dict.fromkeys(method.types))}"] = method.name
+        return method
 
     def describe(self) -> dict[str, object]:
         """Whether the model runs exact, the elementwise kernels' names and each linear shape's

@@ -14,7 +14,8 @@ from torch import nn
 
 from radixrt.model import rope
 from radixrt.model.kernel_set import Kernels
-from radixrt.model.linear_methods import QKVShape
+from radixrt.model.linear_methods import ActAfter, QKVShape, RotateAfter
+from radixrt.quant.formats import QuantTensor, stack
 
 DEFAULT_KERNELS = Kernels()  # PyTorch's ops: for layers built outside a model runner
 
@@ -25,6 +26,30 @@ def _copy_into(param: torch.Tensor, loaded: torch.Tensor) -> None:
             f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}"
         )
     param.copy_(loaded)
+
+
+def _keep_quantized(param: nn.Parameter, shard: str | int | None, loaded: QuantTensor) -> None:
+    """A quantized checkpoint tensor (or shard) kept on the parameter, in its blocks, for
+    ``prepare_weights`` (the parameter's own storage stays untouched)."""
+    if not hasattr(param, "quant"):
+        param.quant = {}
+    param.quant[shard] = loaded
+
+
+def _quantized(param: nn.Parameter, shards: tuple) -> list[QuantTensor] | None:
+    """The parameter's quantized shards in ``shards`` order, as segments (``formats.stack``);
+    None where it loaded dense. A stacked weight runs one way: some shards quantized and others
+    not (or missing) is refused."""
+    quant = getattr(param, "quant", None)
+    if quant is None:
+        return None
+    if set(quant) != set(shards):
+        dense = [str(s) for s in shards if s not in quant]
+        raise ValueError(
+            f"a stacked weight of shards {list(map(str, shards))} loaded shards {dense} dense "
+            "(or not at all) and the others quantized; radixrt runs a stacked weight one way"
+        )
+    return stack([quant[s] for s in shards])
 
 
 class Linear(nn.Module):
@@ -46,22 +71,43 @@ class Linear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+        self.kernels = kernels
         self.method = self._method(kernels)
         self.prepared = False
+
+    SHARDS: tuple = (None,)  # the checkpoint's parts of the weight, in row order
 
     def _method(self, kernels: Kernels):
         return kernels.linear_for(self.out_features, self.in_features)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+    def _quantized_method(self, kernels: Kernels, segments: list[QuantTensor]):
+        return kernels.quantized_for(segments)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantTensor) -> None:
+        if isinstance(loaded, QuantTensor):
+            return _keep_quantized(param, None, loaded)
         _copy_into(param.data, loaded)
 
     def prepare_weights(self) -> None:
-        """The weight in the method's layout (it replaces the loaded one: no second copy)."""
-        if not self.prepared:
-            self.weight = nn.Parameter(
-                self.method.prepare(self.weight.detach()), requires_grad=False
-            )
-            self.prepared = True
+        """The weight in the method's layout (it replaces the loaded one: no second copy); a
+        quantized weight gets the quantized method of its block types."""
+        if self.prepared:
+            return
+        segments = _quantized(self.weight, self.SHARDS)
+        if segments is None:
+            w = self.method.prepare(self.weight.detach())
+        else:
+            if sum(q.shape[0] for q in segments) != self.out_features or any(
+                q.k != self.in_features for q in segments
+            ):
+                raise ValueError(
+                    f"quantized weight {[q.shape for q in segments]} does not fit a "
+                    f"[{self.out_features}, {self.in_features}] linear"
+                )
+            self.method = self._quantized_method(self.kernels, segments)
+            w = self.method.prepare(segments)
+        self.weight = nn.Parameter(w, requires_grad=False)
+        self.prepared = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(x, self.weight, self.bias, self.out_features)
@@ -77,10 +123,17 @@ class GateUpLinear(Linear):
         self.intermediate = intermediate
         super().__init__(in_features, 2 * intermediate, False, kernels)
 
+    SHARDS = (0, 1)
+
     def _method(self, kernels: Kernels):
         return kernels.gated_for(self.intermediate, self.in_features)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+    def _quantized_method(self, kernels: Kernels, segments: list[QuantTensor]):
+        return ActAfter(kernels.quantized_for(segments), kernels.act)
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+        if isinstance(loaded, QuantTensor):
+            return _keep_quantized(param, shard_id, loaded)
         size = self.intermediate
         _copy_into(param.data.narrow(0, shard_id * size, size), loaded)
 
@@ -105,7 +158,11 @@ class QKVLinear(Linear):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         super().__init__(hidden, (num_heads + 2 * num_kv_heads) * head_dim, bias, kernels)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+    SHARDS = ("q", "k", "v")
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+        if isinstance(loaded, QuantTensor):
+            return _keep_quantized(param, shard_id, loaded)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
         _copy_into(param.data.narrow(0, offset, size), loaded)
@@ -140,6 +197,9 @@ class RotaryQKVLinear(QKVLinear):
     def _method(self, kernels: Kernels):
         return kernels.rotary_qkv_for(self.shape, self.out_features, self.in_features)
 
+    def _quantized_method(self, kernels: Kernels, segments: list[QuantTensor]):
+        return RotateAfter(kernels.quantized_for(segments), self.shape)
+
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -151,13 +211,36 @@ class RotaryQKVLinear(QKVLinear):
 
 
 class VocabEmbedding(nn.Module):
+    """The tokens' rows of the embedding; a quantized embedding keeps its blocks and
+    dequantizes the rows looked up (``formats.dequantize``), rounded to the model's dtype."""
+
     def __init__(self, vocab_size: int, hidden: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantTensor) -> None:
+        if isinstance(loaded, QuantTensor):
+            return _keep_quantized(param, None, loaded)
+        _copy_into(param.data, loaded)
+
+    @property
+    def quantized(self) -> QuantTensor | None:
+        quant = getattr(self.weight, "quant", None)
+        return None if quant is None else quant[None]
+
+    def prepare_weights(self) -> None:
+        """A quantized embedding frees the dense storage it was built with."""
+        if self.quantized is not None and self.weight.numel():
+            self.weight.data = torch.empty(0, dtype=self.weight.dtype)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        quant = self.quantized
+        if quant is None:
+            return F.embedding(ids, self.weight)
+        rows = quant.rows(ids.reshape(-1).cpu()).dequantize().to(self.weight.dtype)
+        return rows.to(ids.device).reshape(*ids.shape, quant.k)
 
 
 class LMHead(VocabEmbedding):
@@ -167,12 +250,19 @@ class LMHead(VocabEmbedding):
 
     def __init__(self, vocab_size: int, hidden: int, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__(vocab_size, hidden)
+        self.kernels = kernels
         self.method = kernels.linear_for(vocab_size, hidden, large=False)  # sampled rows only
         self.matmul_weight: torch.Tensor | None = None
 
     def prepare_weights(self) -> None:
-        if self.matmul_weight is None:
+        if self.matmul_weight is not None:
+            return
+        if self.quantized is not None:
+            self.method = self.kernels.quantized_for([self.quantized])
+            self.matmul_weight = self.method.prepare([self.quantized])
+        else:
             self.matmul_weight = self.method.prepare(self.weight.detach())
+        super().prepare_weights()
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         w = self.matmul_weight if self.matmul_weight is not None else self.weight
@@ -182,7 +272,7 @@ class LMHead(VocabEmbedding):
 def prepare_weights(model: nn.Module) -> None:
     """Lay every linear's loaded weight out for its method (once; later calls change nothing)."""
     for m in model.modules():
-        if isinstance(m, (Linear, LMHead)):
+        if isinstance(m, (Linear, VocabEmbedding)):
             m.prepare_weights()
 
 

@@ -213,7 +213,8 @@ class LlamaForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
             param = params[target]
-            tensor = tensor.to(param.dtype)
+            if isinstance(tensor, torch.Tensor):
+                tensor = tensor.to(param.dtype)
             if shard is None:
                 getattr(param, "weight_loader", _copy_whole)(param, tensor)
             else:

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from radixrt.quant.formats import BLOCK_TYPES
+from radixrt.quant import rtn
 from radixrt.quant.gguf_model import LAYER_NAMES, MODEL_NAMES, PERMUTED_QK
 
 _GGUF_NAMES = {hf: gg for gg, hf in MODEL_NAMES.items()}
@@ -42,14 +42,8 @@ def permute_rows(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 def quantize(w: torch.Tensor, qtype: str) -> np.ndarray:
     """Round-to-nearest blocks of type ``qtype`` for float weight ``w`` [N, K]: uint8
-    [N, row bytes] (``gguf.quants.quantize``)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize as gguf_quantize
-
-    if qtype not in BLOCK_TYPES:
-        raise ValueError(f"cannot quantize to {qtype!r} (types: {', '.join(BLOCK_TYPES)})")
-    data = w.detach().float().numpy()
-    return gguf_quantize(data, GGMLQuantizationType[qtype])
+    [N, row bytes] (``rtn.quantize``)."""
+    return rtn.quantize(w, qtype).raw.numpy()
 
 
 def write_gguf(folder: str | os.PathLike[str], path: str | os.PathLike[str], qtype: str) -> str:

@@ -1,0 +1,82 @@
+"""Tiny GGUF models (llama.cpp's layout, written with the gguf package) served from their
+blocks: greedy outputs follow a float32 Engine on the same dequantized weights wherever that
+Engine's top-2 log-probabilities are not within the quantization's error, the first token's
+log-probabilities are close to it, and the quantized model keeps the exact-outputs invariant
+(a request's bits whatever the batch)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from radixrt import Engine
+from radixrt.quant.formats import QuantTensor
+from radixrt.quant.gguf_model import GGUFFile, gguf_model_folder
+from radixrt.quant.gguf_writer import write_gguf
+from radixrt.sampling import SamplingParams
+from radixrt.testing import tiny_model_path
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = ["Hello there, how are", "def f(x):\n    return", "import os\nimport", "The quick brown"]
+MARGIN = 0.3  # top-2 log-probability gap the int8 activations cannot close on these models
+FIRST_LOGPROB = 0.15  # |difference| of the first token's log-probability
+
+
+def _dequantized_folder(gguf: str, out: Path) -> str:
+    """The GGUF model's folder with its weights dequantized to float32 safetensors."""
+    shutil.copytree(gguf_model_folder(gguf), out)
+    (out / "radixrt-gguf.json").unlink()
+    tensors = {
+        name: (t.dequantize() if isinstance(t, QuantTensor) else t.float()).contiguous()
+        for name, t in GGUFFile(gguf).tensors()
+    }
+    save_file(tensors, str(out / "model.safetensors"))
+    return str(out)
+
+
+def _follows(ref, got) -> None:
+    """got's greedy tokens equal ref's up to the first step where ref's top-2 gap < MARGIN."""
+    for i, (a, b) in enumerate(zip(ref.token_ids, got.token_ids)):
+        lps = ref.top_logprobs[i][1]
+        if float(lps[0] - lps[1]) < MARGIN:
+            return
+        assert a == b, f"token {i}: {b} where the float32 model's {a} leads by {lps[0] - lps[1]}"
+
+
+@pytest.mark.parametrize(
+    "arch,qtype", [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_K"), ("qwen3", "Q5_0")]
+)
+def test_a_gguf_model_follows_float32_on_its_dequantized_weights(tmp_path, arch, qtype) -> None:
+    gguf = write_gguf(tiny_model_path(arch), tmp_path / "m.gguf", qtype)
+    ref_folder = _dequantized_folder(gguf, tmp_path / "ref")
+    sp = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
+    with Engine(model=ref_folder, dtype="float32", max_total_tokens=1024) as eng:
+        ref = eng.generate(PROMPTS, sp)
+    with Engine(model=gguf, dtype="float32", max_total_tokens=1024) as eng:
+        got = eng.generate(PROMPTS, sp)
+        kinds = eng.runner.kernels.describe()["linear"]
+    assert any(qtype in k for k in kinds)
+    for r, g in zip(ref, got):
+        _follows(r, g)
+        assert (
+            abs(r.logprobs[0] - g.logprobs[0]) < FIRST_LOGPROB or r.token_ids[0] != g.token_ids[0]
+        )
+
+
+def test_a_gguf_model_keeps_a_requests_bits_whatever_the_batch(tmp_path) -> None:
+    gguf = write_gguf(tiny_model_path("llama"), tmp_path / "m.gguf", "Q4_1")
+    sp = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True)
+    with Engine(model=gguf, max_total_tokens=1024) as eng:
+        alone = [eng.generate([p], sp)[0] for p in PROMPTS]
+        eng.flush_cache()
+        together = eng.generate(PROMPTS, sp)
+        warm = eng.generate(PROMPTS, sp)
+    for a, b, c in zip(alone, together, warm):
+        assert a.token_ids == b.token_ids == c.token_ids
+        assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+        assert torch.equal(torch.tensor(a.logprobs), torch.tensor(c.logprobs))
