@@ -1,4 +1,5 @@
-"""The quantized linear's arithmetic in PyTorch: the contract every CPU kernel path computes.
+"""The quantized linear's arithmetic in PyTorch: the contract every CPU kernel path computes, and
+the bit-exact reference (and fallback) the kernels are tested against.
 
 A weight W [N, K] of a GGUF block type is, per output row, a run of sub-blocks of S values
 (S = 32; Q6_K: 16), sub-block j holding integers w_i, a float32 scale a_j and, for the types
@@ -69,7 +70,8 @@ def check(qtype: str, raw: torch.Tensor, k: int) -> None:
     want = k // BLOCK[qtype] * TYPE_SIZE[qtype]
     if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != want:
         raise ValueError(
-            f"{qtype}: raw must be uint8 [N, {want}] for K = {k}, got {raw.dtype} {tuple(raw.shape)}"
+            f"{qtype}: raw must be uint8 [N, {want}] for K = {k}, "
+            f"got {raw.dtype} {tuple(raw.shape)}"
         )
 
 
@@ -97,7 +99,9 @@ def _scale_min_k4(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc.float(), mn.float()
 
 
-def _unpack_32(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _unpack_32(
+    qtype: str, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Blocks [N, B, size] of a 32-value type: w [N, B, 32], a and c [N, B]."""
     d = _f16(b[..., 0:2])
     if qtype == "Q8_0":
@@ -113,14 +117,27 @@ def _unpack_32(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return q - offset, d, c
 
 
-def _unpack_k(qtype: str, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _unpack_k(
+    qtype: str, b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Super blocks [N, B, size] of a K type: w [N, B, 256], a and c [N, B, 256 / S]."""
     if qtype == "Q6_K":
         ql, qh = b[..., 0:128], b[..., 128:192]
         sc, d = b[..., 192:208].contiguous().view(torch.int8).float(), _f16(b[..., 208:210])
         low = torch.cat([_nibbles(ql[..., 0:64]), _nibbles(ql[..., 64:128])], dim=-1)
-        high = torch.cat([((qh[..., h * 32 : h * 32 + 32].unsqueeze(-2) >> (2 * torch.arange(
-            4, dtype=torch.uint8).unsqueeze(-1))) & 3).flatten(-2) for h in (0, 1)], dim=-1)
+        high = torch.cat(
+            [
+                (
+                    (
+                        qh[..., h * 32 : h * 32 + 32].unsqueeze(-2)
+                        >> (2 * torch.arange(4, dtype=torch.uint8).unsqueeze(-1))
+                    )
+                    & 3
+                ).flatten(-2)
+                for h in (0, 1)
+            ],
+            dim=-1,
+        )
         return (low | (high.short() << 4)) - 32, d.unsqueeze(-1) * sc, None
     d, dmin = _f16(b[..., 0:2]), _f16(b[..., 2:4])
     sc, mn = _scale_min_k4(b[..., 4:16])
@@ -147,7 +164,8 @@ def unpack(qtype: str, raw: torch.Tensor, k: int) -> Unpacked:
 
 
 def dequantize(qtype: str, raw: torch.Tensor, k: int) -> torch.Tensor:
-    """The weight as float32 [N, K]: a_j·w_i + c_j (gguf.quants.dequantize's values, bit for bit)."""
+    """The weight as float32 [N, K]: a_j·w_i + c_j (gguf.quants.dequantize's values, bit for
+    bit)."""
     u = unpack(qtype, raw, k)
     w = u.w.float().view(u.w.shape[0], -1, u.sub)
     y = u.a.unsqueeze(-1) * w

@@ -2,7 +2,7 @@
  * packing (radixrt_quant_pack: GGUF blocks to quant.h's layout), the activation quantization,
  * the portable kernel, and the call (radixrt_quant_linear) that runs one path's kernels.
  *
- * The arithmetic is radixrt/quant/reference.py's, on every path: x quantized per block of 32
+ * The arithmetic is radixrt/quant/arithmetic.py's, on every path: x quantized per block of 32
  * to int8 (dx = amax / 127, xq = rne(x · 127 / amax)), integer dot products per sub-block
  * (exact), and per output one float32 chain over the sub-blocks in ascending k:
  *     acc = acc + (a_j · dx_b) · (float)isum_j ;  acc = acc + (c_j · dx_b) · (float)sx_j

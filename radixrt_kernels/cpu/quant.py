@@ -46,13 +46,17 @@ def path(lib: ctypes.CDLL | None, qtype: str, rows: int) -> str:
 
 def path_available(lib: ctypes.CDLL, qtype: str, name: str) -> bool:
     """Whether ``linear(..., force_path=name)`` runs here."""
-    return lib is not None and bool(lib.radixrt_quant_path_available(_type(qtype), PATHS.index(name)))
+    return lib is not None and bool(
+        lib.radixrt_quant_path_available(_type(qtype), PATHS.index(name))
+    )
 
 
 def packed_bytes(lib: ctypes.CDLL, qtype: str, n: int, k: int) -> int:
     size = lib.radixrt_quant_packed_bytes(_type(qtype), n, k)
     if size < 0:
-        raise ValueError(f"{qtype}: K = {k} is not a multiple of {reference.BLOCK[qtype]} (or N = {n} < 1)")
+        raise ValueError(
+            f"{qtype}: K = {k} is not a multiple of {reference.BLOCK[qtype]} (or N = {n} < 1)"
+        )
     return size
 
 
@@ -67,12 +71,19 @@ def pack(lib: ctypes.CDLL | None, qtype: str, raw: torch.Tensor, k: int) -> torc
         raw = raw.contiguous()
     n = raw.shape[0]
     packed = torch.empty(packed_bytes(lib, qtype, n, k), dtype=torch.uint8)
-    if lib.radixrt_quant_pack(QTYPES[qtype], raw.data_ptr(), raw.stride(0), n, k, packed.data_ptr()) != 0:
+    if (
+        lib.radixrt_quant_pack(
+            QTYPES[qtype], raw.data_ptr(), raw.stride(0), n, k, packed.data_ptr()
+        )
+        != 0
+    ):
         raise ValueError(f"{qtype}: pack does not take [{n}, {k}]")
     return packed
 
 
-def _check_packed(lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int) -> None:
+def _check_packed(
+    lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int
+) -> None:
     if lib is None:
         reference.check(qtype, packed, k)
         if packed.shape[0] != n:
@@ -81,7 +92,9 @@ def _check_packed(lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: 
         raise ValueError(f"{qtype}: the packed weight does not hold [{n}, {k}]")
 
 
-def dequantize(lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
+def dequantize(
+    lib: ctypes.CDLL | None, qtype: str, packed: torch.Tensor, n: int, k: int
+) -> torch.Tensor:
     """The packed weight as float32 [n, k], read back by the kernels' unpacking: gguf's
     dequantized values (a·w + c), bit for bit."""
     _type(qtype)
@@ -111,11 +124,15 @@ def linear(
     t = _type(qtype)
     out_dtype = out_dtype or x.dtype
     if x.shape[-1] != k or x.dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{qtype}: x must be bf16 or float32 [..., {k}], got {x.dtype} {tuple(x.shape)}")
+        raise ValueError(
+            f"{qtype}: x must be bf16 or float32 [..., {k}], got {x.dtype} {tuple(x.shape)}"
+        )
     if out_dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"{qtype}: out_dtype must be bf16 or float32, got {out_dtype}")
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
-        raise ValueError(f"{qtype}: the bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}")
+        raise ValueError(
+            f"{qtype}: the bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}"
+        )
     _check_packed(lib, qtype, packed, n, k)
     x2 = x.reshape(-1, k)
     if lib is None:
@@ -126,10 +143,23 @@ def linear(
     y = torch.empty(x2.shape[0], n, dtype=out_dtype)
     chosen = -1 if force_path is None else PATHS.index(force_path)
     rc = lib.radixrt_quant_linear(
-        t, x2.data_ptr(), x2.stride(0), x2.dtype == torch.bfloat16, packed.data_ptr(),
-        None if bias is None else bias.data_ptr(), y.data_ptr(), n, out_dtype == torch.bfloat16,
-        x2.shape[0], n, k, torch.get_num_threads(), chosen,
-    )  # fmt: skip
+        t,
+        x2.data_ptr(),
+        x2.stride(0),
+        x2.dtype == torch.bfloat16,
+        packed.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        n,
+        out_dtype == torch.bfloat16,
+        x2.shape[0],
+        n,
+        k,
+        torch.get_num_threads(),
+        chosen,
+    )
     if rc != 0:
-        raise ValueError(f"{qtype}: the {force_path or 'chosen'} path does not take x {tuple(x.shape)} here")
+        raise ValueError(
+            f"{qtype}: the {force_path or 'chosen'} path does not take x {tuple(x.shape)} here"
+        )
     return y.view(*x.shape[:-1], n)

@@ -1,0 +1,270 @@
+"""The quantized linear kernels (radixrt_kernels/cpu/quant.*) against radixrt.quant.arithmetic
+and gguf: unpacking equals gguf's dequantization bit for bit, every path equals the reference
+bit for bit at any row count (and a row alone equals it in a batch), the results are within
+the activation quantization's bound of a float64 product, the AVX2-only and portable builds
+give the native build's bits, and what is not taken is refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from radixrt.model.weights import cache_dir
+from radixrt.quant import arithmetic as reference
+from radixrt_kernels.cpu import library as cpu_library
+from radixrt_kernels.cpu import quant
+
+TYPES = list(reference.BLOCK)
+K_TYPES = [t for t in TYPES if reference.BLOCK[t] == 256]
+SPECIAL_F16 = [0.0, -0.0, 65504.0, -65504.0, 2.0**-24, -(2.0**-24), 2.0**-14, 1.0]
+AVX2_FLAGS = (
+    "-mno-avx512f -mno-amx-tile -mno-amx-bf16 -mno-amx-int8 -mno-avx512bf16 -mno-avx512vnni"
+    " -mno-avxvnni"
+)
+PORTABLE_FLAGS = f"{AVX2_FLAGS} -mno-avx -mno-avx2 -mno-fma -mno-f16c"
+
+
+@pytest.fixture(scope="module")
+def lib():
+    lib = cpu_library.load(cache_dir())
+    if lib is None:
+        pytest.skip(f"no kernels' library: {cpu_library.why_unavailable()}")
+    return lib
+
+
+def f16_fields(qtype: str) -> list[int]:
+    """Byte offsets of a block's fp16 fields (d, and m or dmin)."""
+    if qtype == "Q6_K":
+        return [208]
+    return [0, 2] if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K") else [0]
+
+
+def make_raw(qtype: str, n: int, k: int, seed: int, extreme: bool = False) -> torch.Tensor:
+    """Random GGUF blocks [n, row_bytes]: random values, fp16 scales of about 1e-2 (``extreme``:
+    a quarter of them from SPECIAL_F16, and a tenth of the blocks all zeros)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = k // reference.BLOCK[qtype]
+    raw = torch.randint(
+        0, 256, (n, blocks, reference.TYPE_SIZE[qtype]), generator=g, dtype=torch.uint8
+    )
+    for at in f16_fields(qtype):
+        scale = (torch.rand(n, blocks, generator=g) * 0.02 + 1e-3) * (
+            torch.rand(n, blocks, generator=g) - 0.3
+        ).sign()
+        if extreme:
+            pick = torch.randint(0, len(SPECIAL_F16), (n, blocks), generator=g)
+            special = torch.tensor(SPECIAL_F16)[pick]
+            scale = torch.where(torch.rand(n, blocks, generator=g) < 0.25, special, scale)
+        raw[..., at : at + 2] = scale.half().view(torch.uint8).view(n, blocks, 2)
+    if extreme:
+        raw[torch.rand(n, blocks, generator=g) < 0.1] = 0
+    return raw.view(n, -1)
+
+
+def make_x(m: int, k: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.rand(m, k // 32, 1, generator=g).repeat_interleave(
+        32, 1
+    ).view(m, k)
+    x[:, 32:64] = 0  # an all-zero activation block
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_unpacking_equals_gguf_dequantize(lib, qtype: str) -> None:
+    n, k = 37, 512
+    raw = make_raw(qtype, n, k, seed=1, extreme=True)
+    want = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), gguf.GGMLQuantizationType[qtype]))
+    packed = quant.pack(lib, qtype, raw, k)
+    assert torch.equal(quant.dequantize(lib, qtype, packed, n, k), want)
+    assert torch.equal(reference.dequantize(qtype, raw, k), want)
+    assert torch.equal(quant.dequantize(None, qtype, quant.pack(None, qtype, raw, k), n, k), want)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_packed_size_is_near_the_raw_size(lib, qtype: str) -> None:
+    raw = make_raw(qtype, 64, 512, seed=2)
+    packed = quant.pack(lib, qtype, raw, 512)
+    assert packed.numel() <= 1.03 * raw.numel()
+
+
+def shapes(qtype: str) -> list[tuple[int, int, int]]:
+    """(M, N, K) per row count: N's not multiples of 16 among them, K = 576 for the 32 types."""
+    ks = [256, 512, 1536] if qtype in K_TYPES else [256, 512, 576, 1536]
+    ns = [16, 37, 100, 3]
+    return [
+        (m, ns[i % len(ns)], ks[i % len(ks)]) for i, m in enumerate([1, 2, 7, 64, 65, 300, 700])
+    ]
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_path_equals_the_reference_bit_for_bit(lib, qtype: str) -> None:
+    paths = [p for p in quant.PATHS if quant.path_available(lib, qtype, p)]
+    for i, (m, n, k) in enumerate(shapes(qtype)):
+        raw = make_raw(qtype, n, k, seed=10 + i, extreme=i % 2 == 1)
+        dtype = (torch.bfloat16, torch.float32)[i % 2]
+        x = make_x(m, k, dtype, seed=i)
+        bias = torch.randn(n) if i % 3 == 0 else None
+        out_dtype = torch.float32 if i == 2 else None
+        want = reference.linear(qtype, x, raw, n, k, bias, out_dtype)
+        packed = quant.pack(lib, qtype, raw, k)
+        for path in paths:
+            got = quant.linear(lib, qtype, x, packed, n, k, bias, out_dtype, force_path=path)
+            assert got.dtype == (out_dtype or dtype)
+            assert torch.equal(got, want), (path, m, n, k)
+        assert torch.equal(quant.linear(None, qtype, x, raw, n, k, bias, out_dtype), want)
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q5_1", "Q8_0", "Q4_K", "Q6_K"])
+def test_a_row_alone_equals_it_in_a_batch(lib, qtype: str) -> None:
+    n, k, m = 100, 512, 70
+    raw = make_raw(qtype, n, k, seed=3)
+    packed = quant.pack(lib, qtype, raw, k)
+    wide = make_x(m, 2 * k, torch.bfloat16, seed=4)
+    x = wide[:, k:]  # rows strided
+    threads = torch.get_num_threads()
+    for path in [p for p in quant.PATHS if quant.path_available(lib, qtype, p)]:
+        batch = quant.linear(lib, qtype, x, packed, n, k, force_path=path)
+        for r in (0, 9, 63, 64, 69):
+            assert torch.equal(
+                quant.linear(lib, qtype, x[r : r + 1], packed, n, k, force_path=path),
+                batch[r : r + 1],
+            )
+        assert torch.equal(
+            quant.linear(lib, qtype, x[5:22], packed, n, k, force_path=path), batch[5:22]
+        )
+        torch.set_num_threads(1)
+        try:
+            assert torch.equal(quant.linear(lib, qtype, x, packed, n, k, force_path=path), batch)
+        finally:
+            torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_within_the_activation_quantizations_bound(lib, qtype: str) -> None:
+    """|y - x·Wᵀ| (W dequantized, float64) <= Σ_b dx_b / 2 · Σ_{i in b} |W_i| (each x_i is
+    dx_b · xq_i within half a step: |x_i · id - xq_i| <= 1/2, and dx_b · id = 1 within a few
+    ulps) plus the float32 chain's roundings: at most (steps + 2) · 2^-24 relative to the
+    chain's terms, whose sum is at most Σ_b dx_b · 127 · Σ_{i in b} |W_i| · (1 + 2^-20)."""
+    n, k, m = 48, 1536, 5
+    raw = make_raw(qtype, n, k, seed=6)
+    x = make_x(m, k, torch.float32, seed=7)
+    w = reference.dequantize(qtype, raw, k).double()
+    got = quant.linear(lib, qtype, x, quant.pack(lib, qtype, raw, k), n, k).double()
+    exact = x.double() @ w.T
+    dx = reference.quantize_activations(x).dx.double()  # [m, k / 32]
+    w_abs = w.abs().view(n, k // 32, 32).sum(-1)  # [n, k / 32]
+    quant_bound = 0.5 * dx @ w_abs.T * (1 + 2.0**-20)
+    steps = 2 * k // 16
+    float_bound = (steps + 2) * 2.0**-24 * 127 * (dx @ w_abs.T) * (1 + 2.0**-20)
+    err = (got - exact).abs()
+    assert bool((err <= quant_bound + float_bound).all()), float(
+        (err / (quant_bound + float_bound)).max()
+    )
+    assert float((err / quant_bound).max()) > 0.01  # the bound is not vacuous
+
+
+CHILD = """
+import json, sys, torch
+from radixrt_kernels.cpu import library, quant
+lib = library.load(sys.argv[1])
+out = {}
+for name, (qtype, x, packed_raw, n, k, bias) in torch.load(sys.argv[2]).items():
+    packed = quant.pack(lib, qtype, packed_raw, k)
+    for path in quant.PATHS:
+        if quant.path_available(lib, qtype, path):
+            out[f"{name}/{path}"] = quant.linear(lib, qtype, x, packed, n, k, bias, force_path=path)
+torch.save(out, sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("flags", [AVX2_FLAGS, PORTABLE_FLAGS], ids=["avx2", "portable"])
+def test_other_builds_give_the_native_bits(lib, flags: str, tmp_path: Path) -> None:
+    """The library as built for an AVX2-only CPU and as built with no vector extensions, each
+    in a subprocess of its own (a crash fails this test): every path it has equals the
+    reference (and so the native paths) bit for bit."""
+    cases, want = {}, {}
+    for i, qtype in enumerate(TYPES):
+        m, n, k = (1, 37, 512) if i % 2 else (70, 20, 256)
+        raw, x = (
+            make_raw(qtype, n, k, seed=20 + i, extreme=True),
+            make_x(m, k, torch.bfloat16, seed=i),
+        )
+        bias = torch.randn(n) if i % 3 == 0 else None
+        cases[qtype] = (qtype, x, raw, n, k, bias)
+        want[qtype] = reference.linear(qtype, x, raw, n, k, bias)
+    torch.save(cases, tmp_path / "cases.pt")
+    env = {
+        **os.environ,
+        "RADIXRT_KERNEL_CFLAGS": flags,
+        "PYTHONPATH": str(Path(__file__).parents[2]),
+    }
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(tmp_path / "cache"),
+            str(tmp_path / "cases.pt"),
+            str(tmp_path / "out.pt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    expected_paths = {"portable"} if "-mno-avx2" in flags else {"portable", "avx2"}
+    assert {key.split("/")[1] for key in got} == expected_paths, json.dumps(sorted(got))
+    for key, y in got.items():
+        assert torch.equal(y, want[key.split("/")[0]]), key
+
+
+def test_refusals_name_what_is_wrong(lib) -> None:
+    raw = make_raw("Q4_0", 4, 64, seed=0)
+    with pytest.raises(ValueError, match="unknown quantization type 'Q3_K'"):
+        quant.pack(lib, "Q3_K", raw, 64)
+    with pytest.raises(ValueError, match="Q4_K: K = 576 is not a multiple of its block of 256"):
+        quant.pack(lib, "Q4_K", torch.zeros(4, 576 // 256 * 144, dtype=torch.uint8), 576)
+    with pytest.raises(ValueError, match="Q4_0: K = 48 is not a multiple"):
+        quant.pack(lib, "Q4_0", raw, 48)
+    with pytest.raises(ValueError, match=r"Q4_0: raw must be uint8 \[N, 36\]"):
+        quant.pack(lib, "Q4_0", raw[:, :20], 64)
+    with pytest.raises(ValueError, match=r"Q4_0: raw must be uint8"):
+        quant.pack(lib, "Q4_0", raw.float(), 64)
+    packed = quant.pack(lib, "Q4_0", raw, 64)
+    with pytest.raises(ValueError, match=r"does not hold \[17, 64\]"):  # (N 1 .. 16: one panel)
+        quant.linear(lib, "Q4_0", torch.randn(2, 64), packed, 17, 64)
+    with pytest.raises(ValueError, match=r"x must be bf16 or float32 \[..., 64\]"):
+        quant.linear(lib, "Q4_0", torch.randn(2, 32), packed, 4, 64)
+    with pytest.raises(ValueError, match="x must be bf16 or float32"):
+        quant.linear(lib, "Q4_0", torch.randn(2, 64).half(), packed, 4, 64)
+    with pytest.raises(ValueError, match=r"the bias must be float32 \[4\]"):
+        quant.linear(lib, "Q4_0", torch.randn(2, 64), packed, 4, 64, bias=torch.randn(4).bfloat16())
+
+
+def test_nonfinite_activations_give_nan_rows(lib) -> None:
+    raw = make_raw("Q4_K", 16, 256, seed=0)
+    packed = quant.pack(lib, "Q4_K", raw, 256)
+    x = torch.randn(3, 256)
+    x[1, 7], x[2, 200] = float("inf"), float("nan")
+    y = quant.linear(lib, "Q4_K", x, packed, 16, 256)
+    assert y[1:].isnan().all() and not y[0].isnan().any()
+    assert torch.equal(y[0], reference.linear("Q4_K", x[:1], raw, 16, 256)[0])
+
+
+def test_paths_are_named(lib) -> None:
+    assert quant.path(None, "Q4_0", 1) == "reference"
+    assert quant.path(lib, "Q4_0", 1) in quant.PATHS
+    assert all(quant.supported(lib, t) for t in TYPES) and not quant.supported(None, "Q4_0")
+    assert quant.QTYPES["Q4_0"] == 2 and quant.QTYPES["Q6_K"] == 14
+    assert np.array_equal(list(quant.QTYPES), TYPES)
