@@ -3,9 +3,10 @@
 Per type and shape (N x K): decode-sized (M = 1) as GB/s of the packed weight streamed, each
 call taking the next of enough copies of the weight (at least ``--copies-mib`` together) that
 it is not in L1/L2; prefill-sized (M = 512) as GFLOP/s (2·M·N·K / t) on one copy. Each cell is
-the median of ``--repeats`` calls after a warm-up. Every path the library has runs (``--paths``
-to choose); run with ``RADIXRT_KERNEL_CFLAGS`` (and another ``RADIXRT_CACHE_DIR``) to time the
-library as built for another CPU, e.g. AVX2-only:
+the fastest of ``--repeats`` calls after a warm-up. On a CPU shared with other busy processes,
+``--threads 1``: a call whose second thread waits for its core takes a time slice. Every path
+the library has runs (``--paths`` to choose); run with ``RADIXRT_KERNEL_CFLAGS`` (and another
+``RADIXRT_CACHE_DIR``) to time the library as built for another CPU, e.g. AVX2-only:
 
     RADIXRT_KERNEL_CFLAGS="-mno-avx512f -mno-avx512vnni -mno-amx-tile -mno-amx-int8 ..." \\
         RADIXRT_CACHE_DIR=/tmp/rc_avx2 python bench/quant_linear.py
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
@@ -42,7 +42,7 @@ def time_calls(fn, repeats: int) -> float:
         t0 = time.perf_counter()
         fn(i + 1)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def cell(lib, qtype: str, n: int, k: int, path: str, args) -> tuple[float, float]:
@@ -71,7 +71,9 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=60)
     parser.add_argument("--copies-mib", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     cache = os.environ.get("RADIXRT_CACHE_DIR") or os.path.expanduser("~/.cache/radixrt")
     lib = library.load(cache)
     if lib is None:
