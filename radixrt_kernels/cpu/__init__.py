@@ -5,6 +5,8 @@ Each wrapper beside the C file(s) it calls:
 - :mod:`~radixrt_kernels.cpu.attention` (``attention.c``): attention through slot indices;
 - :mod:`~radixrt_kernels.cpu.linear` (``linear_amx.c``, ``linear_vec.c``): bf16 linear layers
   on packed weights, by ISA;
+- :mod:`~radixrt_kernels.cpu.quant` (``quant.c``, ``quant_x86.c``): linear layers on
+  GGUF-quantized weights (row-invariant by construction);
 - :mod:`~radixrt_kernels.cpu.elementwise` (``elementwise.c``): RMS norm, rotary embedding,
   SiLU-and-mul;
 - :mod:`~radixrt_kernels.cpu.sampling_ops` (``sampling.c``): argmax and the grammar bitmask;

@@ -176,25 +176,35 @@ int64_t radixrt_quant_packed_bytes(int ggml, int64_t n, int64_t k) {
 
 /* ---- the portable kernel ---------------------------------------------------------------------- */
 
-/* 32-block j of record rec (j: its index within the record's GGUF block) as integers w [32][16]
- * and per-lane scales a [2][16] (sub-blocks of 16: a[0] for values 0-15, a[1] for 16-31; else
- * both the same) and offsets c [16] (zero where the type has none). */
-static void unpack_portable(const struct qlayout *L, const uint8_t *rec, int j, int16_t w[32][LANES],
-                            float a[2][LANES], float c[LANES]) {
+/* 32-block j of record rec (j: its index within the record's GGUF block) as integers w [8][64]
+ * (quant.h's vectors: w[u][4o + t] is lane o's value 4u + t), per-lane scales a [2][16]
+ * (sub-blocks of 16: a[0] for values 0-15, a[1] for 16-31; else both the same) and offsets
+ * c [16] (zero where the type has none). */
+static inline __attribute__((always_inline)) void unpack_portable(const struct qlayout *L, const uint8_t *rec,
+                                                                   int j, int16_t w[8][64],
+                                                                   float a[2][LANES], float c[LANES]) {
     const uint8_t *ql = rec + L->ql_at + j * L->ql_stride, *qh = rec + L->qh_at + j * L->qh_stride;
-    for (int o = 0; o < LANES; o++) {
-        for (int k = 0; k < 32; k++) {
-            const int v = k / 8, t = k % 4, hi = (k % 8) / 4;
-            int q;
+    for (int v = 0; v < (L->bits == 8 ? 8 : 4); v++)
+        for (int i = 0; i < 64; i++) {
+            const int b = ql[64 * v + i];
             if (L->bits == 8) {
-                w[k][o] = (int8_t)ql[64 * (k / 4) + 4 * o + t];
+                w[v][i] = (int8_t)b;
                 continue;
             }
-            q = (ql[64 * v + 4 * o + t] >> (4 * hi)) & 15;
-            if (L->bits == 5) q |= ((qh[4 * o + t] >> (2 * v + hi)) & 1) << 4;
-            if (L->bits == 6) q |= ((qh[64 * (v / 2) + 4 * o + t] >> (4 * (v % 2) + 2 * hi)) & 3) << 4;
-            w[k][o] = (int16_t)(q - L->off);
+            int lo = b & 15, hi = b >> 4;
+            if (L->bits == 5) {
+                lo |= ((qh[i] >> (2 * v)) & 1) << 4;
+                hi |= ((qh[i] >> (2 * v + 1)) & 1) << 4;
+            }
+            if (L->bits == 6) {
+                const int h = qh[64 * (v / 2) + i] >> (4 * (v % 2));
+                lo |= (h & 3) << 4;
+                hi |= ((h >> 2) & 3) << 4;
+            }
+            w[2 * v][i] = (int16_t)(lo - L->off);
+            w[2 * v + 1][i] = (int16_t)(hi - L->off);
         }
+    for (int o = 0; o < LANES; o++) {
         const float d = half_to_float(rd16(rec + L->d_at + 2 * o));
         for (int h = 0; h < 2; h++) {
             a[h][o] = d;
@@ -209,14 +219,15 @@ static void unpack_portable(const struct qlayout *L, const uint8_t *rec, int j, 
 }
 
 /* One row's chain over one 32-block: acc [16] continued. */
-static void chain_portable(const struct qlayout *L, const int16_t w[32][LANES], const float a[2][LANES],
+static inline __attribute__((always_inline)) void chain_portable(const struct qlayout *L, const int16_t w[8][64], const float a[2][LANES],
                            const float c[LANES], const int8_t *xq, float dx, const int32_t *sx16,
                            float *acc) {
     const int halves = L->a_kind == A_DSC16 ? 2 : 1, len = 32 / halves;
     for (int h = 0; h < halves; h++) {
         int32_t isum[LANES] = {0};
-        for (int k = h * len; k < (h + 1) * len; k++)
-            for (int o = 0; o < LANES; o++) isum[o] += w[k][o] * xq[k];
+        for (int u = h * len / 4; u < (h + 1) * len / 4; u++)
+            for (int t = 0; t < 4; t++)
+                for (int o = 0; o < LANES; o++) isum[o] += w[u][4 * o + t] * xq[4 * u + t];
         for (int o = 0; o < LANES; o++) acc[o] = acc[o] + (a[h][o] * dx) * (float)isum[o];
     }
     if (L->c_kind == C_NONE) return;
@@ -224,12 +235,14 @@ static void chain_portable(const struct qlayout *L, const int16_t w[32][LANES], 
     for (int o = 0; o < LANES; o++) acc[o] = acc[o] + (c[o] * dx) * sx;
 }
 
-static void panel_portable(const struct qcall *c, int64_t p, int64_t r0, int rows) {
-    const struct qlayout *L = c->L;
+/* (qt a constant at each call: the type's layout folds into the loops) */
+static inline __attribute__((always_inline)) void panel_portable(const struct qcall *c, int64_t p, int64_t r0,
+                                                                 int rows, const int qt) {
+    const struct qlayout *L = &LAYOUTS[qt];
     const int per = L->qk / 32;
     const int64_t nb = c->k / 32, blocks = c->k / L->qk;
     float acc[PASS][LANES];
-    int16_t w[32][LANES];
+    int16_t w[8][64];
     float a[2][LANES], off[LANES];
     memset(acc, 0, sizeof acc);
     for (int64_t b = 0; b < nb; b++) {
@@ -243,6 +256,16 @@ static void panel_portable(const struct qcall *c, int64_t p, int64_t r0, int row
     for (int r = 0; r < rows; r++) quant_store(c, r0 + r, p, acc[r]);
 }
 
+#define PANEL_PORTABLE(T) \
+    static void panel_portable_##T(const struct qcall *c, int64_t p, int64_t r0, int rows) { \
+        panel_portable(c, p, r0, rows, T); \
+    }
+PANEL_PORTABLE(Q8_0) PANEL_PORTABLE(Q4_0) PANEL_PORTABLE(Q4_1) PANEL_PORTABLE(Q5_0) PANEL_PORTABLE(Q5_1)
+PANEL_PORTABLE(Q4_K) PANEL_PORTABLE(Q5_K) PANEL_PORTABLE(Q6_K)
+static const panel_fn PORTABLE_KERNELS[QTYPES] = {
+    panel_portable_Q8_0, panel_portable_Q4_0, panel_portable_Q4_1, panel_portable_Q5_0,
+    panel_portable_Q5_1, panel_portable_Q4_K, panel_portable_Q5_K, panel_portable_Q6_K};
+
 /* The packed weight [n, k] as float32 a·w + c (gguf's dequantized values), into out [n][k]. */
 int radixrt_quant_dequantize(int ggml, const uint8_t *packed, int64_t n, int64_t k, float *out) {
     const int qt = type_index(ggml);
@@ -251,13 +274,13 @@ int radixrt_quant_dequantize(int ggml, const uint8_t *packed, int64_t n, int64_t
     const int per = L->qk / 32;
     const int64_t nb = k / 32, blocks = k / L->qk;
     for (int64_t p = 0; p < (n + LANES - 1) / LANES; p++) {
-        int16_t w[32][LANES];
+        int16_t w[8][64];
         float a[2][LANES], off[LANES];
         for (int64_t b = 0; b < nb; b++) {
             unpack_portable(L, packed + (p * blocks + b / per) * L->rec, (int)(b % per), w, a, off);
             for (int o = 0; o < LANES && p * LANES + o < n; o++)
                 for (int i = 0; i < 32; i++) {
-                    const float y = a[i / 16][o] * (float)w[i][o];
+                    const float y = a[i / 16][o] * (float)w[i / 4][4 * o + i % 4];
                     out[(p * LANES + o) * k + 32 * b + i] = L->c_kind == C_NONE ? y : y + off[o];
                 }
         }
@@ -306,7 +329,7 @@ void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc) 
 }
 
 static panel_fn kernel_for(int path, int qt) {
-    if (path == PATH_PORTABLE) return panel_portable;
+    if (path == PATH_PORTABLE) return PORTABLE_KERNELS[qt];
     if (path == PATH_AVX2) return quant_avx2_kernel(qt);
     if (path == PATH_AVX512) return quant_avx512_kernel(qt);
     return NULL;
