@@ -25,8 +25,9 @@ from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
-from radixrt.model.weights import cache_dir, iter_weights
+from radixrt.model.weights import cache_dir, iter_weights, weights_file_bytes
 from radixrt.quant.gguf_model import is_gguf_folder, iter_gguf_weights
+from radixrt.quant.quant_linear import describe_weights
 from radixrt.quant.rtn import quantized_weights
 from radixrt_kernels.cpu import library as cpu_library
 
@@ -103,6 +104,18 @@ class ModelRunner:
         self.kernels = self._kernels(config, lib, wanted, not_exact)
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
+        self.weights_info = {
+            "quantization": config.quantization or ("gguf" if is_gguf_folder(model_path) else None),
+            **describe_weights(self.model, lib),
+            "weight_file_bytes": weights_file_bytes(model_path),
+        }
+        logger.info(
+            "weights: %s, %.1f MiB held (files %.1f MiB): %s",
+            self.weights_info["quantization"] or str(self.dtype).removeprefix("torch."),
+            self.weights_info["weight_bytes"] / 2**20,
+            self.weights_info["weight_file_bytes"] / 2**20,
+            self.weights_info["weights"],
+        )
         num_slots = self._num_slots(config)
         self.pool = KVPool(
             num_slots,

@@ -106,3 +106,13 @@ def make_shareable(folder: str | os.PathLike[str]) -> None:
     os.chmod(root, 0o777 & ~umask)
     for entry in root.rglob("*"):
         os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~umask)
+
+
+def weights_file_bytes(path: str | os.PathLike[str]) -> int:
+    """The bytes of a model folder's weight files: its safetensors shards, or the GGUF file a
+    GGUF model's folder names."""
+    p = Path(path).expanduser()
+    marker = p / "radixrt-gguf.json"
+    if marker.is_file():
+        return Path(json.loads(marker.read_text(encoding="utf-8"))["source"]).stat().st_size
+    return sum(f.stat().st_size for f in p.glob("*.safetensors"))

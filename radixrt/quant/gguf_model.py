@@ -291,3 +291,10 @@ def replace_folder(new: Path, target: Path) -> None:
         os.replace(target, trash / "old")
         shutil.rmtree(trash, ignore_errors=True)
     os.replace(new, target)
+
+
+def model_name(folder: str | os.PathLike[str]) -> str:
+    """A model's name: a GGUF model's file name without ``.gguf``, else its folder's name."""
+    if is_gguf_folder(folder):
+        return gguf_source(folder).stem
+    return os.path.basename(os.path.normpath(folder))

@@ -65,3 +65,46 @@ class QuantLinear:
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
         return self.apply(x, w, None, n, torch.float32)
+
+
+def _linear_of(method):
+    """The QuantLinear inside a method's wrappers (ActAfter, RotateAfter), or None."""
+    while not isinstance(method, QuantLinear):
+        method = getattr(method, "linear", None)
+        if method is None:
+            return None
+    return method
+
+
+def describe_weights(model: torch.nn.Module, lib: ctypes.CDLL | None) -> dict[str, object]:
+    """What the model's weights are and run on: per role (the module's name without its layer
+    index) the block types (or dtype) and the kernel paths of decode-sized and prefill-sized
+    calls; the bytes the weights hold."""
+    roles: dict[str, str] = {}
+    held = 0
+    for name, module in model.named_modules():
+        weight = getattr(module, "matmul_weight", None)
+        if weight is None:
+            weight = getattr(module, "weight", None)
+        if not isinstance(weight, torch.Tensor) or not hasattr(module, "method"):
+            continue
+        held += weight.numel() * weight.element_size()
+        role = ".".join(p for p in name.split(".") if not p.isdigit())
+        q = _linear_of(module.method)
+        if q is None:
+            roles[role] = f"{weight.dtype} ({module.method.name})".replace("torch.", "")
+            continue
+        paths = {t: (cpu_quant.path(lib, t, 1), cpu_quant.path(lib, t, 512)) for t in q.types}
+        roles[role] = ", ".join(
+            f"{t} ({small}" + (f"; prefill {large})" if large != small else ")")
+            for t, (small, large) in paths.items()
+        )
+    for module in model.modules():  # embeddings and norms: their own bytes
+        if not hasattr(module, "method") and isinstance(
+            getattr(module, "weight", None), torch.Tensor
+        ):
+            held += module.weight.numel() * module.weight.element_size()
+        quant = getattr(getattr(module, "weight", None), "quant", None)
+        if quant is not None and not hasattr(module, "method"):
+            held += sum(q.nbytes for q in quant.values())
+    return {"weights": roles, "weight_bytes": held}

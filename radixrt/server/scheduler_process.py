@@ -61,6 +61,7 @@ from radixrt.protocol import (
     decode,
     encode,
 )
+from radixrt.quant.gguf_model import model_name
 from radixrt.sampling import make_generator
 from radixrt.scheduler.req import Req
 from radixrt.server import faults
@@ -114,7 +115,7 @@ class SchedulerProcess:
         eng = self.engine
         return {
             "model": eng.model_path,
-            "model_name": os.path.basename(os.path.normpath(eng.model_path)),
+            "model_name": model_name(eng.model_path),
             "kv_slots": self.scheduler.kv_capacity,
             "max_context": eng.runner.max_context,
             "vocab_size": eng.model_config.vocab_size,
@@ -122,6 +123,7 @@ class SchedulerProcess:
             "max_waiting_requests": self.max_waiting,
             "dtype": eng.config.dtype,
             "kernels": eng.runner.kernels.describe(),
+            **eng.runner.weights_info,
             "attention_backend": eng.runner.attn_backend.name,
             "attention": eng.runner.attn_backend.describe(),
             "decode_chain": eng.runner.decode_chain_info,

@@ -9,9 +9,11 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 from safetensors.torch import save_file
+from server_harness import Server
 
 from radixrt import Engine
 from radixrt.quant.formats import QuantTensor
@@ -80,3 +82,31 @@ def test_a_gguf_model_keeps_a_requests_bits_whatever_the_batch(tmp_path) -> None
         assert a.token_ids == b.token_ids == c.token_ids
         assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
         assert torch.equal(torch.tensor(a.logprobs), torch.tensor(c.logprobs))
+
+
+def test_a_gguf_model_is_described_and_counted(tmp_path) -> None:
+    gguf = write_gguf(tiny_model_path("llama"), tmp_path / "m.gguf", "Q4_1")
+    with Engine(model=gguf, max_total_tokens=256) as eng:
+        info = eng.runner.weights_info
+    assert info["quantization"] == "gguf"
+    assert info["weights"]["model.layers.self_attn.qkv_proj"].startswith("Q4_1 (")
+    assert info["weights"]["lm_head"].startswith("Q4_1 (")  # tied: the embedding's blocks
+    assert info["weight_file_bytes"] == Path(gguf).stat().st_size
+    assert info["weight_bytes"] <= 2.2 * info["weight_file_bytes"]  # the tied head's own copy
+
+
+def test_a_server_on_a_gguf_file_names_it_and_its_quantization(tmp_path) -> None:
+    gguf = write_gguf(tiny_model_path("llama"), tmp_path / "tiny-q4.gguf", "Q4_1")
+    server = Server("--model", gguf, "--dtype", "bfloat16")
+    try:
+        card = httpx.get(f"{server.http}/v1/models").json()["data"][0]
+        assert card["id"] == "tiny-q4" and card["quantization"] == "gguf"
+        info = httpx.get(f"{server.http}/get_server_info").json()["internal_states"][0]
+        assert info["weights"]["model.layers.mlp.gate_up_proj"].startswith("Q4_1 (")
+        chat = httpx.post(
+            f"{server.http}/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        ).json()
+        assert chat["usage"]["completion_tokens"] >= 1
+    finally:
+        server.stop()

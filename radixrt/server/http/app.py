@@ -134,6 +134,7 @@ class InfoApi:
             created=self.http.created,
             root=self.front.model["model"],
             max_model_len=self.front.model["max_context"],
+            quantization=self.front.model.get("quantization"),
         )
         return json_response(api.ModelList(data=[card]))
 

@@ -390,6 +390,7 @@ class ModelCard(msgspec.Struct):
     max_model_len: int
     object: str = "model"
     owned_by: str = "radixrt"
+    quantization: str | None = None  # gguf, q8_0, q4_0, q4_k; None: the model's own weights
 
 
 class ModelList(msgspec.Struct):
