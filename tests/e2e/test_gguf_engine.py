@@ -110,3 +110,17 @@ def test_a_server_on_a_gguf_file_names_it_and_its_quantization(tmp_path) -> None
         assert chat["usage"]["completion_tokens"] >= 1
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("quantization", ["q4_0", "q4_k"])
+def test_quantizing_at_load_runs_the_same_blocks_as_its_gguf_file(tmp_path, quantization) -> None:
+    folder = tiny_model_path("qwen2")
+    gguf = write_gguf(folder, tmp_path / "m.gguf", quantization.upper())
+    sp = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True)
+    with Engine(model=folder, quantization=quantization, max_total_tokens=512) as eng:
+        loaded = eng.generate(PROMPTS, sp)
+        assert eng.runner.weights_info["quantization"] == quantization
+    with Engine(model=gguf, max_total_tokens=512) as eng:
+        from_file = eng.generate(PROMPTS, sp)
+    for a, b in zip(loaded, from_file):
+        assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
