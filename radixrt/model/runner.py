@@ -104,18 +104,7 @@ class ModelRunner:
         self.kernels = self._kernels(config, lib, wanted, not_exact)
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
-        self.weights_info = {
-            "quantization": config.quantization or ("gguf" if is_gguf_folder(model_path) else None),
-            **describe_weights(self.model, lib),
-            "weight_file_bytes": weights_file_bytes(model_path),
-        }
-        logger.info(
-            "weights: %s, %.1f MiB held (files %.1f MiB): %s",
-            self.weights_info["quantization"] or str(self.dtype).removeprefix("torch."),
-            self.weights_info["weight_bytes"] / 2**20,
-            self.weights_info["weight_file_bytes"] / 2**20,
-            self.weights_info["weights"],
-        )
+        self.weights_info = self._describe_weights(config, model_path, lib)
         num_slots = self._num_slots(config)
         self.pool = KVPool(
             num_slots,
@@ -176,6 +165,22 @@ class ModelRunner:
             except NotExact as e:
                 not_exact.append(str(e))
         return choose()
+
+    def _describe_weights(self, config: EngineConfig, model_path: str, lib) -> dict:
+        """The weights' quantization, each role's types and kernels, their bytes (logged)."""
+        info = {
+            "quantization": config.quantization or ("gguf" if is_gguf_folder(model_path) else None),
+            **describe_weights(self.model, lib),
+            "weight_file_bytes": weights_file_bytes(model_path),
+        }
+        logger.info(
+            "weights: %s, %.1f MiB held (files %.1f MiB): %s",
+            info["quantization"] or str(self.dtype).removeprefix("torch."),
+            info["weight_bytes"] / 2**20,
+            info["weight_file_bytes"] / 2**20,
+            info["weights"],
+        )
+        return info
 
     def _load_model(self, path: str, kernels: Kernels) -> LlamaForCausalLM:
         default = torch.get_default_dtype()
