@@ -207,6 +207,7 @@ class Kernels:
         self.rotary = rotary or TorchRotary()
         self.act = act or TorchSiluMul()
         self.chosen: dict[str, str] = {}  # "n x k" → the path(s) it runs, for describe()
+        self.users: dict[str, int] = {}  # "n x k" → the layers built on it and not quantized
 
     def _choice(self, n: int, k: int, large: bool = True) -> Choice:
         choice = self.choose(n, k, large)
@@ -222,6 +223,7 @@ class Kernels:
         mixed = not (choice.small in PACKED and choice.large in PACKED)
         if self.compiled and mixed and choice.small != choice.large:
             choice = Choice(choice.small, choice.small)  # one layout: the decode-sized path's
+        self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 0) + 1
         self.chosen[f"{n}x{k}"] = (
             choice.small
             if choice.small == choice.large
@@ -285,6 +287,7 @@ class Kernels:
             )
         method = QuantLinear(self.lib, segments)
         n, k = sum(s.shape[0] for s in segments), segments[0].k
+        self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1  # its bf16 choice unused
         self.chosen[f"{n}x{k} {'+'.join(dict.fromkeys(method.types))}"] = method.name
         return method
 
@@ -293,7 +296,7 @@ class Kernels:
         path(s)."""
         return {
             "exact": self.exact,
-            "linear": dict(self.chosen),
+            "linear": {s: p for s, p in self.chosen.items() if self.users.get(s, 1) > 0},
             "rms_norm": self.norm.name,
             "rotary": self.rotary.name,
             "silu_mul": self.act.name,
