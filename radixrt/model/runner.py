@@ -26,7 +26,7 @@ from radixrt.model.hf_config import ModelConfig
 from radixrt.model.kernel_set import Kernels, NotExact, choose_kernels
 from radixrt.model.llama import LlamaForCausalLM
 from radixrt.model.weights import cache_dir, iter_weights, weights_file_bytes
-from radixrt.quant.gguf_model import is_gguf_folder, iter_gguf_weights
+from radixrt.quant.gguf_model import exact_in, is_gguf_folder, iter_gguf_weights
 from radixrt.quant.quant_linear import describe_weights
 from radixrt.quant.rtn import quantized_weights
 from radixrt_kernels.cpu import library as cpu_library
@@ -190,7 +190,10 @@ class ModelRunner:
                 model = LlamaForCausalLM(self.model_cfg, kernels)
         finally:
             torch.set_default_dtype(default)
-        weights = iter_gguf_weights(path) if is_gguf_folder(path) else iter_weights(path)
+        if is_gguf_folder(path):
+            weights = exact_in(iter_gguf_weights(path), self.dtype)
+        else:
+            weights = iter_weights(path)
         if self.quantization not in (None, "gguf"):
             weights = quantized_weights(weights, self.quantization)
         model.load_weights(weights)  # each linear's weight laid out for its method

@@ -298,3 +298,23 @@ def model_name(folder: str | os.PathLike[str]) -> str:
     if is_gguf_folder(folder):
         return gguf_source(folder).stem
     return os.path.basename(os.path.normpath(folder))
+
+
+def exact_in(weights, dtype: torch.dtype):
+    """``weights`` ((name, tensor) pairs), refusing a dense linear weight that ``dtype`` would
+    round (an F16 or F32 matrix in a bf16 model): ValueError naming it and the way out. An
+    embedding's rows become activations of ``dtype`` anyway, so they pass."""
+    for name, t in weights:
+        if (
+            isinstance(t, torch.Tensor)
+            and t.dim() == 2
+            and name != "model.embed_tokens.weight"
+            and t.dtype != dtype
+            and dtype != torch.float32  # F16, BF16 and F32 widen to float32 exactly
+        ):
+            kind = {torch.float16: "F16", torch.float32: "F32"}.get(t.dtype, str(t.dtype))
+            raise ValueError(
+                f"tensor {name!r} is {kind}; a {str(dtype).removeprefix('torch.')} model would "
+                "round it: serve this file with --dtype float32"
+            )
+        yield name, t

@@ -192,3 +192,15 @@ def test_a_struct_sized_header_alone_is_refused(tmp_path) -> None:
     bad = tmp_path / "header.gguf"
     bad.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 5, 0))
     _refused(bad, "not a readable GGUF file")
+
+
+def test_a_dense_linear_weight_the_model_would_round_is_refused() -> None:
+    from radixrt.quant.gguf_model import exact_in
+
+    f16 = torch.ones(4, 8, dtype=torch.float16)
+    weights = [("model.embed_tokens.weight", f16), ("model.layers.0.mlp.up_proj.weight", f16)]
+    assert len(list(exact_in(weights, torch.float32))) == 2  # widened exactly
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.up_proj.weight' is F16; a bfloat16"):
+        list(exact_in(weights, torch.bfloat16))  # the embedding passes, the linear does not
+    bf16 = [("lm_head.weight", f16.bfloat16()), ("model.norm.weight", torch.ones(8))]
+    assert len(list(exact_in(bf16, torch.bfloat16))) == 2
