@@ -87,8 +87,11 @@ def _quantize_x_kernel(
     inv = tl.where(live, tl.math.div_rn(tl.full(safe.shape, 127.0, tl.float32), safe), 0.0)
     y = tl.where(live[:, None], x, 0.0) * inv[:, None]
     q = ((y + 12582912.0) - 12582912.0).to(tl.int32)  # |y| <= 127: round half to even
-    tl.store(XQ + row * num_blocks * 32 + blk[:, None] * 32 + i[None, :], q.to(tl.int8),
-             mask=live_blk[:, None])
+    tl.store(
+        XQ + row * num_blocks * 32 + blk[:, None] * 32 + i[None, :],
+        q.to(tl.int8),
+        mask=live_blk[:, None],
+    )
     tl.store(DX + row * num_blocks + blk, dx, mask=live_blk)
     tl.store(SX + row * num_blocks + blk, tl.sum(q, axis=1), mask=live_blk)
 
@@ -180,8 +183,10 @@ def _weights_k(W, rows_off, b, TS: tl.constexpr, QTYPE: tl.constexpr):
     if QTYPE == Q6_K:
         d = _f16(W + base + 208)
         low = _nibbles_32(W, base, (j // 4) * 64 + (j % 2) * 32, 4 * ((j % 4) // 2))
-        high = (_byte(W + base[:, None] + 128 + (j // 4) * 32 + tl.arange(0, 32)[None, :])
-                >> (2 * (j % 4))) & 3
+        high = (
+            _byte(W + base[:, None] + 128 + (j // 4) * 32 + tl.arange(0, 32)[None, :])
+            >> (2 * (j % 4))
+        ) & 3
         w = ((low | (high << 4)) - 32).to(tl.int8)
         a0 = d * tl.load(W + base + 192 + 2 * j).to(tl.int8, bitcast=True).to(tl.float32)
         a1 = d * tl.load(W + base + 193 + 2 * j).to(tl.int8, bitcast=True).to(tl.float32)
@@ -192,7 +197,8 @@ def _weights_k(W, rows_off, b, TS: tl.constexpr, QTYPE: tl.constexpr):
     if QTYPE == Q4_K:
         w = _nibbles_32(W, base, 16 + (j // 2) * 32, 4 * (j % 2))
     else:  # Q5_K
-        w = _nibbles_32(W, base, 48 + (j // 2) * 32, 4 * (j % 2)) | (_bit_of_32(W, base, 16, j) << 4)
+        fifth = _bit_of_32(W, base, 16, j) << 4
+        w = _nibbles_32(W, base, 48 + (j // 2) * 32, 4 * (j % 2)) | fifth
     a = d * sc
     return w.to(tl.int8), a, a, -(dmin * mn)
 
@@ -384,7 +390,9 @@ def _check_linear(
     """ValueError naming the first argument ``quant_linear`` does not take; else the tiling."""
     arithmetic.check(qtype, raw, k)
     if raw.shape[0] != n or (raw.shape[1] > 1 and raw.stride(1) != 1):
-        raise ValueError(f"{qtype}: raw {tuple(raw.shape)} (strides {raw.stride()}) for W [{n}, {k}]")
+        raise ValueError(
+            f"{qtype}: raw {tuple(raw.shape)} (strides {raw.stride()}) for W [{n}, {k}]"
+        )
     _check_x(x, k)
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"out_dtype {out_dtype} is not one of {OUT_DTYPES}")

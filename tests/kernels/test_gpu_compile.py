@@ -4,9 +4,10 @@ Triton compiles ahead of time from source plus a signature (its bundled ptxas
 makes the cubin), so a CPU machine can check what the interpreter cannot:
 that the code lowers for a real target, that each config fits in 227 KB of
 shared memory, and (``ptxas -v``) that fp16/bf16 kernels do not spill
-registers, and that the quantized linears' kernels hold no FMA (their float steps round
-one at a time), divide correctly rounded and sum on int8 MMAs. Pointer and stride arguments are marked 16-divisible as the
-launcher marks them, which decides vectorisation. Runs with
+registers; and that the quantized linears' kernels hold no FMA (their float
+steps round one at a time), divide correctly rounded and sum on int8 MMAs.
+Pointer and stride arguments are marked 16-divisible as the launcher marks
+them, which decides vectorisation. Runs with
 TRITON_INTERPRET=0 (see ``KERNEL_ENV``): interpreted functions cannot compile.
 """
 
