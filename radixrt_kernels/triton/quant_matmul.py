@@ -3,8 +3,10 @@
 
 ``raw`` is uint8 [n, row_bytes], the file's blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1:
 blocks of 32 values; Q4_K, Q5_K, Q6_K: super blocks of 256, k a multiple of 256). x is
-[M, k] bf16 or float32 with a contiguous last dim; out_dtype is bf16 or float32 (default x's
-dtype); bias, when given, is float [n]. Anything else raises ``ValueError`` naming it.
+[M, k] bf16, float16 or float32 with a contiguous last dim; out_dtype one of those (default
+x's dtype); bias, when given, is float [n]. Anything else raises ``ValueError`` naming it.
+``quant_linear`` is ``quantize_x`` (once per x) then ``quant_matmul`` (once per weight; it
+writes into a given output, e.g. a stacked weight's segment its columns).
 
 Two kernels, both launched with ``enable_fp_fusion=False`` (no mul+add contracted to an FMA):
 
@@ -16,8 +18,8 @@ Two kernels, both launched with ``enable_fp_fusion=False`` (no mul+add contracte
   32-value block at a time: the block's integer sums are one ``tl.dot`` int8 × int8 → int32
   (exact: |Σ| < 2^24), Q6_K's two 16-value sub-blocks two dots on halves of xq; then per
   output, in ascending sub-block order, ``acc = acc + (a·dx)·isum`` (``+ (c·dx)·sx`` for the
-  types with a minimum), each step rounded once; then the bias and one rounding (to bf16:
-  nearest even, in integer arithmetic so that the interpreter rounds alike).
+  types with a minimum), each step rounded once; then the bias and one rounding to nearest
+  even (to bf16 in integer arithmetic, so that the interpreter rounds alike).
 
 The tile decides which outputs a program computes, never an output's operations, so the
 decode tiling (``BLOCK_M`` 16) and the prefill tiling (``BLOCK_M`` 64) give the same bits,
@@ -26,6 +28,8 @@ Set ``TRITON_INTERPRET=1`` before import to run on CPU tensors.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -44,8 +48,8 @@ Q4_K: tl.constexpr = tl.constexpr(TYPE_CODE["Q4_K"])
 Q5_K: tl.constexpr = tl.constexpr(TYPE_CODE["Q5_K"])
 Q6_K: tl.constexpr = tl.constexpr(TYPE_CODE["Q6_K"])
 WITH_MIN = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # types whose sub-blocks carry an offset c
-X_DTYPES = (torch.bfloat16, torch.float32)
-OUT_DTYPES = (torch.bfloat16, torch.float32)
+X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+OUT_DTYPES = X_DTYPES
 XBLOCK = arithmetic.XBLOCK
 X_BLOCKS_PER_PROGRAM = 16  # activation blocks one program of _quantize_x_kernel quantizes
 TILINGS = {
@@ -76,7 +80,7 @@ def _quantize_x_kernel(
         bits = tl.load(X + offs, mask=live_blk[:, None], other=0).to(tl.int32)
         x = (bits << 16).to(tl.float32, bitcast=True)
     else:
-        x = tl.load(X + offs, mask=live_blk[:, None], other=0.0)
+        x = tl.load(X + offs, mask=live_blk[:, None], other=0.0).to(tl.float32)
     ax = tl.abs(x)
     amax = tl.max(ax, axis=1)
     bad = tl.max(((x != x) | (ax > 3.4028234663852886e38)).to(tl.int32), axis=1) > 0
@@ -266,13 +270,21 @@ def _quant_matmul_kernel(
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if OUT_BF16:
         tl.store(out, _bf16_bits(acc), mask=mask)
-    else:
-        tl.store(out, acc, mask=mask)
+    else:  # float32, or float16 rounded to nearest even
+        tl.store(out, acc.to(Out.dtype.element_ty), mask=mask)
 
 
-def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, k] (bf16 or float32, k a multiple of 32, last dim contiguous) → (xq int8 [M, k],
-    dx float32 [M, k/32], sx int32 [M, k/32]): ``arithmetic.quantize_activations``' values."""
+class QuantizedX(NamedTuple):
+    """x quantized per block of 32: xq int8 [M, k], dx float32 [M, k/32], sx int32 [M, k/32]."""
+
+    xq: torch.Tensor
+    dx: torch.Tensor
+    sx: torch.Tensor
+
+
+def quantize_x(x: torch.Tensor) -> QuantizedX:
+    """x [M, k] (k a multiple of 32, last dim contiguous) quantized: the values of
+    ``arithmetic.quantize_activations`` (sx: its 16-value sums added in pairs)."""
     _check_x(x, x.shape[-1] if x.dim() == 2 else -1)
     m, k = x.shape
     blocks = k // XBLOCK
@@ -293,7 +305,7 @@ def quantize_x(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             BLOCKS=X_BLOCKS_PER_PROGRAM,
             enable_fp_fusion=False,
         )
-    return xq, dx, sx
+    return QuantizedX(xq, dx, sx)
 
 
 def quant_linear(
@@ -310,29 +322,47 @@ def quant_linear(
     as its GGUF blocks ``raw`` uint8 [n, row_bytes] (module docstring). ``tiling``: "decode" or
     "prefill" (default: decode for M <= 16); both give the same bits."""
     out_dtype = out_dtype or x.dtype
-    meta = _check_linear(qtype, x, raw, n, k, bias, out_dtype, tiling)
-    m = x.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
+    arithmetic.check(qtype, raw, k)
+    _check_x(x, k)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype {out_dtype} is not one of {OUT_DTYPES}")
+    out = torch.empty(x.shape[0], n, dtype=out_dtype, device=x.device)
+    quant_matmul(qtype, quantize_x(x), raw, k, bias, out, tiling)
+    return out
+
+
+def quant_matmul(
+    qtype: str,
+    act: QuantizedX,
+    raw: torch.Tensor,
+    k: int,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    tiling: str | None = None,
+) -> None:
+    """out [M, n] = x · Wᵀ (+ bias float [n]) for x quantized as ``act`` (``quantize_x``) and W
+    [n, k] of ``qtype`` as ``raw``; ``out`` may be a column slice of a wider output (its last
+    dim contiguous), so that the segments of a stacked weight write their columns."""
+    meta = _check_matmul(qtype, act, raw, k, bias, out, tiling)
+    m, n = out.shape
     if m == 0 or n == 0:
-        return out
-    xq, dx, sx = quantize_x(x)
-    bf16 = out_dtype == torch.bfloat16
+        return
+    bf16 = out.dtype == torch.bfloat16
     grid = (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
     _quant_matmul_kernel[grid](
-        xq,
-        dx,
-        sx,
+        act.xq,
+        act.dx,
+        act.sx,
         raw,
-        bias.float().contiguous() if bias is not None else dx,
+        bias.float().contiguous() if bias is not None else act.dx,
         out.view(torch.int16) if bf16 else out,
         m,
         n,
         k // XBLOCK,
         raw.stride(0),
         out.stride(0),
-        **kernel_meta(qtype, bias is not None, out_dtype, meta),
+        **kernel_meta(qtype, bias is not None, out.dtype, meta),
     )
-    return out
 
 
 def kernel_meta(
@@ -377,30 +407,35 @@ def _check_device(name: str, t: torch.Tensor) -> None:
         )
 
 
-def _check_linear(
+def _check_matmul(
     qtype: str,
-    x: torch.Tensor,
+    act: QuantizedX,
     raw: torch.Tensor,
-    n: int,
     k: int,
     bias: torch.Tensor | None,
-    out_dtype: torch.dtype,
+    out: torch.Tensor,
     tiling: str | None,
 ) -> dict[str, int]:
-    """ValueError naming the first argument ``quant_linear`` does not take; else the tiling."""
+    """ValueError naming the first argument ``quant_matmul`` does not take; else the tiling."""
     arithmetic.check(qtype, raw, k)
+    m, n = out.shape if out.dim() == 2 else (-1, -1)
+    if out.dtype not in OUT_DTYPES or m < 0 or (n > 1 and out.stride(1) != 1):
+        raise ValueError(
+            f"out must be [M, N] of {OUT_DTYPES} with a contiguous last dim, "
+            f"got {out.dtype} {tuple(out.shape)} (strides {out.stride()})"
+        )
     if raw.shape[0] != n or (raw.shape[1] > 1 and raw.stride(1) != 1):
         raise ValueError(
-            f"{qtype}: raw {tuple(raw.shape)} (strides {raw.stride()}) for W [{n}, {k}]"
+            f"{qtype}: raw {tuple(raw.shape)} (strides {raw.stride()}) for {n} outputs"
         )
-    _check_x(x, k)
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype {out_dtype} is not one of {OUT_DTYPES}")
+    want = ((m, k), (m, k // XBLOCK), (m, k // XBLOCK))
+    if tuple(tuple(t.shape) for t in act) != want or not all(t.is_contiguous() for t in act):
+        raise ValueError(f"act must be quantize_x's of an x [{m}, {k}]")
     if bias is not None and (
         bias.dim() != 1 or bias.shape[0] != n or not bias.dtype.is_floating_point
     ):
         raise ValueError(f"bias must be a float [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    for name, t in (("raw", raw), ("bias", bias)):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"{name} is on {t.device}, x on {x.device}")
-    return tiling_for(x.shape[0], tiling)
+    for name, t in (("raw", raw), ("bias", bias), ("out", out)):
+        if t is not None and t.device != act.xq.device:
+            raise ValueError(f"{name} is on {t.device}, x on {act.xq.device}")
+    return tiling_for(m, tiling)

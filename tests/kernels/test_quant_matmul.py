@@ -13,7 +13,7 @@ from kernel_cases import DEVICE, make_generator
 
 from radixrt.quant import arithmetic as reference
 from radixrt_kernels.triton import INTERPRET
-from radixrt_kernels.triton.quant_matmul import TILINGS, quant_linear, quantize_x
+from radixrt_kernels.triton.quant_matmul import TILINGS, quant_linear, quant_matmul, quantize_x
 
 TYPES = list(reference.BLOCK)
 X_DTYPES = [torch.float32, torch.bfloat16]
@@ -91,6 +91,38 @@ def test_equals_the_reference_bit_for_bit(request, qtype, dtype):
                 raise AssertionError(f"seed {seed}, M N K {m} {n} {k}, {tiling}: {e}") from e
 
 
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q4_K"])
+def test_float16_x_and_out_equal_the_reference(request, qtype):
+    gen, _ = make_generator(request)
+    for m, n, k in [(1, 16, 256), (17, 40, 512)]:
+        raw, x = make_raw(gen, qtype, n, k), make_x(gen, m, k, torch.float16)
+        bias = torch.randn(n, generator=gen)
+        for out_dtype in (None, torch.float32):
+            want = reference.linear(qtype, x, raw, n, k, bias, out_dtype)
+            got = quant_linear(
+                qtype, x.to(DEVICE), raw.to(DEVICE), n, k, bias.to(DEVICE), out_dtype
+            )
+            assert_same(got, want)
+
+
+def test_segments_of_a_stacked_weight_write_their_columns(request):
+    """One quantized x, two weights of different types into column slices of one output."""
+    gen, _ = make_generator(request)
+    m, k, parts = 5, 256, [("Q4_0", 16), ("Q6_K", 24), ("Q5_K", 16)]
+    x = make_x(gen, m, k, torch.bfloat16)
+    bias = torch.randn(56, generator=gen)
+    raws = [make_raw(gen, t, rows, k) for t, rows in parts]
+    act = quantize_x(x.to(DEVICE))
+    out, col = torch.empty(m, 56, dtype=torch.bfloat16, device=DEVICE), 0
+    wants = []
+    for (qtype, rows), raw in zip(parts, raws):
+        b = bias[col : col + rows]
+        quant_matmul(qtype, act, raw.to(DEVICE), k, b.to(DEVICE), out[:, col : col + rows])
+        wants.append(reference.linear(qtype, x, raw, rows, k, b))
+        col += rows
+    assert_same(out, torch.cat(wants, dim=1))
+
+
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
 def test_a_row_alone_equals_the_row_in_any_batch(request, qtype):
     gen, _ = make_generator(request)
@@ -143,29 +175,59 @@ def test_an_empty_batch_gives_an_empty_result():
     assert out.shape == (0, 16) and out.dtype == torch.float32
 
 
-def _refusals() -> list[tuple[str, dict, str]]:
-    """(what, quant_linear arguments, a phrase the ValueError must hold)."""
+def _refusals() -> dict[str, tuple[dict, str]]:
+    """what → (quant_linear arguments, a phrase the ValueError must hold). Built in the test:
+    collection must not depend on the device."""
     raw = torch.zeros(16, 8 * 18, dtype=torch.uint8, device=DEVICE)
     x = torch.zeros(2, 256, device=DEVICE)
     ok = dict(qtype="Q4_0", x=x, raw=raw, n=16, k=256)
-    return [
-        ("unknown type", ok | dict(qtype="Q2_K"), "Q2_K"),
-        ("K not whole blocks", ok | dict(qtype="Q4_K", k=96), "multiple of its block of 256"),
-        ("raw of the wrong width", ok | dict(raw=raw[:, :100]), "raw must be uint8 [N, 144]"),
-        ("raw not uint8", ok | dict(raw=raw.to(torch.int16)), "raw must be uint8"),
-        ("raw of other rows", ok | dict(n=17), "for W [17, 256]"),
-        ("x of another K", ok | dict(x=torch.zeros(2, 288, device=DEVICE)), "x must be [M, 256]"),
-        ("x 3-D", ok | dict(x=torch.zeros(1, 2, 256, device=DEVICE)), "x must be [M, 256]"),
-        ("x float16", ok | dict(x=x.half()), "x has dtype torch.float16"),
-        ("x strided", ok | dict(x=torch.zeros(256, 2, device=DEVICE).t()), "contiguous last dim"),
-        ("float16 out", ok | dict(out_dtype=torch.float16), "out_dtype torch.float16"),
-        ("bias of N + 1", ok | dict(bias=torch.zeros(17, device=DEVICE)), "bias must be"),
-        ("unknown tiling", ok | dict(tiling="huge"), "unknown tiling 'huge'"),
-    ]
+    return {
+        "unknown type": (ok | dict(qtype="Q2_K"), "Q2_K"),
+        "K not whole blocks": (ok | dict(qtype="Q4_K", k=96), "multiple of its block of 256"),
+        "raw of the wrong width": (ok | dict(raw=raw[:, :100]), "raw must be uint8 [N, 144]"),
+        "raw not uint8": (ok | dict(raw=raw.to(torch.int16)), "raw must be uint8"),
+        "raw of other rows": (ok | dict(n=17), "for 17 outputs"),
+        "x of another K": (ok | dict(x=torch.zeros(2, 288, device=DEVICE)), "x must be [M, 256]"),
+        "x 3-D": (ok | dict(x=torch.zeros(1, 2, 256, device=DEVICE)), "x must be [M, 256]"),
+        "x float64": (ok | dict(x=x.double()), "x has dtype torch.float64"),
+        "x strided": (ok | dict(x=torch.zeros(256, 2, device=DEVICE).t()), "contiguous last dim"),
+        "float64 out": (ok | dict(out_dtype=torch.float64), "out_dtype torch.float64"),
+        "bias of N + 1": (ok | dict(bias=torch.zeros(17, device=DEVICE)), "bias must be"),
+        "unknown tiling": (ok | dict(tiling="huge"), "unknown tiling 'huge'"),
+    }
 
 
-@pytest.mark.parametrize("what,kwargs,phrase", _refusals(), ids=[r[0] for r in _refusals()])
-def test_what_is_not_taken_is_refused_by_name(what, kwargs, phrase):
-    with pytest.raises(ValueError, match=None) as info:
+REFUSALS = [
+    "unknown type",
+    "K not whole blocks",
+    "raw of the wrong width",
+    "raw not uint8",
+    "raw of other rows",
+    "x of another K",
+    "x 3-D",
+    "x float64",
+    "x strided",
+    "float64 out",
+    "bias of N + 1",
+    "unknown tiling",
+]
+
+
+def test_quant_matmul_refuses_mismatched_act_and_out():
+    raw = torch.zeros(16, 8 * 18, dtype=torch.uint8, device=DEVICE)
+    act = quantize_x(torch.zeros(2, 256, device=DEVICE))
+    with pytest.raises(ValueError, match=r"act must be quantize_x's of an x \[3, 256\]"):
+        quant_matmul("Q4_0", act, raw, 256, None, torch.empty(3, 16, device=DEVICE))
+    wide = torch.empty(16, 2, device=DEVICE).t()
+    with pytest.raises(ValueError, match="out must be .* contiguous last dim"):
+        quant_matmul("Q4_0", act, raw, 256, None, wide)
+
+
+@pytest.mark.parametrize("what", REFUSALS)
+def test_what_is_not_taken_is_refused_by_name(what):
+    cases = _refusals()
+    assert sorted(cases) == sorted(REFUSALS)
+    kwargs, phrase = cases[what]
+    with pytest.raises(ValueError) as info:
         quant_linear(**kwargs)
     assert phrase in str(info.value), str(info.value)
