@@ -12,8 +12,10 @@ import torch
 from kernel_cases import DEVICE, make_generator
 
 from radixrt.quant import arithmetic as reference
+from radixrt.quant.formats import QuantTensor
 from radixrt_kernels.triton import INTERPRET
 from radixrt_kernels.triton.quant_matmul import TILINGS, quant_linear, quant_matmul, quantize_x
+from radixrt_kernels.triton.quant_method import TritonQuantLinear
 
 TYPES = list(reference.BLOCK)
 X_DTYPES = [torch.float32, torch.bfloat16]
@@ -121,6 +123,28 @@ def test_segments_of_a_stacked_weight_write_their_columns(request):
         wants.append(reference.linear(qtype, x, raw, rows, k, b))
         col += rows
     assert_same(out, torch.cat(wants, dim=1))
+
+
+def test_the_linear_method_equals_the_reference_per_segment(request):
+    """TritonQuantLinear over a stacked weight of two types: apply (3-D x, bias) and logits."""
+    gen, _ = make_generator(request)
+    k, parts = 512, [("Q4_K", 16), ("Q8_0", 24)]
+    segments = [QuantTensor(t, make_raw(gen, t, rows, k), k) for t, rows in parts]
+    method = TritonQuantLinear(segments, DEVICE)
+    w = method.prepare(segments)
+    x = make_x(gen, 6, k, torch.bfloat16)
+    bias = torch.randn(40, generator=gen).bfloat16()
+    got = method.apply(x.view(2, 3, k).to(DEVICE), w, bias.to(DEVICE), 40)
+    logits = method.logits(x.to(DEVICE), w, 40)
+    for out_dtype, b, out in ((None, bias, got.view(6, 40)), (torch.float32, None, logits)):
+        want, row = [], 0
+        for s in segments:
+            part = None if b is None else b[row : row + s.shape[0]]
+            want.append(reference.linear(s.qtype, x, s.raw, s.shape[0], k, part, out_dtype))
+            row += s.shape[0]
+        assert_same(out, torch.cat(want, dim=1))
+    with pytest.raises(ValueError, match="41 outputs asked of a weight of 40 rows"):
+        method.apply(x.to(DEVICE), w, None, 41)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q6_K", "Q8_0"])
