@@ -52,8 +52,10 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OUT_DTYPES = X_DTYPES
 XBLOCK = arithmetic.XBLOCK
 X_BLOCKS_PER_PROGRAM = 16  # activation blocks one program of _quantize_x_kernel quantizes
+# An output's chain runs over all of k in one program (no split-K), so a call of few rows has
+# only n / BLOCK_N programs: the decode tile is narrow in N to spread them over the SMs.
 TILINGS = {
-    "decode": dict(BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=3),
+    "decode": dict(BLOCK_M=16, BLOCK_N=32, num_warps=2, num_stages=3),
     "prefill": dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3),
 }
 DECODE_MAX_ROWS = 16  # calls of at most this many rows take the decode tiling by default
