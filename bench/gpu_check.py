@@ -1,13 +1,18 @@
 """The GPU check: does the Triton path run, and run right, on a CUDA device? One report.
 
     bench/gpu_check.sh [--out DIR]         # installs what it needs, then runs this on cuda
-    python bench/gpu_check.py --device cuda [--out DIR] [--steps kernels,greedy,serving]
+    python bench/gpu_check.py --device cuda [--out DIR] [--steps kernels,quant,greedy,serving]
     python bench/gpu_check.py --device cpu --quick --steps greedy --models tiny
 
 Steps, each in a child process (a crash or a hung kernel fails that step, not the check):
 
 - ``kernels``: the Triton kernel tests (``tests/kernels``), compiled for the device
   (``TRITON_INTERPRET=0``; on ``--device cpu`` they run under the interpreter instead).
+- ``quant``: the Triton quantized linears (``radixrt_kernels/triton/quant_matmul.py``) per GGUF
+  block type on the default model's shapes: bits equal to ``radixrt.quant.arithmetic.linear``'s
+  (run on CPU copies) at M = 1 and M = 512, and their times beside a dense bf16 matmul's: M = 1
+  as GB/s of the blocks streamed, M = 512 as TFLOP/s. (``--device cpu``: one small shape
+  under the interpreter, untimed.)
 - ``greedy``: per model and dtype, ``Engine(attention_backend="triton")`` against ``"torch"``
   on the same prompts (they share a prefix and are sent twice, so extend runs without and with
   a cached prefix, then decode), greedy, with logprobs. A sequence whose tokens differ fails the
@@ -44,14 +49,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "gpu_check"
-STEPS = ("kernels", "greedy", "serving")
+STEPS = ("kernels", "quant", "greedy", "serving")
 DEVICES = ("cuda", "cpu")
 # Per dtype: the largest |logprob difference| accepted between the backends where their tokens
 # agree, and the top-2 logprob gap under which a different greedy token counts as a near tie.
 # float32 leaves only reduction-order noise; bfloat16 rounds every layer's activations.
 TOLERANCE = {"float32": 1e-3, "float16": 5e-2, "bfloat16": 1e-1}
 RESULT_MARK = "GPU_CHECK_RESULT "
-TIMEOUT_S = {"kernels": 360, "greedy": 300, "ready": 180, "serving": 240}
+TIMEOUT_S = {"kernels": 360, "quant": 180, "greedy": 300, "ready": 180, "serving": 240}
 MAX_TOTAL_TOKENS = 16384  # KV slots of each engine and of the server: the workloads fit
 SYSTEM = "You are a careful assistant. Answer the question about the standard library. "
 QUESTIONS = (
@@ -63,6 +68,9 @@ QUESTIONS = (
 # --quick: one group of two questions, one at a time (so the second hits the first's prefix)
 QUICK_WORKLOAD = ["--groups", "1", "--questions", "2", "--prefix-len", "16"]
 QUICK_WORKLOAD += ["--question-len", "4", "--max-new-tokens", "2", "--max-concurrency", "1"]
+# quant: (N, K) of SmolLM2-135M's linears (a type runs those whose K is whole blocks of it), rows
+QUANT_SHAPES = [(3072, 576), (576, 1536), (49152, 576), (4096, 4096)]
+QUANT_ROWS = (1, 512)
 
 
 class DeviceMissing(RuntimeError):
@@ -197,6 +205,84 @@ def run_kernels(args: argparse.Namespace, tmp: Path, name: str) -> StepResult:
     summary = f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped"
     error = None if ok else tail(proc.stdout + proc.stderr)
     return StepResult(name, ok, seconds, summary, counts, error)
+
+
+# ---------------------------------------------------------------- step: quant
+
+
+def quant_case(qtype: str, n: int, k: int, rows: int, device: str) -> dict:
+    """One type, shape and row count: bits against the reference, and (cuda) the times."""
+    import torch
+
+    from radixrt.quant import arithmetic
+    from radixrt_kernels.triton.quant_matmul import quant_linear
+
+    gen = torch.Generator().manual_seed(n * 31 + k + rows)
+    blocks = k // arithmetic.BLOCK[qtype]
+    raw = torch.randint(0, 256, (n, blocks, arithmetic.TYPE_SIZE[qtype]), generator=gen)
+    raw = raw.to(torch.uint8)
+    fields = {"Q6_K": [208], "Q4_0": [0], "Q5_0": [0], "Q8_0": [0]}.get(qtype, [0, 2])
+    for at in fields:  # the fp16 fields (d; m or dmin): small, finite scales
+        scale = (torch.rand(n, blocks, generator=gen) - 0.5) * 0.02
+        raw[..., at : at + 2] = scale.half().view(torch.uint8).view(n, blocks, 2)
+    raw = raw.view(n, -1)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    want = arithmetic.linear(qtype, x, raw, n, k)
+    xd, rd = x.to(device), raw.to(device)
+    got = quant_linear(qtype, xd, rd, n, k)
+    case = {"type": qtype, "n": n, "k": k, "rows": rows, "exact": torch.equal(got.cpu(), want)}
+    if device == "cuda":
+        from triton.testing import do_bench
+
+        dense = torch.randn(n, k, device=device).bfloat16()
+        ms = do_bench(lambda: quant_linear(qtype, xd, rd, n, k), warmup=5, rep=20)
+        case["us"] = ms * 1e3
+        case["dense_us"] = do_bench(lambda: xd @ dense.T, warmup=5, rep=20) * 1e3
+        case["gb_s"] = raw.numel() / (ms * 1e-3) / 1e9
+        case["tflop_s"] = 2 * rows * n * k / (ms * 1e-3) / 1e12
+    return case
+
+
+def quant_child(spec: dict) -> dict:
+    """Every type's cases (the child's side of the quant step)."""
+    from radixrt.quant import arithmetic
+
+    if spec["device"] == "cpu":
+        plan = [(t, 40, 512, r) for t in arithmetic.BLOCK for r in (1, 17)]
+    else:
+        plan = [
+            (t, n, k, r)
+            for t in arithmetic.BLOCK
+            for n, k in QUANT_SHAPES
+            if k % arithmetic.BLOCK[t] == 0
+            for r in QUANT_ROWS
+        ]
+    return {"cases": [quant_case(t, n, k, r, spec["device"]) for t, n, k, r in plan]}
+
+
+def quant_row(name: str, cases: list[dict], seconds: float) -> StepResult:
+    """Passes when every case's bits equal the reference's; the summary gives each type's best
+    M = 1 GB/s and M = 512 TFLOP/s (cuda)."""
+    wrong = [f"{c['type']} {c['n']}x{c['k']} M={c['rows']}" for c in cases if not c["exact"]]
+    summary = f"{len(cases) - len(wrong)} of {len(cases)} cases bit-exact"
+    timed = [c for c in cases if "us" in c]
+    for qtype in dict.fromkeys(c["type"] for c in timed):
+        gb = max(c["gb_s"] for c in timed if c["type"] == qtype and c["rows"] == 1)
+        tf = max(c["tflop_s"] for c in timed if c["type"] == qtype and c["rows"] > 1)
+        summary += f"; {qtype} {gb:.0f} GB/s, {tf:.1f} TFLOP/s"
+    error = ("not bit-exact: " + ", ".join(wrong)) if wrong else None
+    return StepResult(name, not wrong and bool(cases), seconds, summary, {"cases": cases}, error)
+
+
+def run_quant(args: argparse.Namespace, name: str) -> StepResult:
+    """The quantized linears against their reference, in a child process."""
+    t0 = time.perf_counter()
+    ok, value = run_child(
+        {"kind": "quant", "device": args.device}, args.device, timeout(args, "quant")
+    )
+    if not ok:
+        return StepResult(name, False, time.perf_counter() - t0, error=value)
+    return quant_row(name, value["cases"], time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------- step: greedy
@@ -491,6 +577,8 @@ def plan(args: argparse.Namespace, tmp: Path) -> list[tuple[str, Callable[[], St
     for step in args.steps:
         if step == "kernels":
             rows.append(("kernels", partial(run_kernels, args, tmp, "kernels")))
+        elif step == "quant":
+            rows.append(("quant", partial(run_quant, args, "quant")))
         elif step == "greedy":
             for model, dtype in ((m, d) for m in args.models for d in args.dtypes):
                 name = f"greedy {model} {dtype}"
@@ -523,7 +611,9 @@ def run_steps(args: argparse.Namespace, report: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        print(RESULT_MARK + json.dumps(greedy_child(json.loads(args.child))), flush=True)
+        spec = json.loads(args.child)
+        child = quant_child if spec.get("kind") == "quant" else greedy_child
+        print(RESULT_MARK + json.dumps(child(spec)), flush=True)
         return 0
     config = {k: v for k, v in vars(args).items() if k not in ("child", "deadline")}
     report = {"config": config, "environment": environment(), "device": None, "steps": []}

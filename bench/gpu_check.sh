@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check in one command, from a fresh checkout: install what it needs, then run
-# bench/gpu_check.py on the CUDA device (the Triton kernel tests, Triton against torch attention
+# bench/gpu_check.py on the CUDA device (the Triton kernel tests, the quantized linears against
+# their reference and their times, Triton against torch attention
 # greedy through Engine on the tiny model and SmolLM2, bench/serving.py's shared-prefix workload).
 # It writes gpu_check.json and gpu_check.md (the table, also printed) under --out DIR
 # (default bench/results/gpu_check/) and exits non-zero when a step failed or there is no GPU.

@@ -4,8 +4,10 @@ Triton compiles ahead of time from source plus a signature (its bundled ptxas
 makes the cubin), so a CPU machine can check what the interpreter cannot:
 that the code lowers for a real target, that each config fits in 227 KB of
 shared memory, and (``ptxas -v``) that fp16/bf16 kernels do not spill
-registers. Pointer and stride arguments are marked 16-divisible as the
-launcher marks them, which decides vectorisation. Runs with
+registers; and that the quantized linears' kernels hold no FMA (their float
+steps round one at a time), divide correctly rounded and sum on int8 MMAs.
+Pointer and stride arguments are marked 16-divisible as the launcher marks
+them, which decides vectorisation. Runs with
 TRITON_INTERPRET=0 (see ``KERNEL_ENV``): interpreted functions cannot compile.
 """
 
@@ -34,6 +36,7 @@ except ImportError as e:  # another Triton layout: nothing to check against
 import radixrt_kernels.triton.decode_attention as decode  # noqa: E402
 import radixrt_kernels.triton.deterministic_attention as fixed  # noqa: E402
 import radixrt_kernels.triton.extend_attention as extend  # noqa: E402
+import radixrt_kernels.triton.quant_matmul as quant  # noqa: E402
 import radixrt_kernels.triton.store_kv as store  # noqa: E402
 
 SM90 = 90
@@ -58,6 +61,12 @@ def _split_pointers(t: str) -> dict[str, str]:
 
 def _compile(fn, pointers: dict[str, str], meta: dict[str, object]) -> tuple[int, int]:
     """Compile ``fn`` for sm_90 → (shared memory bytes, register spill-store bytes)."""
+    kernel = _build(fn, pointers, meta)
+    return kernel.metadata.shared, _spill_bytes(kernel.asm["ptx"])
+
+
+def _build(fn, pointers: dict[str, str], meta: dict[str, object]):
+    """``fn`` compiled for sm_90 (Triton's compiled kernel: ``.asm``, ``.metadata``)."""
     constexprs = {k: v for k, v in meta.items() if k not in LAUNCH_OPTIONS}
     options = {k: meta[k] for k in LAUNCH_OPTIONS if k in meta}
     signature, attrs = {}, {}
@@ -74,8 +83,7 @@ def _compile(fn, pointers: dict[str, str], meta: dict[str, object]) -> tuple[int
             if p.name.startswith("stride"):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", SM90, 32), options=options)
-    return kernel.metadata.shared, _spill_bytes(kernel.asm["ptx"])
+    return triton.compile(src, target=GPUTarget("cuda", SM90, 32), options=options)
 
 
 def _spill_bytes(ptx: str) -> int:
@@ -160,3 +168,28 @@ def test_store_kv_compiles_for_sm90():
     pointers = {"K": "bf16", "V": "bf16", "K_buf": "bf16", "V_buf": "bf16", "Slots": "i64"}
     _, spills = _compile(store._store_kv_kernel, pointers, store.launch_meta(8, 128))
     assert spills == 0
+
+
+@pytest.mark.parametrize("tiling", sorted(quant.TILINGS))
+@pytest.mark.parametrize("qtype", sorted(quant.TYPE_CODE))
+def test_quant_matmul_compiles_for_sm90(qtype, tiling):
+    """Each block type's matmul at each tiling (bias, bf16 out: the widest epilogue)."""
+    pointers = {"XQ": "i8", "DX": "fp32", "SX": "i32", "W": "u8", "Bias": "fp32", "Out": "i16"}
+    meta = quant.kernel_meta(qtype, True, torch.bfloat16, quant.TILINGS[tiling])
+    assert meta["enable_fp_fusion"] is False
+    kernel = _build(quant._quant_matmul_kernel, pointers, meta)
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= MAX_SHARED_BYTES
+    assert _spill_bytes(ptx) == 0
+    assert "fma.rn.f32" not in ptx  # the float chain's mul and add round one at a time
+    assert re.search(r"\bw?mma\S*s8\.s8", ptx), "the integer sums are not int8 MMAs"
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_quantize_x_compiles_for_sm90(bf16):
+    pointers = {"X": "i16" if bf16 else "fp32", "XQ": "i8", "DX": "fp32", "SX": "i32"}
+    meta = dict(X_BF16=bf16, BLOCKS=quant.X_BLOCKS_PER_PROGRAM, enable_fp_fusion=False)
+    ptx = _build(quant._quantize_x_kernel, pointers, meta).asm["ptx"]
+    assert _spill_bytes(ptx) == 0
+    assert "fma.rn.f32" not in ptx and "div.full" not in ptx  # correctly rounded divisions
+    assert "div.rn.f32" in ptx

@@ -130,12 +130,24 @@ def test_steps_past_the_budget_fail_as_not_run(tmp_path) -> None:
     args = gc.parse_args(["--device", "cpu", "--budget-s", "0", "--out", str(tmp_path)])
     report = {"config": {"device": "cpu"}, "environment": {}, "device": {}, "steps": []}
     gc.run_steps(args, report)
-    names = ["kernels", "greedy tiny float32", "greedy tiny bfloat16"]
+    names = ["kernels", "quant", "greedy tiny float32", "greedy tiny bfloat16"]
     names += ["greedy smollm2 float32", "greedy smollm2 bfloat16", "serving shared-prefix smollm2"]
     assert [s["name"] for s in report["steps"]] == names
     assert not any(s["passed"] for s in report["steps"]) and report["passed"] is False
     assert all(s["error"].startswith("not run") for s in report["steps"])
     assert json.loads((tmp_path / "gpu_check.json").read_text()) == report
+
+
+def test_the_quant_step_fails_on_any_case_off_the_reference_and_names_it() -> None:
+    case = {"type": "Q4_0", "n": 3072, "k": 576, "rows": 1, "exact": True}
+    case |= {"us": 10.0, "dense_us": 20.0, "gb_s": 100.0, "tflop_s": 0.1}
+    wide = case | {"rows": 512, "tflop_s": 50.0}
+    row = gc.quant_row("quant", [case, wide], 1.0)
+    assert row.passed and row.error is None
+    assert row.summary == "2 of 2 cases bit-exact; Q4_0 100 GB/s, 50.0 TFLOP/s"
+    row = gc.quant_row("quant", [case, wide | {"exact": False}], 1.0)
+    assert not row.passed and row.error == "not bit-exact: Q4_0 3072x576 M=512"
+    assert not gc.quant_row("quant", [], 1.0).passed
 
 
 def test_the_report_is_one_json_and_one_table(tmp_path) -> None:
