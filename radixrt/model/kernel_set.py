@@ -171,6 +171,7 @@ class CSiluMul(TorchSiluMul):
 # ---- the set ------------------------------------------------------------------------------------
 
 
+CPU = torch.device("cpu")
 ROW_INVARIANT = PACKED | {F32}  # the linear paths whose rows do not depend on their batch
 
 
@@ -192,7 +193,9 @@ class Kernels:
         act: TorchSiluMul | None = None,
         compiled: bool = False,
         exact: bool = False,
+        device: torch.device = CPU,
     ) -> None:
+        self.device = device
         if isinstance(linear, str):
             if exact and linear not in ROW_INVARIANT:
                 raise NotExact(
@@ -277,15 +280,21 @@ class Kernels:
 
         return self._split(choice, form, in_features)
 
-    def quantized_for(self, segments: list[QuantTensor]) -> QuantLinear:
+    def quantized_for(self, segments: list[QuantTensor]):
         """The method of a quantized weight (``formats.QuantTensor`` segments, stacked in row
-        order): row-invariant whatever the row count, so exact mode takes it as it is."""
+        order): the C kernels on the CPU, the Triton kernels on CUDA, both the same arithmetic
+        and row-invariant whatever the row count, so exact mode takes them as they are."""
         if self.compiled:
             raise ValueError(
                 "enable_torch_compile does not run quantized weights (their kernels are C calls "
                 "the graph cannot take); serve the model without it"
             )
-        method = QuantLinear(self.lib, segments)
+        if self.device.type == "cuda":
+            from radixrt_kernels.triton.quant_method import TritonQuantLinear  # imports Triton
+
+            method = TritonQuantLinear(segments, self.device)
+        else:
+            method = QuantLinear(self.lib, segments)
         n, k = sum(s.shape[0] for s in segments), segments[0].k
         self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1  # its bf16 choice unused
         self.chosen[f"{n}x{k} {'+'.join(dict.fromkeys(method.types))}"] = method.name
@@ -320,7 +329,7 @@ def choose_kernels(
     if exact:
         return exact_kernels(device, dtype, lib, compiled, linear, cache_dir)
     if device.type != "cpu":
-        return Kernels()
+        return Kernels(device=device)
     elementwise = _elementwise(dtype, lib, compiled)
     if dtype != torch.bfloat16:
         return Kernels(**elementwise)
