@@ -28,7 +28,8 @@
 #define TINY 0x1p-120f        /* amax below this: a zero block (127 / amax stays finite) */
 #define PARALLEL_MIN (1 << 16) /* multiply-adds from which a call is shared by threads */
 
-enum { PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATHS };
+enum { PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX, PATHS };
+#define AMX_ROWS 16 /* rows from which a call runs on AMX tiles where it may */
 
 /* ---- fp16 and the raw GGUF blocks ---------------------------------------------------------- */
 
@@ -332,15 +333,17 @@ static panel_fn kernel_for(int path, int qt) {
     if (path == PATH_PORTABLE) return PORTABLE_KERNELS[qt];
     if (path == PATH_AVX2) return quant_avx2_kernel(qt);
     if (path == PATH_AVX512) return quant_avx512_kernel(qt);
+    if (path == PATH_AMX) return quant_amx_kernel(qt);
     return NULL;
 }
 
-/* The path a call of `rows` rows of type ggml runs (-1 where the type is unknown). */
+/* The path a call of `rows` rows of type ggml runs (-1 where the type is unknown): AMX tiles
+ * from AMX_ROWS rows on, else the widest vectors. */
 int radixrt_quant_path(int ggml, int64_t rows) {
     const int qt = type_index(ggml);
-    (void)rows;
     if (qt < 0) return -1;
-    for (int path = PATHS - 1; path > 0; path--)
+    if (rows >= AMX_ROWS && kernel_for(PATH_AMX, qt) != NULL) return PATH_AMX;
+    for (int path = PATH_AMX - 1; path > 0; path--)
         if (kernel_for(path, qt) != NULL) return path;
     return PATH_PORTABLE;
 }

@@ -79,5 +79,6 @@ void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc);
 /* The x86 paths' kernels per type, or NULL where this build lacks the instructions. */
 panel_fn quant_avx2_kernel(int qt);
 panel_fn quant_avx512_kernel(int qt);
+panel_fn quant_amx_kernel(int qt); /* also NULL where the OS does not grant AMX */
 
 #endif
