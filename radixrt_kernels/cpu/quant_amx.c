@@ -24,9 +24,18 @@
 #if defined(HAVE_AMX) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
+#ifndef EXP
+#define EXP 0
+#endif
 #define INLINE static inline __attribute__((always_inline))
 #define SEG 32  /* 32-blocks unpacked at a time (the x of a 16-row tile over them: 16 KB) */
-#define ROWS 64 /* rows sharing an unpacked segment */
+#define ROWS AMX_PASS /* rows sharing an unpacked segment */
+#ifndef LAG
+#define LAG 2   /* blocks between a block's products and its chain (even) */
+#endif
+#ifndef RING
+#define RING 4  /* sums buffers: LAG + 2 */
+#endif
 
 /* A segment's blocks: B tiles w (signed values), scales a (a[1]: Q6_K's second sub-block, else
  * a[0] again) and offsets c per lane (zero where the type has none). */
@@ -37,22 +46,18 @@ struct segment {
 };
 
 /* Tiles 0, 1: int32 sums (16 × 16); 2, 4: xq (16 rows × 32 bytes; Q6_K: 16); 3, 5: w (8 rows ×
- * 64 bytes; Q6_K: 4). Pairs (0, 2, 3) and (1, 4, 5) take alternate blocks (Q6_K: sub-blocks). */
-static void configure(int q6k) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 6; t++) {
-        const int is_x = t == 2 || t == 4, is_w = t == 3 || t == 5;
-        cfg.colsb[t] = is_x ? (q6k ? 16 : 32) : 64;
-        cfg.rows[t] = is_w ? (q6k ? 4 : 8) : 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+ * 64 bytes; Q6_K: 4). Pairs (0, 2, 3) and (1, 4, 5) take alternate blocks (Q6_K: sub-blocks).
+ * Static data: ldtilecfg's read of a stack copy is invisible to the compiler, which may drop
+ * the stores that fill it. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+static const struct tile_config CONFIGS[2] = {
+    {.palette = 1, .colsb = {64, 64, 32, 64, 32, 64}, .rows = {16, 16, 16, 8, 16, 8}},
+    {.palette = 1, .colsb = {64, 64, 16, 64, 16, 64}, .rows = {16, 16, 16, 4, 16, 4}}, /* Q6_K */
+};
 
 INLINE __m512i shift_bytes(__m512i v, int s) { /* by s (left) or -s (right); callers mask */
     return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
@@ -126,10 +131,13 @@ INLINE void unpack_segment(const struct qcall *c, const int qt, int64_t p, int64
     }
 }
 
-/* The exact sums of one 32-block for 16 rows of x (32 bytes each, stride bytes apart) by w:
- * sums[0] (Q6_K: sums[0], sums[1], its sub-blocks'), through tile pair `pair` (0 or 1). */
+/* The exact sums of one 32-block for 16 rows of x (32 bytes each, stride bytes apart) by w into
+ * sums[0] (Q6_K: sums[0], sums[1], its sub-blocks'), through tile pair `pair` (0 or 1; Q6_K: both). */
 INLINE void products(const int qt, const int pair, const int8_t *x, int64_t stride, const int8_t *w,
                      int32_t sums[2][16][LANES]) {
+#if EXP == 2 || EXP == 3
+    return;
+#endif
     if (qt == Q6_K) {
         _tile_zero(0);
         _tile_zero(1);
@@ -152,51 +160,68 @@ INLINE void products(const int qt, const int pair, const int8_t *x, int64_t stri
         _tile_loadd(4, x, stride);
         _tile_loadd(5, w, 64);
         _tile_dpbssd(1, 4, 5);
-        _tile_stored(1, sums[1], 64);
+        _tile_stored(1, sums[0], 64);
     }
 }
 
-/* One 32-block (b of the call, i of the segment) of the chain for rows row0 .. row0 + rr - 1:
+/* A 16-row tile's activation scales over a segment: dx[r][i] and, for the types with an offset,
+ * sx[r][i] = (float)(sx_j): the sum of xq over 32-block i (rows past rr: untouched). */
+struct tile_scales {
+    float dx[16][SEG] __attribute__((aligned(64)));
+    float sx[16][SEG] __attribute__((aligned(64)));
+};
+
+INLINE void gather_scales(const struct qcall *c, const int qt, int64_t b0, int count, int64_t row0, const int rr,
+                          struct tile_scales *t) {
+    const int64_t nb = c->k / 32;
+    for (int r = 0; r < rr; r++) {
+        memcpy(t->dx[r], c->dx + (row0 + r) * nb + b0, (size_t)count * sizeof(float));
+        if (LAYOUTS[qt].c_kind == C_NONE) continue;
+        const int32_t *sx16 = c->sx16 + (row0 + r) * 2 * nb + 2 * b0;
+        for (int i = 0; i < count; i++) t->sx[r][i] = (float)(sx16[2 * i] + sx16[2 * i + 1]);
+    }
+}
+
+/* One 32-block (i of the segment) of the chain for rows 0 .. rr - 1 of the tile:
  * acc[r] + (a · dx) · isum [+ (a1 · dx) · isum1] [+ (c · dx) · sx]. */
-INLINE void chain(const struct qcall *c, const int qt, const struct segment *s, int i, int64_t b,
-                  int64_t row0, const int rr, const int32_t (*isum)[LANES], const int32_t (*isum1)[LANES],
-                  __m512 acc[16]) {
+INLINE void chain(const int qt, const struct segment *s, const struct tile_scales *t, int i, const int rr,
+                  const int32_t (*isum)[LANES], const int32_t (*isum1)[LANES], __m512 acc[16]) {
+#if EXP == 1 || EXP == 3
+    return;
+#endif
     const struct qlayout *L = &LAYOUTS[qt];
-    const int64_t nb = c->k / 32, ns = c->k / 16;
     const __m512 a0 = _mm512_load_ps(s->a[i][0]), a1 = _mm512_load_ps(s->a[i][1]), cv = _mm512_load_ps(s->c[i]);
 #pragma GCC unroll 16
     for (int r = 0; r < 16; r++) {
         if (r >= rr) break;
-        const int64_t row = row0 + r;
-        const __m512 dx = _mm512_set1_ps(c->dx[row * nb + b]);
+        const __m512 dx = _mm512_set1_ps(t->dx[r][i]);
         acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(a0, dx), _mm512_cvtepi32_ps(_mm512_load_si512(isum[r]))));
         if (L->a_kind == A_DSC16)
             acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(a1, dx), _mm512_cvtepi32_ps(_mm512_load_si512(isum1[r]))));
-        if (L->c_kind != C_NONE) {
-            const int32_t *sx = c->sx16 + row * ns + 2 * b;
-            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(cv, dx), _mm512_set1_ps((float)(sx[0] + sx[1]))));
-        }
+        if (L->c_kind != C_NONE)
+            acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_mul_ps(cv, dx), _mm512_set1_ps(t->sx[r][i])));
     }
 }
 
 /* Rows row0 .. row0 + rr - 1 (x: their xq from the segment's first block on, 16 rows stride
- * bytes apart) over the segment's count blocks from b0: acc[r] continued. */
+ * bytes apart) over the segment's count blocks from b0: acc[r] continued. Block i's chain reads
+ * the sums LAG blocks' products after its own were stored (a ring of LAG + 2). */
 INLINE void tile_rows(const struct qcall *c, const int qt, const struct segment *s, int64_t b0, int count,
                       int64_t row0, const int rr, const int8_t *x, int64_t stride, float acc[][LANES]) {
-    int32_t sums[2][16][LANES] __attribute__((aligned(64)));
+    int32_t sums[RING][2][16][LANES] __attribute__((aligned(64)));
+    struct tile_scales t;
     __m512 v[16];
+    gather_scales(c, qt, b0, count, row0, rr, &t);
     for (int r = 0; r < 16; r++) v[r] = r < rr ? _mm512_loadu_ps(acc[r]) : _mm512_setzero_ps();
-    for (int i = 0; i < count; i++) {
-        if (qt == Q6_K) {
-            products(qt, 0, x + 32 * i, stride, s->w[i][0], sums);
-            chain(c, qt, s, i, b0 + i, row0, rr, sums[0], sums[1], v);
-            continue;
-        }
-        /* two blocks' products on two tile pairs, then their chains in order */
-        products(qt, 0, x + 32 * i, stride, s->w[i][0], sums);
-        if (i + 1 < count) products(qt, 1, x + 32 * (i + 1), stride, s->w[i + 1][0], sums);
-        chain(c, qt, s, i, b0 + i, row0, rr, sums[0], NULL, v);
-        if (++i < count) chain(c, qt, s, i, b0 + i, row0, rr, sums[1], NULL, v);
+    for (int i = 0; i < LAG && i < count; i++)
+        products(qt, i % 2, x + 32 * i, stride, s->w[i][0], sums[i % RING]);
+    for (int i = 0; i < count; i += 2) { /* even blocks on tile pair 0, odd on pair 1 */
+        if (i + LAG < count) products(qt, 0, x + 32 * (i + LAG), stride, s->w[i + LAG][0], sums[(i + LAG) % RING]);
+        chain(qt, s, &t, i, rr, sums[i % RING][0], sums[i % RING][1], v);
+        if (i + 1 == count) break;
+        if (i + 1 + LAG < count)
+            products(qt, 1, x + 32 * (i + 1 + LAG), stride, s->w[i + 1 + LAG][0], sums[(i + 1 + LAG) % RING]);
+        chain(qt, s, &t, i + 1, rr, sums[(i + 1) % RING][0], sums[(i + 1) % RING][1], v);
     }
     for (int r = 0; r < rr; r++) _mm512_storeu_ps(acc[r], v[r]);
 }
@@ -222,7 +247,7 @@ INLINE void panel_amx(const struct qcall *c, int64_t p, int64_t r0, int rows, co
     const int64_t nb = c->k / 32;
     struct segment s;
     float acc[ROWS][LANES] __attribute__((aligned(64)));
-    configure(qt == Q6_K);
+    _tile_loadconfig(&CONFIGS[qt == Q6_K]);
     for (int64_t rc = r0; rc < r0 + rows; rc += ROWS) {
         const int nr = r0 + rows - rc < ROWS ? (int)(r0 + rows - rc) : ROWS;
         memset(acc, 0, sizeof acc);
