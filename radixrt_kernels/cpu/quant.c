@@ -29,7 +29,7 @@
 #define PARALLEL_MIN (1 << 16) /* multiply-adds from which a call is shared by threads */
 
 enum { PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX, PATHS };
-#define AMX_ROWS 16 /* rows from which a call runs on AMX tiles where it may */
+#define AMX_ROWS 32 /* rows from which a call runs on AMX tiles where it may */
 
 /* ---- fp16 and the raw GGUF blocks ---------------------------------------------------------- */
 

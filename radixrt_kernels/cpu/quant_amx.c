@@ -243,6 +243,31 @@ INLINE void segment_rows(const struct qcall *c, const int qt, const struct segme
     }
 }
 
+/* Rows row0 .. row0 + rows - 1 of panel p's sums + bias into y, as quant_store writes them
+ * (bf16: rounded to nearest even, a NaN kept a NaN with its sign and top bits). */
+static void store_rows(const struct qcall *c, int64_t p, int64_t row0, int rows, float acc[][LANES]) {
+    if ((p + 1) * LANES > c->n) { /* the last panel's lanes past n are dropped */
+        for (int r = 0; r < rows; r++) quant_store(c, row0 + r, p, acc[r]);
+        return;
+    }
+    const __m512 bias = c->bias ? _mm512_loadu_ps(c->bias + p * LANES) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) {
+        const __m512 v = c->bias ? _mm512_add_ps(_mm512_loadu_ps(acc[r]), bias) : _mm512_loadu_ps(acc[r]);
+        const int64_t at = (row0 + r) * c->y_stride + p * LANES;
+        if (!c->y_bf16) {
+            _mm512_storeu_ps((float *)c->y + at, v);
+            continue;
+        }
+        const __m512i bits = _mm512_castps_si512(v);
+        const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                     _mm512_set1_epi32(0x7f800000));
+        const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+        __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+        h = _mm512_mask_or_epi32(h, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+        _mm256_storeu_si256((__m256i *)((bf16 *)c->y + at), _mm512_cvtepi32_epi16(h));
+    }
+}
+
 INLINE void panel_amx(const struct qcall *c, int64_t p, int64_t r0, int rows, const int qt) {
     const int64_t nb = c->k / 32;
     struct segment s;
@@ -256,7 +281,7 @@ INLINE void panel_amx(const struct qcall *c, int64_t p, int64_t r0, int rows, co
             unpack_segment(c, qt, p, b0, count, &s);
             segment_rows(c, qt, &s, b0, count, rc, nr, acc);
         }
-        for (int r = 0; r < nr; r++) quant_store(c, rc + r, p, acc[r]);
+        store_rows(c, p, rc, nr, acc);
     }
     _tile_release();
 }
