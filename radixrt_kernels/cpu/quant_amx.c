@@ -24,18 +24,9 @@
 #if defined(HAVE_AMX) && defined(__AMX_INT8__) && defined(__AVX512BW__) && defined(__F16C__)
 #include <immintrin.h>
 
-#ifndef EXP
-#define EXP 0
-#endif
 #define INLINE static inline __attribute__((always_inline))
 #define SEG 32  /* 32-blocks unpacked at a time (the x of a 16-row tile over them: 16 KB) */
 #define ROWS AMX_PASS /* rows sharing an unpacked segment */
-#ifndef LAG
-#define LAG 2   /* blocks between a block's products and its chain (even) */
-#endif
-#ifndef RING
-#define RING 4  /* sums buffers: LAG + 2 */
-#endif
 
 /* A segment's blocks: B tiles w (signed values), scales a (a[1]: Q6_K's second sub-block, else
  * a[0] again) and offsets c per lane (zero where the type has none). */
@@ -45,8 +36,9 @@ struct segment {
     float c[SEG][LANES] __attribute__((aligned(64)));
 };
 
-/* Tiles 0, 1: int32 sums (16 × 16); 2, 4: xq (16 rows × 32 bytes; Q6_K: 16); 3, 5: w (8 rows ×
- * 64 bytes; Q6_K: 4). Pairs (0, 2, 3) and (1, 4, 5) take alternate blocks (Q6_K: sub-blocks).
+/* Tile pair 0: sums 0, x 2, w 3; pair 1: sums 1, x 4, w 5 (16 × 16 int32 sums; 16 rows × 32
+ * bytes of x; 8 rows × 64 bytes of w). Q6_K, a product per 16-value sub-block: pair 0: sums 0
+ * and 1, pair 1: sums 2 and 3, both from x 4, 6 (16 rows × 16 bytes) and w 5, 7 (4 × 64).
  * Static data: ldtilecfg's read of a stack copy is invisible to the compiler, which may drop
  * the stores that fill it. */
 struct tile_config {
@@ -56,7 +48,7 @@ struct tile_config {
 };
 static const struct tile_config CONFIGS[2] = {
     {.palette = 1, .colsb = {64, 64, 32, 64, 32, 64}, .rows = {16, 16, 16, 8, 16, 8}},
-    {.palette = 1, .colsb = {64, 64, 16, 64, 16, 64}, .rows = {16, 16, 16, 4, 16, 4}}, /* Q6_K */
+    {.palette = 1, .colsb = {64, 64, 64, 64, 16, 64, 16, 64}, .rows = {16, 16, 16, 16, 16, 4, 16, 4}},
 };
 
 INLINE __m512i shift_bytes(__m512i v, int s) { /* by s (left) or -s (right); callers mask */
@@ -131,35 +123,49 @@ INLINE void unpack_segment(const struct qcall *c, const int qt, int64_t p, int64
     }
 }
 
-/* The exact sums of one 32-block for 16 rows of x (32 bytes each, stride bytes apart) by w into
- * sums[0] (Q6_K: sums[0], sums[1], its sub-blocks'), through tile pair `pair` (0 or 1; Q6_K: both). */
-INLINE void products(const int qt, const int pair, const int8_t *x, int64_t stride, const int8_t *w,
-                     int32_t sums[2][16][LANES]) {
-#if EXP == 2 || EXP == 3
-    return;
-#endif
+/* One 32-block's products for 16 rows of x (32 bytes each, stride bytes apart) by w, into tile
+ * pair `pair` (0 or 1), left in the tiles. */
+INLINE void products(const int qt, const int pair, const int8_t *x, int64_t stride, const int8_t *w) {
     if (qt == Q6_K) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_loadd(2, x, stride);
-        _tile_loadd(3, w, 64);
-        _tile_loadd(4, x + 16, stride);
-        _tile_loadd(5, w + 256, 64);
-        _tile_dpbssd(0, 2, 3);
-        _tile_dpbssd(1, 4, 5);
-        _tile_stored(0, sums[0], 64);
-        _tile_stored(1, sums[1], 64);
+        _tile_loadd(4, x, stride);
+        _tile_loadd(5, w, 64);
+        _tile_loadd(6, x + 16, stride);
+        _tile_loadd(7, w + 256, 64);
+        if (pair == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_dpbssd(0, 4, 5);
+            _tile_dpbssd(1, 6, 7);
+        } else {
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_dpbssd(2, 4, 5);
+            _tile_dpbssd(3, 6, 7);
+        }
     } else if (pair == 0) {
         _tile_zero(0);
         _tile_loadd(2, x, stride);
         _tile_loadd(3, w, 64);
         _tile_dpbssd(0, 2, 3);
-        _tile_stored(0, sums[0], 64);
     } else {
         _tile_zero(1);
         _tile_loadd(4, x, stride);
         _tile_loadd(5, w, 64);
         _tile_dpbssd(1, 4, 5);
+    }
+}
+
+/* The sums left in tile pair `pair` into sums[0] (Q6_K: its sub-blocks' into sums[0], sums[1]). */
+INLINE void store_sums(const int qt, const int pair, int32_t sums[2][16][LANES]) {
+    if (qt == Q6_K && pair == 0) {
+        _tile_stored(0, sums[0], 64);
+        _tile_stored(1, sums[1], 64);
+    } else if (qt == Q6_K) {
+        _tile_stored(2, sums[0], 64);
+        _tile_stored(3, sums[1], 64);
+    } else if (pair == 0) {
+        _tile_stored(0, sums[0], 64);
+    } else {
         _tile_stored(1, sums[0], 64);
     }
 }
@@ -186,9 +192,6 @@ INLINE void gather_scales(const struct qcall *c, const int qt, int64_t b0, int c
  * acc[r] + (a · dx) · isum [+ (a1 · dx) · isum1] [+ (c · dx) · sx]. */
 INLINE void chain(const int qt, const struct segment *s, const struct tile_scales *t, int i, const int rr,
                   const int32_t (*isum)[LANES], const int32_t (*isum1)[LANES], __m512 acc[16]) {
-#if EXP == 1 || EXP == 3
-    return;
-#endif
     const struct qlayout *L = &LAYOUTS[qt];
     const __m512 a0 = _mm512_load_ps(s->a[i][0]), a1 = _mm512_load_ps(s->a[i][1]), cv = _mm512_load_ps(s->c[i]);
 #pragma GCC unroll 16
@@ -204,24 +207,25 @@ INLINE void chain(const int qt, const struct segment *s, const struct tile_scale
 }
 
 /* Rows row0 .. row0 + rr - 1 (x: their xq from the segment's first block on, 16 rows stride
- * bytes apart) over the segment's count blocks from b0: acc[r] continued. Block i's chain reads
- * the sums LAG blocks' products after its own were stored (a ring of LAG + 2). */
+ * bytes apart) over the segment's count blocks from b0: acc[r] continued. Block i + 1's tile
+ * products run during block i's chain, and are stored after it: the chain's loads never wait
+ * behind a tile store that is still waiting for its products. */
 INLINE void tile_rows(const struct qcall *c, const int qt, const struct segment *s, int64_t b0, int count,
                       int64_t row0, const int rr, const int8_t *x, int64_t stride, float acc[][LANES]) {
-    int32_t sums[RING][2][16][LANES] __attribute__((aligned(64)));
+    int32_t sums[2][2][16][LANES] __attribute__((aligned(64)));
     struct tile_scales t;
     __m512 v[16];
     gather_scales(c, qt, b0, count, row0, rr, &t);
     for (int r = 0; r < 16; r++) v[r] = r < rr ? _mm512_loadu_ps(acc[r]) : _mm512_setzero_ps();
-    for (int i = 0; i < LAG && i < count; i++)
-        products(qt, i % 2, x + 32 * i, stride, s->w[i][0], sums[i % RING]);
+    products(qt, 0, x, stride, s->w[0][0]);
     for (int i = 0; i < count; i += 2) { /* even blocks on tile pair 0, odd on pair 1 */
-        if (i + LAG < count) products(qt, 0, x + 32 * (i + LAG), stride, s->w[i + LAG][0], sums[(i + LAG) % RING]);
-        chain(qt, s, &t, i, rr, sums[i % RING][0], sums[i % RING][1], v);
+        store_sums(qt, 0, sums[0]);
+        if (i + 1 < count) products(qt, 1, x + 32 * (i + 1), stride, s->w[i + 1][0]);
+        chain(qt, s, &t, i, rr, sums[0][0], sums[0][1], v);
         if (i + 1 == count) break;
-        if (i + 1 + LAG < count)
-            products(qt, 1, x + 32 * (i + 1 + LAG), stride, s->w[i + 1 + LAG][0], sums[(i + 1 + LAG) % RING]);
-        chain(qt, s, &t, i + 1, rr, sums[(i + 1) % RING][0], sums[(i + 1) % RING][1], v);
+        store_sums(qt, 1, sums[1]);
+        if (i + 2 < count) products(qt, 0, x + 32 * (i + 2), stride, s->w[i + 2][0]);
+        chain(qt, s, &t, i + 1, rr, sums[1][0], sums[1][1], v);
     }
     for (int r = 0; r < rr; r++) _mm512_storeu_ps(acc[r], v[r]);
 }
