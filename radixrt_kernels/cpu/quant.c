@@ -11,8 +11,8 @@
  * sums and in which outputs share a vector (lanes = output rows), so every path, row count
  * and thread count gives the same bits.
  *
- * Threads split work items (panel of 16 outputs, pass of PASS rows), panel-major, in
- * contiguous shares; each output is computed whole by one thread.
+ * Threads split work items (panel of 16 outputs, pass of PASS rows; AMX_PASS on AMX tiles),
+ * panel-major, in contiguous shares; each output is computed whole by one thread.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <float.h>

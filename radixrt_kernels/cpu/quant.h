@@ -70,9 +70,7 @@ struct qcall {
     int64_t m, n, k;
 };
 
-#ifndef AMX_PASS
-#define AMX_PASS 256 /* rows per work item on the AMX path (at most) */
-#endif
+#define AMX_PASS 256 /* rows per work item on the AMX path (the others: quant.c's PASS) */
 
 /* Rows r0 .. r0 + rows - 1 of one panel's outputs (the path's kernel for the call's type). */
 typedef void (*panel_fn)(const struct qcall *c, int64_t panel, int64_t r0, int rows);

@@ -8,11 +8,13 @@
  * each: the same 32-block) by that B gives, for 16 rows × 16 outputs, the block's exact sums
  * Σ w·xq. Q6_K's 16-value sub-blocks take one product each (K = 16: B's rows 0-3, then 4-7),
  * so each sub-block's sum stays separate. The products' int32 tiles are stored to memory and
- * read back row by row into the chain.
+ * read back row by row into the chain; a block's chain runs while the next block's products
+ * are in the tiles (two tile pairs, taking blocks in turn).
  *
- * A work item (one panel, up to ROWS rows) unpacks the panel's blocks a segment of SEG blocks
- * at a time and runs every 16-row tile of the item over the segment; the last tile of a call
- * (fewer than 16 rows) reads its rows of xq from a zero-padded copy.
+ * A work item (one panel, up to AMX_PASS rows) unpacks the panel's blocks a segment of SEG
+ * blocks at a time and runs every 16-row tile of the item over the segment; the last tile of a
+ * call (fewer than 16 rows) reads its rows of xq from a zero-padded copy. xq's rows start on
+ * 32-byte boundaries (quant.c aligns xq; K is a multiple of 32), so no tile row spans two lines.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <stdint.h>
