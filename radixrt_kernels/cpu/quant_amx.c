@@ -41,8 +41,8 @@ struct segment {
 /* Tile pair 0: sums 0, x 2, w 3; pair 1: sums 1, x 4, w 5 (16 × 16 int32 sums; 16 rows × 32
  * bytes of x; 8 rows × 64 bytes of w). Q6_K, a product per 16-value sub-block: pair 0: sums 0
  * and 1, pair 1: sums 2 and 3, both from x 4, 6 (16 rows × 16 bytes) and w 5, 7 (4 × 64).
- * Static data: ldtilecfg's read of a stack copy is invisible to the compiler, which may drop
- * the stores that fill it. */
+ * Static data: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes, so the stores
+ * that fill the rest of a stack copy may be dropped. */
 struct tile_config {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
