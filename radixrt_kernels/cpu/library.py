@@ -4,12 +4,12 @@ One C file per concern, each with its wrapper module: ``attention.c`` (attention
 indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and-mul,
 ``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
 ``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
-``linear``), ``quant.c`` and ``quant_x86.c`` (linear layers on GGUF-quantized weights,
-``quant``), ``linear_f32.c`` (float32 linear layers, ``linear``) and ``chain.c`` (several
-steps in one call, ``chain``). They are compiled with the system C compiler (``-O3
--march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded with ctypes. The
-library links against the OpenMP runtime PyTorch already loaded, so its loops run on PyTorch's
-threads.
+``linear``), ``quant.c``, ``quant_x86.c`` and ``quant_amx.c`` (linear layers on
+GGUF-quantized weights, ``quant``), ``linear_f32.c`` (float32 linear layers, ``linear``) and
+``chain.c`` (several steps in one call, ``chain``). They are compiled with the system C
+compiler (``-O3 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded
+with ctypes. The library links against the OpenMP runtime PyTorch already loaded, so its loops
+run on PyTorch's threads.
 
 ``RADIXRT_KERNEL_CFLAGS`` adds flags to the build (``-mno-amx-tile``: the
 library as it is built for a CPU without AMX).
@@ -41,6 +41,7 @@ SOURCES = [
         "linear_f32.c",
         "linear_vec.c",
         "quant.c",
+        "quant_amx.c",
         "quant_x86.c",
         "sampling.c",
     )

@@ -11,8 +11,8 @@
  * sums and in which outputs share a vector (lanes = output rows), so every path, row count
  * and thread count gives the same bits.
  *
- * Threads split work items (panel of 16 outputs, pass of PASS rows), panel-major, in
- * contiguous shares; each output is computed whole by one thread.
+ * Threads split work items (panel of 16 outputs, pass of PASS rows; AMX_PASS on AMX tiles),
+ * panel-major, in contiguous shares; each output is computed whole by one thread.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <float.h>
@@ -28,7 +28,8 @@
 #define TINY 0x1p-120f        /* amax below this: a zero block (127 / amax stays finite) */
 #define PARALLEL_MIN (1 << 16) /* multiply-adds from which a call is shared by threads */
 
-enum { PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATHS };
+enum { PATH_PORTABLE, PATH_AVX2, PATH_AVX512, PATH_AMX, PATHS };
+#define AMX_ROWS 32 /* rows from which a call runs on AMX tiles where it may */
 
 /* ---- fp16 and the raw GGUF blocks ---------------------------------------------------------- */
 
@@ -332,27 +333,29 @@ static panel_fn kernel_for(int path, int qt) {
     if (path == PATH_PORTABLE) return PORTABLE_KERNELS[qt];
     if (path == PATH_AVX2) return quant_avx2_kernel(qt);
     if (path == PATH_AVX512) return quant_avx512_kernel(qt);
+    if (path == PATH_AMX) return quant_amx_kernel(qt);
     return NULL;
 }
 
-/* The path a call of `rows` rows of type ggml runs (-1 where the type is unknown). */
+/* The path a call of `rows` rows of type ggml runs (-1 where the type is unknown): AMX tiles
+ * from AMX_ROWS rows on, else the widest vectors. */
 int radixrt_quant_path(int ggml, int64_t rows) {
     const int qt = type_index(ggml);
-    (void)rows;
     if (qt < 0) return -1;
-    for (int path = PATHS - 1; path > 0; path--)
+    if (rows >= AMX_ROWS && kernel_for(PATH_AMX, qt) != NULL) return PATH_AMX;
+    for (int path = PATH_AMX - 1; path > 0; path--)
         if (kernel_for(path, qt) != NULL) return path;
     return PATH_PORTABLE;
 }
 
-static void run_items(const struct qcall *c, panel_fn fn, int num_threads) {
-    const int64_t passes = (c->m + PASS - 1) / PASS, items = (c->n + LANES - 1) / LANES * passes;
+static void run_items(const struct qcall *c, panel_fn fn, int64_t pass, int num_threads) {
+    const int64_t passes = (c->m + pass - 1) / pass, items = (c->n + LANES - 1) / LANES * passes;
 #pragma omp parallel num_threads(num_threads) if (c->m * c->n * c->k >= PARALLEL_MIN)
     {
         const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();
         for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
-            const int64_t r0 = item % passes * PASS;
-            fn(c, item / passes, r0, (int)(c->m - r0 < PASS ? c->m - r0 : PASS));
+            const int64_t r0 = item % passes * pass;
+            fn(c, item / passes, r0, (int)(c->m - r0 < pass ? c->m - r0 : pass));
         }
     }
 }
@@ -367,10 +370,11 @@ int radixrt_quant_linear(int ggml, const void *x, int64_t x_stride, int x_bf16, 
     const int qt = type_index(ggml);
     if (radixrt_quant_packed_bytes(ggml, n, k) < 0 || m < 0 || x_stride < k || y_stride < n || num_threads < 1)
         return -1;
-    const panel_fn fn = kernel_for(path < 0 ? radixrt_quant_path(ggml, m) : path, qt);
+    const int chosen = path < 0 ? radixrt_quant_path(ggml, m) : path;
+    const panel_fn fn = kernel_for(chosen, qt);
     if (fn == NULL) return -1;
     if (m == 0) return 0;
-    int8_t *xq = malloc((size_t)(m * k));
+    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64)); /* tile rows whole in lines */
     float *dx = malloc((size_t)(m * k / XB) * sizeof(float));
     int32_t *sx16 = malloc((size_t)(m * k / 16) * sizeof(int32_t));
     if (xq == NULL || dx == NULL || sx16 == NULL) {
@@ -384,7 +388,7 @@ int radixrt_quant_linear(int ggml, const void *x, int64_t x_stride, int x_bf16, 
                      sx16 + r * (k / 16));
     const struct qcall c = {&LAYOUTS[qt], xq, dx, sx16, packed, k / LAYOUTS[qt].qk * LAYOUTS[qt].rec,
                             bias, y, y_stride, y_bf16, m, n, k};
-    run_items(&c, fn, num_threads);
+    run_items(&c, fn, chosen == PATH_AMX ? AMX_PASS : PASS, num_threads);
     free(xq), free(dx), free(sx16);
     return 0;
 }

@@ -70,6 +70,8 @@ struct qcall {
     int64_t m, n, k;
 };
 
+#define AMX_PASS 256 /* rows per work item on the AMX path (the others: quant.c's PASS) */
+
 /* Rows r0 .. r0 + rows - 1 of one panel's outputs (the path's kernel for the call's type). */
 typedef void (*panel_fn)(const struct qcall *c, int64_t panel, int64_t r0, int rows);
 
@@ -79,5 +81,6 @@ void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc);
 /* The x86 paths' kernels per type, or NULL where this build lacks the instructions. */
 panel_fn quant_avx2_kernel(int qt);
 panel_fn quant_avx512_kernel(int qt);
+panel_fn quant_amx_kernel(int qt); /* also NULL where the OS does not grant AMX */
 
 #endif

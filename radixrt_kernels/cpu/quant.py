@@ -1,4 +1,5 @@
-"""Linear layers on GGUF-quantized weights on the CPU (``quant.c``, ``quant_x86.c``).
+"""Linear layers on GGUF-quantized weights on the CPU (``quant.c``, ``quant_x86.c``,
+``quant_amx.c``).
 
 Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (super blocks
 of 256). ``pack(lib, qtype, raw, k)`` turns a weight's GGUF blocks (uint8 [N, row_bytes], as
@@ -6,8 +7,9 @@ stored in the file; never written) into the kernels' layout (panels of 16 rows; 
 raw's bytes, plus N's padding to a multiple of 16); ``linear(lib, qtype, x, packed, n, k)``
 multiplies. The arithmetic is ``radixrt.quant.arithmetic``'s (x quantized to int8 per block of
 32, exact integer dot products, one float32 chain per output): every path (``portable``,
-``avx2``, ``avx512_vnni``) gives its bits, whatever the rows in a call or the thread count, so a
-row's outputs are the same alone or in any batch.
+``avx2``, ``avx512_vnni``, and ``amx_int8``, which calls of many rows take where the CPU has it)
+gives its bits, whatever the rows in a call or the thread count, so a row's outputs are the same
+alone or in any batch.
 
 Without the library (``lib`` None) ``pack`` returns raw itself and ``linear`` runs the
 reference (slow, same bits). A type, K or shape the kernels do not take is refused with a
@@ -24,7 +26,7 @@ import torch
 from radixrt.quant import arithmetic as reference
 
 QTYPES: dict[str, int] = {name: int(gguf.GGMLQuantizationType[name]) for name in reference.BLOCK}
-PATHS = ("portable", "avx2", "avx512_vnni")  # radixrt_quant_linear's path numbers
+PATHS = ("portable", "avx2", "avx512_vnni", "amx_int8")  # radixrt_quant_linear's path numbers
 
 
 def _type(qtype: str) -> int:

@@ -149,6 +149,38 @@ def test_a_row_alone_equals_it_in_a_batch(lib, qtype: str) -> None:
 
 
 @pytest.mark.parametrize("qtype", TYPES)
+def test_a_row_has_the_same_bits_either_side_of_the_amx_threshold(lib, qtype: str) -> None:
+    """Calls of many rows run on AMX tiles, calls of a few on vectors: a row's outputs (bf16,
+    with a bias; a NaN row's bits too) are the same at M = 1 and M = 700, whatever the tile,
+    work item or segment of K it falls in (K = 1536: two segments of 32-blocks; 700 rows: a
+    last tile of 12)."""
+    if not quant.path_available(lib, qtype, "amx_int8"):
+        pytest.skip("the library has no amx_int8 path here (no AMX-int8, or not granted)")
+    n, k, m = 40, 1536, 700
+    raw = make_raw(qtype, n, k, seed=30, extreme=True)
+    packed = quant.pack(lib, qtype, raw, k)
+    x = make_x(m, k, torch.bfloat16, seed=31)
+    x[5, 100] = float("nan")
+    bias = torch.randn(n)
+    assert quant.path(lib, qtype, m) == "amx_int8" and quant.path(lib, qtype, 1) != "amx_int8"
+    batch = quant.linear(lib, qtype, x, packed, n, k, bias)
+    want = reference.linear(qtype, x, raw, n, k, bias)
+    assert batch[5].isnan().all() and want[5].isnan().all()
+    keep = torch.arange(m) != 5
+    assert torch.equal(batch[keep], want[keep])
+    bits = batch.view(torch.int16)
+    for r in (0, 5, 15, 16, 255, 256, 699):
+        assert torch.equal(
+            quant.linear(lib, qtype, x[r : r + 1], packed, n, k, bias).view(torch.int16),
+            bits[r : r + 1],
+        )
+    for rows in (16, 31, 32, 33, 257):
+        assert torch.equal(
+            quant.linear(lib, qtype, x[:rows], packed, n, k, bias).view(torch.int16), bits[:rows]
+        )
+
+
+@pytest.mark.parametrize("qtype", TYPES)
 def test_within_the_activation_quantizations_bound(lib, qtype: str) -> None:
     """|y - x·Wᵀ| (W dequantized, float64) <= Σ_b dx_b / 2 · Σ_{i in b} |W_i| (each x_i is
     dx_b · xq_i within half a step: |x_i · id - xq_i| <= 1/2, and dx_b · id = 1 within a few
