@@ -166,12 +166,13 @@ def held_tensors(model) -> dict[tuple[int, int], str]:
     first holder (layer indices as ``N``)."""
     found: dict[tuple[int, int], str] = {}
     for name, mod in model.named_modules():
+        prefix = f"{name}." if name else ""
         for key, value in vars(mod).items():
             if key in ("_parameters", "_buffers"):
                 for k, v in value.items():
-                    _visit(v, f"{name}.{k}", found, 0)
+                    _visit(v, f"{prefix}{k}", found, 0)
             elif key != "_modules":
-                _visit(value, f"{name}.{key}", found, 0)
+                _visit(value, f"{prefix}{key}", found, 0)
     return {k: re.sub(r"\.\d+\.", ".N.", v) for k, v in found.items()}
 
 
