@@ -352,7 +352,13 @@ COLUMNS = (
 def table(book: peers.Book, memory: dict[str, dict[str, dict]]) -> str:
     """Each server's best run of each workload and its memory (MB, RSS/PSS), as Markdown; the
     last column counts the requests of every run that failed or stopped short."""
-    head = ["server", *(c[0] for c in COLUMNS), "MB loaded", "MB after", "errors + short"]
+    head = [
+        "server",
+        *(c[0] for c in COLUMNS),
+        "RSS/PSS MB loaded",
+        "RSS/PSS MB after",
+        "errors + short",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for t, per in book.best().items():
         cells = [t]
