@@ -1,11 +1,11 @@
 """The linear method of quantized weights.
 
 ``QuantLinear(lib, segments)`` runs a weight given as ``formats.QuantTensor`` segments (one per
-run of a block type: a stacked q/k/v or gate/up weight may mix types) with each segment's
-rows written to their columns of the output. Each segment runs the C kernel of its type
-(``radixrt_kernels.cpu.quant``; without the library, the same arithmetic in PyTorch): the two
-give the same bits, and a row's bits do not depend on
-the rows beside it, so the method serves exact mode as it is.
+run of a block type: a stacked q/k/v or gate/up weight may mix types), each segment's call
+writing its columns of one output (``cpu_quant.linear_stacked``). Each segment runs the C kernel
+of its type (``radixrt_kernels.cpu.quant``; without the library, the same arithmetic in
+PyTorch): the two give the same bits, and a row's bits do not depend on the rows beside it, so
+the method serves exact mode as it is.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ class QuantLinear:
         self.shapes = [p.shape for p in packed]
         return torch.cat([p.reshape(-1).view(torch.uint8) for p in packed])
 
-    def _segments(self, w: torch.Tensor) -> list[torch.Tensor]:
+    def _segments(self, w: torch.Tensor) -> list[cpu_quant.Segment]:
         sizes = [s.numel() for s in self.shapes]
-        return [p.view(shape) for p, shape in zip(w.split(sizes), self.shapes)]
+        return [
+            cpu_quant.Segment(qtype, p.view(shape), rows)
+            for qtype, rows, p, shape in zip(self.types, self.rows, w.split(sizes), self.shapes)
+        ]
 
     def apply(
         self,
@@ -54,14 +57,7 @@ class QuantLinear:
         n: int,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        lead, x2 = x.shape[:-1], x.reshape(-1, self.k)
-        outs, row = [], 0
-        for qtype, rows, packed in zip(self.types, self.rows, self._segments(w)):
-            b = None if bias is None else bias[row : row + rows].float()
-            outs.append(cpu_quant.linear(self.lib, qtype, x2, packed, rows, self.k, b, out_dtype))
-            row += rows
-        y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
-        return y.reshape(*lead, n)
+        return cpu_quant.linear_stacked(self.lib, x, self._segments(w), self.k, bias, out_dtype)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
         return self.apply(x, w, None, n, torch.float32)

@@ -1,7 +1,8 @@
 """A forward's CPU kernel calls captured once and replayed as one chain.
 
 While ``capture()`` is active, the CPU kernels' wrappers (``elementwise.rms_norm``,
-``elementwise.rope_``, ``linear.linear``, ``attention.attention``) compute
+``elementwise.rope_``, ``elementwise.silu_mul``, ``linear.linear``, ``quant.linear``,
+``attention.attention``) compute
 nothing: each hands its call to the ``Recorder``, which allocates the output the
 wrapper would return and notes the call as a step of ``chain.Chain``. The
 code calling them (a model's forward) runs as it always does, so the steps are
@@ -11,8 +12,8 @@ A forward either captures whole or not at all. Every other tensor operation it
 makes must be a view or a read of metadata: anything that computes (an add, a
 copy, an op on PyTorch's kernels) raises ``ChainRefused`` naming the operation
 and where it was called, as does a kernel call a chain has no step for
-(SiLU-and-mul on its own, the AMX linear, a float32 output, a copy the wrapper
-would make of a badly strided input).
+(the AMX linear, a packed linear's float32 output, a copy the wrapper would make
+of a badly strided input).
 
 ``chain.replay(lib, recorder, outputs)`` turns a finished capture into a
 chain that replays it. This module imports nothing of the library, so every
@@ -40,7 +41,7 @@ class ChainRefused(Exception):
 
 
 class Step(NamedTuple):
-    kind: str  # a Chain builder: "norm", "linear", "rope" or "attention"
+    kind: str  # a Chain builder: "norm", "linear", "quant_linear", "rope", "silu_mul", "attention"
     args: tuple  # its arguments (attention: q, k_buf, v_buf, new_k, new_v, out, scaling, dots)
 
 
@@ -150,6 +151,30 @@ class Recorder(TorchFunctionMode):
         with self._kernel():
             out = self._new(x.shape[0], n // 2 if gated else n)
         self.steps.append(Step("linear", (kernel, x, packed, n, out, bias, gated, rope)))
+        return out
+
+    def quant_linear(self, x, segments, k, bias, out_dtype, force_path) -> torch.Tensor:
+        """One step per segment (``quant.Segment``), each writing its columns of one output."""
+        if force_path is not None:
+            self.refuse(f"a quantized linear forced onto the {force_path} path")
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1 or x.stride(0) < k:
+            self.refuse("a quantized linear of a float32 x or of rows to copy")
+        with self._kernel():
+            out = self._new(x.shape[0], sum(s.n for s in segments), dtype=out_dtype)
+            row = 0
+            for s in segments:
+                b = None if bias is None else bias[row : row + s.n]
+                cols = out[:, row : row + s.n]
+                self.steps.append(Step("quant_linear", (s.qtype, x, s.packed, s.n, k, cols, b)))
+                row += s.n
+        return out
+
+    def silu_mul(self, x) -> torch.Tensor:
+        if x.dim() != 2 or x.dtype != torch.bfloat16 or not x.is_contiguous():
+            self.refuse("SiLU-and-mul of an x other than contiguous bf16 [T, 2N]")
+        with self._kernel():
+            out = self._new(x.shape[0], x.shape[1] // 2)
+        self.steps.append(Step("silu_mul", (x, out)))
         return out
 
     def attention(self, q, k_buf, v_buf, scaling, new_kv, bf16_dots, out) -> torch.Tensor:

@@ -4,11 +4,13 @@ A decode step of a small batch runs dozens of short kernels per layer, each a
 Python wrapper, a ctypes call and an OpenMP team of its own, costs of the
 same order as streaming a small layer's weights. A ``Chain`` holds a sequence
 of RMS norms, rotary embeddings, packed linears (the ``"avx512_bf16"`` and
-``"fma"`` kernels of ``cpu_linear``) and attentions over buffers fixed when it
-is built, as a table of int64 rows; ``run`` executes it in one call and one
-parallel region, a barrier between each step and the next. Each step gives
-the results of the call it stands for (``elementwise.rms_norm``, ``elementwise.rope_``,
-``linear.linear``, ``attention.attention``) bit for bit.
+``"fma"`` kernels of ``cpu_linear``), linears on GGUF-quantized weights
+(``cpu_quant``, every type and path), SiLU-and-mul and attentions over buffers
+fixed when it is built, as a table of int64 rows; ``run`` executes it in one
+call and one parallel region, a barrier between each step and the next. Each
+step gives the results of the call it stands for (``elementwise.rms_norm``,
+``elementwise.rope_``, ``elementwise.silu_mul``, ``linear.linear``,
+``quant.linear``, ``attention.attention``) bit for bit.
 
 A chain names its tensors by address: it keeps them alive, and callers write
 a step's inputs into the buffers it was built on (``Chain`` checks shapes,
@@ -25,6 +27,7 @@ import torch
 
 from radixrt_kernels.cpu import attention as cpu_attention
 from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu import quant as cpu_quant
 from radixrt_kernels.cpu.capture import (
     CHAIN_LINEAR_KERNELS,
     Recorder,
@@ -34,7 +37,7 @@ from radixrt_kernels.cpu.capture import (
     tensors,
 )
 
-LINEAR, NORM, ROPE, ATTENTION = 1, 2, 3, 4  # chain.c's step kinds
+LINEAR, NORM, ROPE, ATTENTION, QUANT, SILU_MUL = 1, 2, 3, 4, 5, 6  # chain.c's step kinds
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
 KERNELS = CHAIN_LINEAR_KERNELS  # the linear kernels a chain runs
 ALIGN = 64  # bytes: every tensor of a replay's arena starts on a cache line
@@ -55,8 +58,9 @@ def _eps_bits(eps: float) -> int:
 
 
 class Chain:
-    """Steps over fixed buffers, run by ``run(lib)``. Add them in order with ``norm`` and
-    ``linear``; a step may read what an earlier one wrote."""
+    """Steps over fixed buffers, run by ``run(lib)``. Add them in order with ``norm``,
+    ``linear``, ``quant_linear``, ``rope``, ``silu_mul`` and ``attention``; a step may read
+    what an earlier one wrote."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -183,6 +187,73 @@ class Chain:
             k=k,
             **rope_f,
         )
+
+    def quant_linear(
+        self,
+        qtype: str,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        k: int,
+        out: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> None:
+        """out = ``quant.linear(x, packed, n, k, bias)`` on the path that call chooses: x
+        [m, k] bf16 with contiguous rows, out [m, n] bf16 or float32 with contiguous rows (a
+        stacked weight's columns), bias None or contiguous float32 or bf16 [n]."""
+        m = x.shape[0]
+        x_stride = _rows(x, "a quantized linear's x", k)
+        if (
+            out.dtype not in (torch.bfloat16, torch.float32)
+            or out.shape != (m, n)
+            or out.stride(1) != 1
+        ):
+            raise ValueError(
+                f"chain: a quantized linear's output must be [{m}, {n}] with contiguous rows"
+            )
+        if packed.dtype != torch.uint8 or packed.numel() != cpu_quant.packed_bytes(
+            self.lib, qtype, n, k
+        ):
+            raise ValueError(f"chain: the packed {qtype} weight does not hold [{n}, {k}]")
+        if bias is not None and (
+            bias.dtype not in (torch.float32, torch.bfloat16)
+            or bias.shape != (n,)
+            or not bias.is_contiguous()
+        ):
+            raise ValueError(
+                f"chain: a quantized linear's bias must be contiguous float32 or bf16 [{n}]"
+            )
+        self._add(
+            (x, packed, out, bias),
+            kind=QUANT,
+            kernel=cpu_quant.QTYPES[qtype],
+            x=x.data_ptr(),
+            x_stride=x_stride,
+            w=packed.data_ptr(),
+            bias=0 if bias is None else bias.data_ptr(),
+            y=out.data_ptr(),
+            y_stride=out.stride(0),
+            y_f32=int(out.dtype == torch.float32),
+            gated=int(bias is not None and bias.dtype == torch.bfloat16),
+            m=m,
+            n=n,
+            k=k,
+        )
+
+    def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = ``elementwise.silu_mul(x)``: x [m, 2n] and out [m, n], contiguous bf16."""
+        m, n2 = x.shape
+        for t, width in ((x, n2), (out, n2 // 2)):
+            if (
+                t.dtype != torch.bfloat16
+                or not t.is_contiguous()
+                or t.shape != (m, width)
+                or n2 % 2
+            ):
+                raise ValueError(
+                    "chain: SiLU-and-mul takes contiguous bf16 x [m, 2n] and out [m, n]"
+                )
+        self._add((x, out), kind=SILU_MUL, x=x.data_ptr(), y=out.data_ptr(), m=m, n=n2 // 2)
 
     def rope(
         self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor
@@ -326,7 +397,13 @@ class Replay:
         self.outputs = arena.move(tuple(outputs))
         self.chain = Chain(lib)
         self.attention: dict[tuple, _Attention] = {}  # steps with equal arguments share them
-        self.kernels = sorted({s.args[0] for s in steps if s.kind == "linear"})
+        self.kernels = sorted({s.args[0] for s in steps if s.kind == "linear"}) + sorted(
+            {
+                f"{s.args[0]} {cpu_quant.path(lib, s.args[0], 1)}"
+                for s in steps
+                if s.kind == "quant_linear"
+            }
+        )
         for step in steps:
             if step.kind == "attention":
                 self._add_attention(*step.args)

@@ -125,6 +125,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _int,
         _ptr,
         _ptr,
+        _int,
         _ptr,
         _i64,
         _int,

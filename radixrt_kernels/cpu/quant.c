@@ -12,7 +12,9 @@
  * and thread count gives the same bits.
  *
  * Threads split work items (panel of 16 outputs, pass of PASS rows; AMX_PASS on AMX tiles),
- * panel-major, in contiguous shares; each output is computed whole by one thread.
+ * panel-major, in contiguous shares; each output is computed whole by one thread. The call runs
+ * in two parts (quant.h) so that the chain (chain.c) runs it as a step of its own parallel
+ * region.
  */
 #pragma GCC optimize("fp-contract=off")
 #include <float.h>
@@ -291,37 +293,35 @@ int radixrt_quant_dequantize(int ggml, const uint8_t *packed, int64_t n, int64_t
 
 /* ---- activations, output, the call ------------------------------------------------------------ */
 
-/* Row x (k values, float32 or bf16) quantized: xq [k], dx [k / 32], sx16 [k / 16]. */
-static void quantize_row(const void *x, int x_bf16, int64_t k, int8_t *xq, float *dx, int32_t *sx16) {
-    for (int64_t b = 0; b < k / XB; b++) {
-        float v[XB], amax = 0.0f;
-        int bad = 0;
-        for (int i = 0; i < XB; i++) {
-            v[i] = load1(x, b * XB + i, x_bf16);
-            const float ax = v[i] < 0 ? -v[i] : v[i];
-            amax = ax > amax ? ax : amax;
-            bad |= !(ax <= FLT_MAX); /* inf or NaN */
+/* Block b of row x (k values, float32 or bf16) quantized: xq [32], dx [1], sx16 [2]. */
+static void quantize_block(const void *x, int x_bf16, int64_t b, int8_t *xq, float *dx, int32_t *sx16) {
+    float v[XB], amax = 0.0f;
+    int bad = 0;
+    for (int i = 0; i < XB; i++) {
+        v[i] = load1(x, b * XB + i, x_bf16);
+        const float ax = v[i] < 0 ? -v[i] : v[i];
+        amax = ax > amax ? ax : amax;
+        bad |= !(ax <= FLT_MAX); /* inf or NaN */
+    }
+    const int live = !bad && amax >= TINY;
+    const float id = live ? 127.0f / amax : 0.0f;
+    dx[0] = bad ? __builtin_nanf("") : live ? amax / 127.0f : 0.0f;
+    for (int h = 0; h < 2; h++) {
+        int32_t s = 0;
+        for (int i = 16 * h; i < 16 * h + 16; i++) {
+            /* rne(v · id) by the 1.5 · 2^23 trick (|v · id| <= 127.5) */
+            const float r = live ? (v[i] * id + 0x1.8p23f) - 0x1.8p23f : 0.0f;
+            xq[i] = (int8_t)(int)r;
+            s += (int)r;
         }
-        const int live = !bad && amax >= TINY;
-        const float id = live ? 127.0f / amax : 0.0f;
-        dx[b] = bad ? __builtin_nanf("") : live ? amax / 127.0f : 0.0f;
-        for (int h = 0; h < 2; h++) {
-            int32_t s = 0;
-            for (int i = 16 * h; i < 16 * h + 16; i++) {
-                /* rne(v · id) by the 1.5 · 2^23 trick (|v · id| <= 127.5) */
-                const float r = live ? (v[i] * id + 0x1.8p23f) - 0x1.8p23f : 0.0f;
-                xq[b * XB + i] = (int8_t)(int)r;
-                s += (int)r;
-            }
-            sx16[2 * b + h] = s;
-        }
+        sx16[h] = s;
     }
 }
 
 void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc) {
     const int64_t n0 = p * LANES, cols = c->n - n0 < LANES ? c->n - n0 : LANES;
     for (int64_t o = 0; o < cols; o++) {
-        const float v = c->bias ? acc[o] + c->bias[n0 + o] : acc[o];
+        const float v = c->bias ? acc[o] + load1(c->bias, n0 + o, c->bias_bf16) : acc[o];
         if (c->y_bf16)
             ((bf16 *)c->y)[r * c->y_stride + n0 + o] = f32_to_bf16(v);
         else
@@ -348,51 +348,77 @@ int radixrt_quant_path(int ggml, int64_t rows) {
     return PATH_PORTABLE;
 }
 
-static void run_items(const struct qcall *c, panel_fn fn, int64_t pass, int num_threads) {
-    const int64_t passes = (c->m + pass - 1) / pass, items = (c->n + LANES - 1) / LANES * passes;
-#pragma omp parallel num_threads(num_threads) if (c->m * c->n * c->k >= PARALLEL_MIN)
-    {
-        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();
-        for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
-            const int64_t r0 = item % passes * pass;
-            fn(c, item / passes, r0, (int)(c->m - r0 < pass ? c->m - r0 : pass));
-        }
+int radixrt_quant_setup(struct qcall *c, int ggml, int path) {
+    const int qt = type_index(ggml);
+    if (radixrt_quant_packed_bytes(ggml, c->n, c->k) < 0 || c->m < 0 || c->x_stride < c->k || c->y_stride < c->n)
+        return -1;
+    c->L = &LAYOUTS[qt];
+    c->panel_bytes = c->k / c->L->qk * c->L->rec;
+    const int chosen = path < 0 ? radixrt_quant_path(ggml, c->m) : path;
+    c->fn = kernel_for(chosen, qt);
+    c->pass = chosen == PATH_AMX ? AMX_PASS : PASS;
+    return c->fn == NULL ? -1 : 0;
+}
+
+static int64_t round64(int64_t bytes) {
+    return (bytes + 63) / 64 * 64;
+}
+
+int64_t radixrt_quant_scratch_bytes(int64_t m, int64_t k) {
+    return round64(m * k) + round64(m * k / XB * 4) + round64(m * k / 16 * 4);
+}
+
+void radixrt_quant_scratch(struct qcall *c, void *buf) {
+    const int64_t mk = c->m * c->k;
+    c->xq = buf;
+    c->dx = (float *)((char *)buf + round64(mk));
+    c->sx16 = (int32_t *)((char *)buf + round64(mk) + round64(mk / XB * 4));
+}
+
+/* Threads split x's (row, block) pairs in contiguous shares: each block is quantized alone. */
+void radixrt_quant_x_part(const struct qcall *c, int64_t id, int64_t threads) {
+    const int64_t nb = c->k / XB, units = c->m * nb, size = c->x_bf16 ? 2 : 4;
+    for (int64_t u = units * id / threads; u < units * (id + 1) / threads; u++) {
+        const int64_t r = u / nb, b = u % nb;
+        quantize_block((const char *)c->x + r * c->x_stride * size, c->x_bf16, b, c->xq + r * c->k + b * XB,
+                       c->dx + u, c->sx16 + 2 * u);
+    }
+}
+
+/* Threads split the work items (panel, pass of c->pass rows), panel-major, in contiguous shares. */
+void radixrt_quant_items_part(const struct qcall *c, int64_t id, int64_t threads) {
+    const int64_t pass = c->pass, passes = (c->m + pass - 1) / pass;
+    const int64_t items = (c->n + LANES - 1) / LANES * passes;
+    for (int64_t item = items * id / threads; item < items * (id + 1) / threads; item++) {
+        const int64_t r0 = item % passes * pass;
+        c->fn(c, item / passes, r0, (int)(c->m - r0 < pass ? c->m - r0 : pass));
     }
 }
 
 /* y [m, n] (rows y_stride apart; bf16 where y_bf16, else float32) = x [m, k] (rows x_stride
- * apart; bf16 where x_bf16) · Wᵀ + bias (float32 [n] or NULL), W packed by radixrt_quant_pack;
- * by `path` (-1: radixrt_quant_path's). Returns -1 (writing nothing) on a type, size or path
- * it does not take. */
+ * apart; bf16 where x_bf16) · Wᵀ + bias (NULL, or [n]: bf16 where bias_bf16, else float32), W
+ * packed by radixrt_quant_pack; by `path` (-1: radixrt_quant_path's). Returns -1 (writing
+ * nothing) on a type, size or path it does not take. */
 int radixrt_quant_linear(int ggml, const void *x, int64_t x_stride, int x_bf16, const uint8_t *packed,
-                         const float *bias, void *y, int64_t y_stride, int y_bf16, int64_t m, int64_t n,
-                         int64_t k, int num_threads, int path) {
-    const int qt = type_index(ggml);
-    if (radixrt_quant_packed_bytes(ggml, n, k) < 0 || m < 0 || x_stride < k || y_stride < n || num_threads < 1)
-        return -1;
-    const int chosen = path < 0 ? radixrt_quant_path(ggml, m) : path;
-    const panel_fn fn = kernel_for(chosen, qt);
-    if (fn == NULL) return -1;
+                         const void *bias, int bias_bf16, void *y, int64_t y_stride, int y_bf16, int64_t m,
+                         int64_t n, int64_t k, int num_threads, int path) {
+    struct qcall c = {.x = x, .x_stride = x_stride, .x_bf16 = x_bf16, .packed = packed, .bias = bias,
+                      .bias_bf16 = bias_bf16, .y = y, .y_stride = y_stride, .y_bf16 = y_bf16, .m = m, .n = n, .k = k};
+    if (num_threads < 1 || radixrt_quant_setup(&c, ggml, path) != 0) return -1;
     if (m == 0) return 0;
-    int8_t *xq = aligned_alloc(64, (size_t)((m * k + 63) / 64 * 64)); /* tile rows whole in lines */
-    float *dx = malloc((size_t)(m * k / XB) * sizeof(float));
-    int32_t *sx16 = malloc((size_t)(m * k / 16) * sizeof(int32_t));
-    if (xq == NULL || dx == NULL || sx16 == NULL) {
-        free(xq), free(dx), free(sx16);
-        return -1;
+    void *scratch = aligned_alloc(64, (size_t)radixrt_quant_scratch_bytes(m, k));
+    if (scratch == NULL) return -1;
+    radixrt_quant_scratch(&c, scratch);
+#pragma omp parallel num_threads(num_threads) if (m * n * k >= PARALLEL_MIN)
+    {
+        const int64_t id = omp_get_thread_num(), threads = omp_get_num_threads();
+        radixrt_quant_x_part(&c, id, threads);
+#pragma omp barrier
+        radixrt_quant_items_part(&c, id, threads);
     }
-    const size_t xsize = x_bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) if (m >= 16)
-    for (int64_t r = 0; r < m; r++)
-        quantize_row((const char *)x + r * x_stride * xsize, x_bf16, k, xq + r * k, dx + r * (k / XB),
-                     sx16 + r * (k / 16));
-    const struct qcall c = {&LAYOUTS[qt], xq, dx, sx16, packed, k / LAYOUTS[qt].qk * LAYOUTS[qt].rec,
-                            bias, y, y_stride, y_bf16, m, n, k};
-    run_items(&c, fn, chosen == PATH_AMX ? AMX_PASS : PASS, num_threads);
-    free(xq), free(dx), free(sx16);
+    free(scratch);
     return 0;
 }
-
 /* 1 where `path` runs type ggml in this build. */
 int radixrt_quant_path_available(int ggml, int path) {
     const int qt = type_index(ggml);

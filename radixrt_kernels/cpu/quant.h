@@ -54,26 +54,35 @@ static const struct qlayout LAYOUTS[QTYPES] = {
     [Q6_K] = {14, 256, 210, 3360, 6, 32, A_DSC16, C_NONE, 0, -1, 32, -1, 288, 128, 1312, 256},
 };
 
-/* One call: x quantized (xq [m][k] int8, dx [m][k / 32], sx16 [m][k / 16]: sums of xq over 16
- * values) times the packed weight, into y [m][n] (float32, or bf16 where y_bf16). */
+/* One call: y [m][n] (rows y_stride apart; float32, or bf16 where y_bf16) = x [m][k] (rows
+ * x_stride apart; bf16 where x_bf16) times the packed weight (+ bias: NULL, float32 or, where
+ * bias_bf16, bf16 [n]), by fn (the path's kernel for the type), x quantized into xq [m][k] int8,
+ * dx [m][k / 32] and sx16 [m][k / 16] (sums of xq over 16 values). */
+struct qcall;
+/* Rows r0 .. r0 + rows - 1 of one panel's outputs (the path's kernel for the call's type). */
+typedef void (*panel_fn)(const struct qcall *c, int64_t panel, int64_t r0, int rows);
+
 struct qcall {
     const struct qlayout *L;
-    const int8_t *xq;
-    const float *dx;
-    const int32_t *sx16;
+    const void *x;
+    int64_t x_stride;
+    int x_bf16;
+    int8_t *xq;
+    float *dx;
+    int32_t *sx16;
     const uint8_t *packed;
     int64_t panel_bytes;
-    const float *bias;
+    const void *bias;
+    int bias_bf16;
     void *y;
     int64_t y_stride;
     int y_bf16;
     int64_t m, n, k;
+    panel_fn fn;
+    int64_t pass; /* rows per work item: PASS, or AMX_PASS on the AMX path */
 };
 
 #define AMX_PASS 256 /* rows per work item on the AMX path (the others: quant.c's PASS) */
-
-/* Rows r0 .. r0 + rows - 1 of one panel's outputs (the path's kernel for the call's type). */
-typedef void (*panel_fn)(const struct qcall *c, int64_t panel, int64_t r0, int rows);
 
 /* Writes row r of panel p's 16 sums (+ bias, rounded to y's dtype; lanes past n dropped). */
 void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc);
@@ -82,5 +91,20 @@ void quant_store(const struct qcall *c, int64_t r, int64_t p, const float *acc);
 panel_fn quant_avx2_kernel(int qt);
 panel_fn quant_avx512_kernel(int qt);
 panel_fn quant_amx_kernel(int qt); /* also NULL where the OS does not grant AMX */
+
+#define QHIDDEN __attribute__((visibility("hidden")))
+
+/* A call in parts, for radixrt_quant_linear and the chain (chain.c), which runs them inside a
+ * parallel region of its own (the thread team's barrier between the two parts):
+ * radixrt_quant_setup checks c's sizes (x, packed, bias, y, m, n, k set by the caller) and sets
+ * L, panel_bytes and fn for type ggml on `path` (-1: radixrt_quant_path's); -1 where it does not
+ * take them. radixrt_quant_scratch points xq, dx and sx16 into buf (radixrt_quant_scratch_bytes
+ * of m rows of k, 64-byte aligned). radixrt_quant_x_part quantizes thread id's share of x;
+ * radixrt_quant_items_part computes its share of the outputs, once every share of x is done. */
+QHIDDEN int radixrt_quant_setup(struct qcall *c, int ggml, int path);
+QHIDDEN int64_t radixrt_quant_scratch_bytes(int64_t m, int64_t k);
+QHIDDEN void radixrt_quant_scratch(struct qcall *c, void *buf);
+QHIDDEN void radixrt_quant_x_part(const struct qcall *c, int64_t id, int64_t threads);
+QHIDDEN void radixrt_quant_items_part(const struct qcall *c, int64_t id, int64_t threads);
 
 #endif

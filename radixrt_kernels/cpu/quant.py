@@ -5,7 +5,8 @@ Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (
 of 256). ``pack(lib, qtype, raw, k)`` turns a weight's GGUF blocks (uint8 [N, row_bytes], as
 stored in the file; never written) into the kernels' layout (panels of 16 rows; at most 1.03×
 raw's bytes, plus N's padding to a multiple of 16); ``linear(lib, qtype, x, packed, n, k)``
-multiplies. The arithmetic is ``radixrt.quant.arithmetic``'s (x quantized to int8 per block of
+multiplies; ``linear_stacked`` multiplies by a weight stacked from segments of several types
+into one output. The arithmetic is ``radixrt.quant.arithmetic``'s (x quantized to int8 per block of
 32, exact integer dot products, one float32 chain per output): every path (``portable``,
 ``avx2``, ``avx512_vnni``, and ``amx_int8``, which calls of many rows take where the CPU has it)
 gives its bits, whatever the rows in a call or the thread count, so a row's outputs are the same
@@ -13,17 +14,20 @@ alone or in any batch.
 
 Without the library (``lib`` None) ``pack`` returns raw itself and ``linear`` runs the
 reference (slow, same bits). A type, K or shape the kernels do not take is refused with a
-ValueError naming it.
+ValueError naming it. Under ``capture.capture`` a call is noted as a chain step
+(``chain.Chain.quant_linear``), one per segment, instead of computed.
 """
 
 from __future__ import annotations
 
 import ctypes
+from typing import NamedTuple
 
 import gguf
 import torch
 
 from radixrt.quant import arithmetic as reference
+from radixrt_kernels.cpu import capture as cpu_capture
 
 QTYPES: dict[str, int] = {name: int(gguf.GGMLQuantizationType[name]) for name in reference.BLOCK}
 PATHS = ("portable", "avx2", "avx512_vnni", "amx_int8")  # radixrt_quant_linear's path numbers
@@ -109,6 +113,15 @@ def dequantize(
     return out
 
 
+class Segment(NamedTuple):
+    """One run of a stacked weight: its GGUF type, its blocks packed by ``pack`` (the raw blocks
+    without the library) and its output rows."""
+
+    qtype: str
+    packed: torch.Tensor
+    n: int
+
+
 def linear(
     lib: ctypes.CDLL | None,
     qtype: str,
@@ -120,48 +133,96 @@ def linear(
     out_dtype: torch.dtype | None = None,
     force_path: str | None = None,
 ) -> torch.Tensor:
-    """x [..., K] (bf16 or float32; rows may be strided) · Wᵀ + bias (float32 [n] or None) for W
-    [n, k] packed by ``pack``: [..., n] in out_dtype (bf16 or float32; default x's dtype).
-    ``force_path``: one of ``PATHS`` instead of ``path``'s choice (tests, benchmarks)."""
-    t = _type(qtype)
-    out_dtype = out_dtype or x.dtype
+    """x [..., K] (bf16 or float32; rows may be strided) · Wᵀ + bias (float32 or bf16 [n], or
+    None) for W [n, k] packed by ``pack``: [..., n] in out_dtype (bf16 or float32; default x's
+    dtype). ``force_path``: one of ``PATHS`` instead of ``path``'s choice (tests, benchmarks)."""
+    return linear_stacked(lib, x, [Segment(qtype, packed, n)], k, bias, out_dtype, force_path)
+
+
+def _check_call(x, segments, k, bias, out_dtype) -> int:
+    """The stacked weight's rows, after checking the call's arguments."""
+    n = sum(s.n for s in segments)
     if x.shape[-1] != k or x.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(
-            f"{qtype}: x must be bf16 or float32 [..., {k}], got {x.dtype} {tuple(x.shape)}"
+            f"quantized linear: x must be bf16 or float32 [..., {k}], "
+            f"got {x.dtype} {tuple(x.shape)}"
         )
     if out_dtype not in (torch.bfloat16, torch.float32):
-        raise ValueError(f"{qtype}: out_dtype must be bf16 or float32, got {out_dtype}")
-    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (n,)):
+        raise ValueError(f"quantized linear: out_dtype must be bf16 or float32, got {out_dtype}")
+    if bias is not None and (
+        bias.dtype not in (torch.float32, torch.bfloat16) or bias.shape != (n,)
+    ):
         raise ValueError(
-            f"{qtype}: the bias must be float32 [{n}], got {bias.dtype} {tuple(bias.shape)}"
+            f"quantized linear: the bias must be float32 or bf16 [{n}], "
+            f"got {bias.dtype} {tuple(bias.shape)}"
         )
-    _check_packed(lib, qtype, packed, n, k)
+    return n
+
+
+def linear_stacked(
+    lib: ctypes.CDLL | None,
+    x: torch.Tensor,
+    segments: list[Segment],
+    k: int,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    force_path: str | None = None,
+) -> torch.Tensor:
+    """``linear`` for W the segments' weights stacked in order (a q/k/v or gate/up weight whose
+    parts may differ in type): each segment's call writes its columns of one output [..., Σ n]."""
+    out_dtype = out_dtype or x.dtype
+    n = _check_call(x, segments, k, bias, out_dtype)
+    for s in segments:
+        _type(s.qtype)
+        _check_packed(lib, s.qtype, s.packed, s.n, k)
     x2 = x.reshape(-1, k)
+    if (recorder := cpu_capture.capturing()) is not None:
+        return recorder.quant_linear(x2, segments, k, bias, out_dtype, force_path).view(
+            *x.shape[:-1], n
+        )
     if lib is None:
-        return reference.linear(qtype, x2, packed, n, k, bias, out_dtype).view(*x.shape[:-1], n)
+        return _reference(x2, segments, k, bias, out_dtype).view(*x.shape[:-1], n)
     if x2.stride(1) != 1 or x2.stride(0) < k:
         x2 = x2.contiguous()
-    bias = None if bias is None else bias.contiguous()
-    y = torch.empty(x2.shape[0], n, dtype=out_dtype)
+    y, row = torch.empty(x2.shape[0], n, dtype=out_dtype), 0
+    for s in segments:
+        b = None if bias is None else bias[row : row + s.n].contiguous()
+        _call(lib, s, x2, k, b, y[:, row : row + s.n], force_path)
+        row += s.n
+    return y.view(*x.shape[:-1], n)
+
+
+def _reference(x2, segments, k, bias, out_dtype) -> torch.Tensor:
+    outs, row = [], 0
+    for s in segments:
+        b = None if bias is None else bias[row : row + s.n].float()
+        outs.append(reference.linear(s.qtype, x2, s.packed, s.n, k, b, out_dtype))
+        row += s.n
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+def _call(lib, s: Segment, x2, k, bias, y, force_path) -> None:
+    """One segment's C call: x2 [m, k] (unit column stride) into y [m, s.n] (a view, rows
+    y.stride(0) apart)."""
     chosen = -1 if force_path is None else PATHS.index(force_path)
     rc = lib.radixrt_quant_linear(
-        t,
+        QTYPES[s.qtype],
         x2.data_ptr(),
         x2.stride(0),
         x2.dtype == torch.bfloat16,
-        packed.data_ptr(),
+        s.packed.data_ptr(),
         None if bias is None else bias.data_ptr(),
+        bias is not None and bias.dtype == torch.bfloat16,
         y.data_ptr(),
-        n,
-        out_dtype == torch.bfloat16,
+        y.stride(0),
+        y.dtype == torch.bfloat16,
         x2.shape[0],
-        n,
+        s.n,
         k,
         torch.get_num_threads(),
         chosen,
     )
     if rc != 0:
         raise ValueError(
-            f"{qtype}: the {force_path or 'chosen'} path does not take x {tuple(x.shape)} here"
+            f"{s.qtype}: the {force_path or 'chosen'} path does not take x {tuple(x2.shape)} here"
         )
-    return y.view(*x.shape[:-1], n)

@@ -1,5 +1,5 @@
-"""The chain (``radixrt_kernels.cpu.chain``): norms and packed linears in one C call give the
-separate calls' results bit for bit."""
+"""The chain (``radixrt_kernels.cpu.chain``): norms, packed and quantized linears, rotary
+embeddings and SiLU-and-mul in one C call give the separate calls' results bit for bit."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import torch
 
 from radixrt.model import rope
 from radixrt.model.weights import cache_dir
+from radixrt.quant import arithmetic, rtn
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import elementwise
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu import quant as cpu_quant
 
 HIDDEN, HEAD, HEADS, KV_HEADS, INTER = 160, 64, 3, 1, 192
 
@@ -189,3 +191,111 @@ def test_an_attention_step_reads_what_the_linear_before_it_wrote(kernel: str, sp
     args[9] = 48  # head_dim 48: not a multiple of 32, refused before anything runs
     with pytest.raises(ValueError, match="step 1 does not fit"):
         chain.run()
+
+
+# ---- quantized linears and SiLU-and-mul ---------------------------------------------------------
+
+Q_HIDDEN, Q_INTER = 256, 512
+
+
+def quant_weights(lib, types: tuple[str, str, str], seed: int) -> dict:
+    """A layer's GGUF weights: qkv stacked from segments of types[0] and types[1] (q | k, v), the
+    others of types[2]; each a list of ``quant.Segment``."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def seg(qtype: str, n: int, k: int) -> cpu_quant.Segment:
+        """Random blocks: random bytes, the fp16 fields (d, m or dmin) scales near 1e-2."""
+        blocks, size = k // arithmetic.BLOCK[qtype], arithmetic.TYPE_SIZE[qtype]
+        raw = torch.randint(0, 256, (n, blocks, size), generator=gen, dtype=torch.uint8)
+        fields = (
+            [208]
+            if qtype == "Q6_K"
+            else [0, 2]
+            if qtype in ("Q4_1", "Q5_1", "Q4_K", "Q5_K")
+            else [0]
+        )
+        for at in fields:
+            scale = (torch.rand(n, blocks, generator=gen) - 0.5) * 0.02
+            raw[..., at : at + 2] = scale.half().view(torch.uint8).view(n, blocks, 2)
+        return cpu_quant.Segment(qtype, cpu_quant.pack(lib, qtype, raw.view(n, -1), k), n)
+
+    q_out, kv_out = HEADS * HEAD, 2 * KV_HEADS * HEAD
+    cos, sin = rope.cos_sin_tables(HEAD, 4096, 10000.0, None)
+    return {
+        "norm": 1 + (torch.randn(Q_HIDDEN, generator=gen) * 0.1).bfloat16(),
+        "qkv": [seg(types[0], q_out, Q_HIDDEN), seg(types[1], kv_out, Q_HIDDEN)],
+        "qkv_bias": (torch.randn(q_out + kv_out, generator=gen) * 0.1).bfloat16(),
+        "gate_up": [seg(types[2], 2 * Q_INTER, Q_HIDDEN)],
+        "down": [seg(types[2], Q_HIDDEN, Q_INTER)],
+        "cos": cos,
+        "sin": sin,
+    }
+
+
+def quant_separate(lib, p, h, residual, positions):
+    """(q and k rotated | v, the MLP's output, the residual after the norm), as separate calls."""
+    residual = residual.clone()
+    x = elementwise.rms_norm(lib, h, p["norm"], 1e-5, residual)
+    qkv = cpu_quant.linear_stacked(lib, x, p["qkv"], Q_HIDDEN, p["qkv_bias"])
+    qk = qkv[:, : (HEADS + KV_HEADS) * HEAD].view(qkv.shape[0], -1, HEAD)
+    elementwise.rope_(lib, qk, positions, p["cos"], p["sin"])
+    act = elementwise.silu_mul(lib, cpu_quant.linear_stacked(lib, x, p["gate_up"], Q_HIDDEN))
+    return qkv, cpu_quant.linear_stacked(lib, act, p["down"], Q_INTER), residual
+
+
+@pytest.mark.parametrize(
+    "types", [("Q4_1", "Q8_0", "Q4_1"), ("Q5_0", "Q6_K", "Q4_K"), ("Q4_0", "Q5_1", "Q5_K")]
+)
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_quantized_steps_give_the_separate_calls_results(types, rows: int, threads: int) -> None:
+    lib = cpu_library.load(cache_dir())
+    if lib is None:
+        pytest.skip("no kernels' library")
+    p = quant_weights(lib, types, rows)
+    gen = torch.Generator().manual_seed(rows)
+    h = torch.randn(rows, Q_HIDDEN, generator=gen).bfloat16()
+    residual = torch.randn(rows, Q_HIDDEN, generator=gen).bfloat16()
+    positions = torch.randint(0, 4000, (rows,), generator=gen)
+    want_qkv, want_out, want_res = quant_separate(lib, p, h, residual, positions)
+
+    res_buf, x = residual.clone(), torch.empty(rows, Q_HIDDEN, dtype=torch.bfloat16)
+    qkv = torch.empty(rows, want_qkv.shape[1], dtype=torch.bfloat16)
+    gate_up, act = (torch.empty(rows, n, dtype=torch.bfloat16) for n in (2 * Q_INTER, Q_INTER))
+    out = torch.empty(rows, Q_HIDDEN, dtype=torch.bfloat16)
+    chain, col = cpu_chain.Chain(lib), 0
+    chain.norm(h, p["norm"], 1e-5, x, res_buf)
+    for s in p["qkv"]:  # a stacked weight: each segment's step writes its columns
+        bias = p["qkv_bias"][col : col + s.n]
+        chain.quant_linear(s.qtype, x, s.packed, s.n, Q_HIDDEN, qkv[:, col : col + s.n], bias)
+        col += s.n
+    chain.rope(
+        qkv[:, : (HEADS + KV_HEADS) * HEAD].view(rows, -1, HEAD), positions, p["cos"], p["sin"]
+    )
+    (g,), (d,) = p["gate_up"], p["down"]
+    chain.quant_linear(g.qtype, x, g.packed, g.n, Q_HIDDEN, gate_up)
+    chain.silu_mul(gate_up, act)
+    chain.quant_linear(d.qtype, act, d.packed, d.n, Q_INTER, out)
+    chain.run(threads)
+    assert torch.equal(qkv, want_qkv)
+    assert torch.equal(out, want_out) and torch.equal(res_buf, want_res)
+
+
+def test_quantized_steps_refuse_what_they_cannot_run() -> None:
+    lib = cpu_library.load(cache_dir())
+    if lib is None:
+        pytest.skip("no kernels' library")
+    w = torch.randn(32, 64) * 0.05
+    packed = cpu_quant.pack(lib, "Q8_0", rtn.quantize(w, "Q8_0").raw, 64)
+    x, y = torch.randn(2, 64).bfloat16(), torch.empty(2, 32, dtype=torch.bfloat16)
+    chain = cpu_chain.Chain(lib)
+    with pytest.raises(ValueError, match=r"bf16 tensor \[\*, 64\]"):
+        chain.quant_linear("Q8_0", x.float(), packed, 32, 64, y)
+    with pytest.raises(ValueError, match="does not hold"):
+        chain.quant_linear("Q8_0", x, packed, 16, 64, y[:, :16])
+    with pytest.raises(ValueError, match=r"output must be \[2, 32\]"):
+        chain.quant_linear("Q8_0", x, packed, 32, 64, y.half())
+    with pytest.raises(ValueError, match="bias must be contiguous float32 or bf16"):
+        chain.quant_linear("Q8_0", x, packed, 32, 64, y, torch.zeros(32, dtype=torch.float16))
+    with pytest.raises(ValueError, match="SiLU-and-mul takes contiguous bf16"):
+        chain.silu_mul(y.t(), torch.empty(32, 1, dtype=torch.bfloat16))

@@ -12,6 +12,8 @@ from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.layers import RMSNorm
 from radixrt.model.llama import LlamaDecoderLayer
 from radixrt.model.weights import cache_dir
+from radixrt.quant.gguf_writer import write_gguf
+from radixrt.testing import tiny_model_path
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
@@ -36,9 +38,9 @@ def kernel(request) -> str:
     return request.param
 
 
-def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12):
+def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12, info=None):
     """((each output's tokens, logprobs and top logprobs, two continuations' scores), the
-    forwards the chain ran by mode)."""
+    forwards the chain ran by mode); ``info``: a list that receives the chain's description."""
     with Engine(
         model=path,
         dtype="bfloat16",
@@ -48,6 +50,8 @@ def run(path: str, kernel: str, chain: bool, prompts=PROMPTS, new: int = 12):
     ) as eng:
         runner = eng.runner
         assert (runner.decode_chain is not None) == chain, runner.decode_chain_info
+        if info is not None:
+            info.append(runner.decode_chain_info)
         calls = []
         if chain:  # count the forwards the chain ran
             logits = runner.decode_chain.logits
@@ -78,6 +82,23 @@ def test_the_chain_gives_the_layer_by_layer_logits(model: str, kernel: str, requ
     assert chained == plain
     assert steps["decode"] == 2 * 11  # 11 decode steps after each of the two prefills
     assert steps["extend"] >= 2  # the scored continuations' extends, at least
+
+
+@pytest.mark.parametrize("arch,qtype", [("llama", "Q4_1"), ("qwen2", "Q8_0"), ("qwen2", "Q4_K")])
+def test_a_gguf_model_s_chain_gives_the_layer_by_layer_logits(tmp_path, arch, qtype) -> None:
+    """Quantized linears (every decode-sized path: the one this CPU runs) and SiLU-and-mul as
+    steps of their own: tokens, logprobs and scores equal the layer-by-layer forward's bit for
+    bit (qwen2: a bf16 qkv bias; Q4_K: the tiny model's 64-wide rows fall back to Q5_0, so a
+    stacked weight may mix types)."""
+    if not chain_kernels() and cpu_library.load(cache_dir()) is None:
+        pytest.skip("no kernels' library")
+    gguf = write_gguf(tiny_model_path(arch), tmp_path / "m.gguf", qtype)
+    info: list[str] = []
+    chained, steps = run(gguf, "auto", True, info=info)
+    plain, _ = run(gguf, "auto", False)
+    assert chained == plain
+    assert qtype in info[0] or (qtype == "Q4_K" and "Q5_0" in info[0]), info
+    assert steps["decode"] == 2 * 11 and steps["extend"] >= 2
 
 
 def test_the_chain_stays_off_where_it_does_not_apply(tiny_llama: str) -> None:

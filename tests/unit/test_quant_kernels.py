@@ -206,7 +206,7 @@ def test_within_the_activation_quantizations_bound(lib, qtype: str) -> None:
 
 CHILD = """
 import json, sys, torch
-from radixrt_kernels.cpu import library, quant
+from radixrt_kernels.cpu import chain, library, quant
 lib = library.load(sys.argv[1])
 out = {}
 for name, (qtype, x, packed_raw, n, k, bias) in torch.load(sys.argv[2]).items():
@@ -214,6 +214,10 @@ for name, (qtype, x, packed_raw, n, k, bias) in torch.load(sys.argv[2]).items():
     for path in quant.PATHS:
         if quant.path_available(lib, qtype, path):
             out[f"{name}/{path}"] = quant.linear(lib, qtype, x, packed, n, k, bias, force_path=path)
+    steps, y = chain.Chain(lib), torch.empty(x.shape[0], n, dtype=x.dtype)
+    steps.quant_linear(qtype, x, packed, n, k, y, bias)
+    steps.run(2)
+    out[f"{name}/chain"] = y
 torch.save(out, sys.argv[3])
 """
 
@@ -222,7 +226,7 @@ torch.save(out, sys.argv[3])
 def test_other_builds_give_the_native_bits(lib, flags: str, tmp_path: Path) -> None:
     """The library as built for an AVX2-only CPU and as built with no vector extensions, each
     in a subprocess of its own (a crash fails this test): every path it has equals the
-    reference (and so the native paths) bit for bit."""
+    reference (and so the native paths) bit for bit, and so does a chain's step on its path."""
     cases, want = {}, {}
     for i, qtype in enumerate(TYPES):
         m, n, k = (1, 37, 512) if i % 2 else (70, 20, 256)
@@ -255,7 +259,9 @@ def test_other_builds_give_the_native_bits(lib, flags: str, tmp_path: Path) -> N
     )
     assert done.returncode == 0, done.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
-    expected_paths = {"portable"} if "-mno-avx2" in flags else {"portable", "avx2"}
+    expected_paths = (
+        {"portable", "chain"} if "-mno-avx2" in flags else {"portable", "avx2", "chain"}
+    )
     assert {key.split("/")[1] for key in got} == expected_paths, json.dumps(sorted(got))
     for key, y in got.items():
         assert torch.equal(y, want[key.split("/")[0]]), key
@@ -280,8 +286,34 @@ def test_refusals_name_what_is_wrong(lib) -> None:
         quant.linear(lib, "Q4_0", torch.randn(2, 32), packed, 4, 64)
     with pytest.raises(ValueError, match="x must be bf16 or float32"):
         quant.linear(lib, "Q4_0", torch.randn(2, 64).half(), packed, 4, 64)
-    with pytest.raises(ValueError, match=r"the bias must be float32 \[4\]"):
-        quant.linear(lib, "Q4_0", torch.randn(2, 64), packed, 4, 64, bias=torch.randn(4).bfloat16())
+    with pytest.raises(ValueError, match=r"the bias must be float32 or bf16 \[4\]"):
+        quant.linear(lib, "Q4_0", torch.randn(2, 64), packed, 4, 64, bias=torch.randn(4).half())
+
+
+def test_a_bf16_bias_adds_as_its_float32_value(lib) -> None:
+    raw = make_raw("Q5_1", 40, 64, seed=3)
+    packed = quant.pack(lib, "Q5_1", raw, 64)
+    x, bias = torch.randn(5, 64).bfloat16(), torch.randn(40).bfloat16()
+    y = quant.linear(lib, "Q5_1", x, packed, 40, 64, bias=bias)
+    assert torch.equal(y, quant.linear(lib, "Q5_1", x, packed, 40, 64, bias=bias.float()))
+    assert not torch.equal(y, quant.linear(lib, "Q5_1", x, packed, 40, 64))
+
+
+def test_a_stacked_weight_writes_each_segment_s_columns(lib) -> None:
+    """Segments of different types into one output: each the bits of its own call."""
+    parts = [("Q8_0", 24), ("Q4_1", 40), ("Q6_K", 16)]
+    x, k = torch.randn(3, 256).bfloat16(), 256
+    segs = [
+        quant.Segment(t, quant.pack(lib, t, make_raw(t, n, k, seed=i), k), n)
+        for i, (t, n) in enumerate(parts)
+    ]
+    bias = torch.randn(80)
+    y = quant.linear_stacked(lib, x, segs, k, bias)
+    alone = [
+        quant.linear(lib, s.qtype, x, s.packed, s.n, k, b)
+        for s, b in zip(segs, bias.split([24, 40, 16]))
+    ]
+    assert y.shape == (3, 80) and torch.equal(y, torch.cat(alone, dim=1))
 
 
 def test_nonfinite_activations_give_nan_rows(lib) -> None:
