@@ -16,6 +16,7 @@ from radixrt.model import rope
 from radixrt.model.kernel_set import Kernels
 from radixrt.model.linear_methods import ActAfter, QKVShape, RotateAfter
 from radixrt.quant.formats import QuantTensor, stack
+from radixrt_kernels.cpu import quant as cpu_quant
 
 DEFAULT_KERNELS = Kernels()  # PyTorch's ops: for layers built outside a model runner
 
@@ -211,12 +212,14 @@ class RotaryQKVLinear(QKVLinear):
 
 
 class VocabEmbedding(nn.Module):
-    """The tokens' rows of the embedding; a quantized embedding keeps its blocks and
-    dequantizes the rows looked up (``formats.dequantize``), rounded to the model's dtype."""
+    """The tokens' rows of the embedding; a quantized embedding keeps its GGUF blocks and
+    dequantizes the rows looked up (``cpu_quant.rows``: the C kernels' library of ``kernels``
+    where it has one, else ``formats.dequantize``; gguf's values either way), rounded to the
+    model's dtype."""
 
-    def __init__(self, vocab_size: int, hidden: int) -> None:
+    def __init__(self, vocab_size: int, hidden: int, kernels: Kernels = DEFAULT_KERNELS) -> None:
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.lib = vocab_size, kernels.lib
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
 
@@ -239,7 +242,9 @@ class VocabEmbedding(nn.Module):
         quant = self.quantized
         if quant is None:
             return F.embedding(ids, self.weight)
-        rows = quant.rows(ids.reshape(-1).cpu()).dequantize().to(self.weight.dtype)
+        rows = cpu_quant.rows(
+            self.lib, quant.qtype, quant.raw, ids.cpu(), quant.k, self.weight.dtype
+        )
         return rows.to(ids.device).reshape(*ids.shape, quant.k)
 
 
@@ -249,7 +254,7 @@ class LMHead(VocabEmbedding):
     differs, and keeps the plain weight for the embedding."""
 
     def __init__(self, vocab_size: int, hidden: int, kernels: Kernels = DEFAULT_KERNELS) -> None:
-        super().__init__(vocab_size, hidden)
+        super().__init__(vocab_size, hidden, kernels)
         self.kernels = kernels
         self.method = kernels.linear_for(vocab_size, hidden, large=False)  # sampled rows only
         self.matmul_weight: torch.Tensor | None = None

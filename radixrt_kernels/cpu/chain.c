@@ -66,8 +66,6 @@ union prepared {
     struct qcall quant;
 };
 
-int radixrt_silu_mul(const void *x, void *out, int64_t t, int64_t n, int is_bf16, int num_threads);
-
 static struct attn_call attn_call_of(const struct step *s) {
     return (struct attn_call){.a = *(const struct attention_args *)s->w, .k_buf = s->y, .v_buf = s->residual};
 }
@@ -134,11 +132,9 @@ static void run_quant(const struct qcall *c, int64_t id, int64_t threads) {
     radixrt_quant_items_part(c, id, threads);
 }
 
-/* Thread id's rows of a SiLU-and-mul step, by radixrt_silu_mul itself on one thread. */
+/* Thread id's rows of a SiLU-and-mul step. */
 static void run_silu_mul(const struct step *s, int64_t id, int64_t threads) {
-    const int64_t r0 = s->m * id / threads, r1 = s->m * (id + 1) / threads;
-    if (r1 > r0)
-        radixrt_silu_mul((const bf16 *)s->x + 2 * r0 * s->n, (bf16 *)s->y + r0 * s->n, r1 - r0, s->n, 1, 1);
+    radixrt_silu_mul_rows(s->x, s->y, s->m * id / threads, s->m * (id + 1) / threads, s->n, 1);
 }
 
 /* Thread id's part of step s (p, next: its prepared call and an attention step's work counters;

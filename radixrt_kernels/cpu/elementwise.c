@@ -190,6 +190,19 @@ INLINE void silu_mul_row(const void *x, void *out, int64_t n, int is_bf16) {
     }
 }
 
+/* Rows r0 .. r1 - 1 of radixrt_silu_mul (parts.h). */
+void radixrt_silu_mul_rows(const void *x, void *out, int64_t r0, int64_t r1, int64_t n, int is_bf16) {
+    const size_t elem = is_bf16 ? 2 : 4;
+    for (int64_t r = r0; r < r1; r++) {
+        const void *xr = (const char *)x + 2 * r * n * elem;
+        void *o = (char *)out + r * n * elem;
+        if (is_bf16)
+            silu_mul_row(xr, o, n, 1);
+        else
+            silu_mul_row(xr, o, n, 0);
+    }
+}
+
 /* out[t, n] = silu(x[:, :n]) · x[:, n:] for x [t, 2n] (contiguous), silu(g) = g / (1 + e^-g)
  * rounded (1 / (1 + e^-g) as vrecip: within ~1 ulp of the division), then the product rounded. */
 int radixrt_silu_mul(const void *x, void *out, int64_t t, int64_t n, int is_bf16, int num_threads) {

@@ -45,6 +45,9 @@ HIDDEN int radixrt_rope_rows(void *x, int64_t x_stride, int64_t r0, int64_t r1, 
                              const int64_t *positions, const float *cos_table, const float *sin_table,
                              int is_bf16);
 
+/* Rows r0 .. r1 - 1 of radixrt_silu_mul (elementwise.c): x [*, 2n], out [*, n], contiguous. */
+HIDDEN void radixrt_silu_mul_rows(const void *x, void *out, int64_t r0, int64_t r1, int64_t n, int is_bf16);
+
 /* radixrt_attention's arguments but the KV buffers and the thread count, every field 8 bytes
  * (flags as int64, scaling a double): what a decode chain's attention steps read, as int64. */
 struct attention_args {

@@ -291,6 +291,47 @@ int radixrt_quant_dequantize(int ggml, const uint8_t *packed, int64_t n, int64_t
     return 0;
 }
 
+/* Value i (0 .. qk - 1) of a decoded block: a·w + c, with unpack_portable's a and c. */
+static float raw_value(const struct qlayout *L, const struct rawblk *b, int i) {
+    const float d = half_to_float(b->d);
+    const int w = L->bits == 8 ? (int8_t)b->q[i] : b->q[i] - L->off;
+    float a = d, c = 0.0f;
+    if (L->a_kind == A_DSC) a = d * (float)b->sc[i / 32];
+    if (L->a_kind == A_DSC16) a = d * (float)(int8_t)b->sc[i / 16];
+    if (L->c_kind == C_M) c = half_to_float(b->m);
+    if (L->c_kind == C_DMIN) c = -(half_to_float(b->m) * (float)b->mn[i / 32]);
+    const float y = a * (float)w;
+    return L->c_kind == C_NONE ? y : y + c;
+}
+
+/* Rows ids[0 .. count - 1] of raw GGUF blocks (n rows raw_stride bytes apart, k values each), as
+ * gguf's dequantized values a·w + c, into out [count][k]: bf16 where out_bf16 (rounded once),
+ * else float32. Returns -1 (writing nothing) on a type or K it does not take or an id outside
+ * 0 .. n - 1. */
+int radixrt_quant_rows(int ggml, const uint8_t *raw, int64_t raw_stride, int64_t n, const int64_t *ids,
+                       int64_t count, int64_t k, void *out, int out_bf16) {
+    const int qt = type_index(ggml);
+    if (radixrt_quant_packed_bytes(ggml, n, k) < 0 || count < 0) return -1;
+    for (int64_t r = 0; r < count; r++)
+        if (ids[r] < 0 || ids[r] >= n) return -1;
+    const struct qlayout *L = &LAYOUTS[qt];
+    for (int64_t r = 0; r < count; r++)
+        for (int64_t s = 0; s < k / L->qk; s++) {
+            struct rawblk b;
+            memset(&b, 0, sizeof b);
+            (L->qk == 32 ? decode_32 : decode_k)(qt, raw + ids[r] * raw_stride + s * L->type_size, &b);
+            for (int i = 0; i < L->qk; i++) {
+                const float v = raw_value(L, &b, i);
+                const int64_t at = r * k + s * L->qk + i;
+                if (out_bf16)
+                    ((bf16 *)out)[at] = f32_to_bf16(v);
+                else
+                    ((float *)out)[at] = v;
+            }
+        }
+    return 0;
+}
+
 /* ---- activations, output, the call ------------------------------------------------------------ */
 
 /* Block b of row x (k values, float32 or bf16) quantized: xq [32], dx [1], sx16 [2]. */

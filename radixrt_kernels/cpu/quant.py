@@ -5,7 +5,8 @@ Types: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 (blocks of 32 values) and Q4_K, Q5_K, Q6_K (
 of 256). ``pack(lib, qtype, raw, k)`` turns a weight's GGUF blocks (uint8 [N, row_bytes], as
 stored in the file; never written) into the kernels' layout (panels of 16 rows; at most 1.03×
 raw's bytes, plus N's padding to a multiple of 16); ``linear(lib, qtype, x, packed, n, k)``
-multiplies; ``linear_stacked`` multiplies by a weight stacked from segments of several types
+multiplies; ``rows`` dequantizes an embedding's looked-up rows from the raw blocks;
+``linear_stacked`` multiplies by a weight stacked from segments of several types
 into one output. The arithmetic is ``radixrt.quant.arithmetic``'s (x quantized to int8 per block of
 32, exact integer dot products, one float32 chain per output): every path (``portable``,
 ``avx2``, ``avx512_vnni``, and ``amx_int8``, which calls of many rows take where the CPU has it)
@@ -27,6 +28,7 @@ import gguf
 import torch
 
 from radixrt.quant import arithmetic as reference
+from radixrt.quant.formats import QuantTensor
 from radixrt_kernels.cpu import capture as cpu_capture
 
 QTYPES: dict[str, int] = {name: int(gguf.GGMLQuantizationType[name]) for name in reference.BLOCK}
@@ -120,6 +122,42 @@ class Segment(NamedTuple):
     qtype: str
     packed: torch.Tensor
     n: int
+
+
+def rows(
+    lib: ctypes.CDLL | None,
+    qtype: str,
+    raw: torch.Tensor,
+    ids: torch.Tensor,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``ids`` (int64 [T]) of raw uint8 [N, row_bytes] GGUF blocks (as stored in the file,
+    not packed) as [T, k] in dtype, gguf's dequantized float32 values rounded once: an embedding's
+    lookup. Without the library (or for a dtype other than float32 and bf16), ``formats``'
+    dequantization of the rows."""
+    _type(qtype)
+    reference.check(qtype, raw, k)
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    if lib is None or dtype not in (torch.float32, torch.bfloat16):
+        return QuantTensor(qtype, raw[ids], k).dequantize().to(dtype)
+    if raw.stride(1) != 1:
+        raw = raw.contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    rc = lib.radixrt_quant_rows(
+        QTYPES[qtype],
+        raw.data_ptr(),
+        raw.stride(0),
+        raw.shape[0],
+        ids.data_ptr(),
+        ids.shape[0],
+        k,
+        out.data_ptr(),
+        dtype == torch.bfloat16,
+    )
+    if rc != 0:
+        raise ValueError(f"{qtype}: rows {ids.tolist()} are not all in 0 .. {raw.shape[0] - 1}")
+    return out
 
 
 def linear(

@@ -19,6 +19,7 @@ import torch
 
 from radixrt.model.weights import cache_dir
 from radixrt.quant import arithmetic as reference
+from radixrt.quant import formats
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import quant
 
@@ -332,3 +333,20 @@ def test_paths_are_named(lib) -> None:
     assert all(quant.supported(lib, t) for t in TYPES) and not quant.supported(None, "Q4_0")
     assert quant.QTYPES["Q4_0"] == 2 and quant.QTYPES["Q6_K"] == 14
     assert np.array_equal(list(quant.QTYPES), TYPES)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_looked_up_rows_are_gguf_s_values(lib, qtype: str) -> None:
+    """An embedding's rows from the raw blocks equal gguf's dequantization bit for bit (float32,
+    and rounded to bf16 once), in the order asked, repeats included; ids outside are refused."""
+    raw = make_raw(qtype, 40, 512, seed=11, extreme=True)
+    ids = torch.tensor([39, 0, 7, 7, 21])
+    want = formats.dequantize(qtype, raw[ids], 512)
+    assert torch.equal(
+        quant.rows(lib, qtype, raw, ids, 512).view(torch.int32), want.view(torch.int32)
+    )
+    got = quant.rows(lib, qtype, raw, ids, 512, torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.bfloat16().view(torch.int16))
+    assert torch.equal(quant.rows(None, qtype, raw, ids, 512, torch.bfloat16), got)
+    with pytest.raises(ValueError, match=r"rows \[3, 40\] are not all in 0 .. 39"):
+        quant.rows(lib, qtype, raw, torch.tensor([3, 40]), 512)
