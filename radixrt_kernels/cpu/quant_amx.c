@@ -256,7 +256,12 @@ static void store_rows(const struct qcall *c, int64_t p, int64_t row0, int rows,
         for (int r = 0; r < rows; r++) quant_store(c, row0 + r, p, acc[r]);
         return;
     }
-    const __m512 bias = c->bias ? _mm512_loadu_ps(c->bias + p * LANES) : _mm512_setzero_ps();
+    __m512 bias = _mm512_setzero_ps();
+    if (c->bias != NULL && c->bias_bf16) /* bf16 widened exactly: its bits in a float's top half */
+        bias = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)c->bias + p * LANES))), 16));
+    else if (c->bias != NULL)
+        bias = _mm512_loadu_ps((const float *)c->bias + p * LANES);
     for (int r = 0; r < rows; r++) {
         const __m512 v = c->bias ? _mm512_add_ps(_mm512_loadu_ps(acc[r]), bias) : _mm512_loadu_ps(acc[r]);
         const int64_t at = (row0 + r) * c->y_stride + p * LANES;
