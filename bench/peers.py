@@ -965,7 +965,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", default=None, help="a HF model folder (default: radixrt's default model)")
     add(
         "--radixrt-args",
-        default="",
+        default="--dtype bfloat16",  # the default model's bf16 folder, the weights vLLM reads
         help="added to radixrt launch and the Engine's config (--radixrt-args='--x y')",
     )
     add("--vllm-python", default=None, help="the python of vLLM's environment")
@@ -1007,7 +1007,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from radixrt.model.default_model import resolve_model_path
 
-    model_dir = resolve_model_path(args.model)
+    model_dir = resolve_model_path(args.model, "bfloat16")  # the peers read its bf16 folder
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     sz = sizes(args.scale, args.poisson_requests)
     if "poisson" in args.workloads and args.rate is None:

@@ -85,7 +85,8 @@ class EngineConfig:
     )
     dtype: str = setting(
         "auto",
-        "weights and KV dtype; auto: bfloat16 on CPU, the model's own on GPU",
+        "activations, KV and dense weights' dtype; auto: bfloat16 on CPU, the model's own on "
+        "GPU (the default model: auto serves its Q4_1 file, a dtype its converted folder)",
         choices=DTYPES,
     )
     max_total_tokens: int | None = setting(

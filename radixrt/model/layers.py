@@ -16,6 +16,7 @@ from radixrt.model import rope
 from radixrt.model.kernel_set import Kernels
 from radixrt.model.linear_methods import ActAfter, QKVShape, RotateAfter
 from radixrt.quant.formats import QuantTensor, stack
+from radixrt.quant.quant_linear import QuantLinear
 from radixrt_kernels.cpu import quant as cpu_quant
 
 DEFAULT_KERNELS = Kernels()  # PyTorch's ops: for layers built outside a model runner
@@ -242,9 +243,13 @@ class VocabEmbedding(nn.Module):
         quant = self.quantized
         if quant is None:
             return F.embedding(ids, self.weight)
-        rows = cpu_quant.rows(
-            self.lib, quant.qtype, quant.raw, ids.cpu(), quant.k, self.weight.dtype
-        )
+        packed = getattr(self.weight, "packed", None)  # a tied LM head's blocks, in its layout
+        if packed is not None:
+            rows = cpu_quant.rows_packed(self.lib, *packed, ids.cpu(), self.weight.dtype)
+        else:
+            rows = cpu_quant.rows(
+                self.lib, quant.qtype, quant.raw, ids.cpu(), quant.k, self.weight.dtype
+            )
         return rows.to(ids.device).reshape(*ids.shape, quant.k)
 
 
@@ -263,8 +268,14 @@ class LMHead(VocabEmbedding):
         if self.matmul_weight is not None:
             return
         if self.quantized is not None:
-            self.method = self.kernels.quantized_for([self.quantized])
-            self.matmul_weight = self.method.prepare([self.quantized])
+            q = self.quantized
+            self.method = self.kernels.quantized_for([q])
+            self.matmul_weight = self.method.prepare([q])
+            if isinstance(self.method, QuantLinear) and self.method.lib is not None:
+                # One copy of the blocks: an embedding sharing this parameter (tied) looks its
+                # rows up in the packed layout, and the file's raw blocks are let go.
+                self.weight.packed = (q.qtype, self.matmul_weight, q.shape[0], q.k)
+                self.weight.quant = {None: q.rows(slice(0, 0))}
         else:
             self.matmul_weight = self.method.prepare(self.weight.detach())
         super().prepare_weights()

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # Mistral's files say "llama"
 PERMUTED_QK = ("llama",)  # llama.cpp's converter permuted q/k rows for its rotary layout
 MARKER = "radixrt-gguf.json"
-FOLDER_VERSION = 1
+FOLDER_VERSION = 2
 
 # GGUF tensor name (layer index as N) -> Hugging Face checkpoint name
 LAYER_NAMES = {
@@ -172,14 +172,17 @@ def iter_gguf_weights(folder: str | os.PathLike[str]):
     return GGUFFile(gguf_source(folder)).tensors()
 
 
-def gguf_model_folder(path: str | os.PathLike[str], chat_template: str | None = None) -> str:
+def gguf_model_folder(
+    path: str | os.PathLike[str], chat_template: str | None = None, name: str | None = None
+) -> str:
     """The model folder for GGUF file ``path`` (the module's text), written on first use under a
-    lock. ``chat_template``: the template to use where the file carries none."""
+    lock. ``chat_template``: the template to use where the file carries none; ``name``: the
+    model's name (``model_name``; default the file's name without ``.gguf``)."""
     src = Path(path).expanduser().resolve()
     if not src.is_file():
         raise FileNotFoundError(f"GGUF file {str(src)!r} does not exist")
     st = src.stat()
-    key = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0{FOLDER_VERSION}"
+    key = f"{src}\0{st.st_size}\0{st.st_mtime_ns}\0{FOLDER_VERSION}\0{name}"
     target = (
         Path(cache_dir()) / "gguf" / f"{src.stem}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     )
@@ -189,16 +192,19 @@ def gguf_model_folder(path: str | os.PathLike[str], chat_template: str | None = 
     target.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(target.parent / f".{target.name}.lock"):
         if not is_gguf_folder(target):
-            _write_folder(gguf, target, key, chat_template)
+            _write_folder(gguf, target, key, chat_template, name or src.stem)
     return str(target)
 
 
-def _write_folder(gguf: GGUFFile, target: Path, key: str, chat_template: str | None) -> None:
+def _write_folder(
+    gguf: GGUFFile, target: Path, key: str, chat_template: str | None, name: str
+) -> None:
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
     try:
         write_metadata(gguf, tmp, chat_template)
-        marker = {"source": str(gguf.path), "key": key, "architecture": gguf.arch, **gguf.types}
+        marker = {"source": str(gguf.path), "name": name, "key": key, "architecture": gguf.arch}
+        marker.update(gguf.types)
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
         make_shareable(tmp)
         replace_folder(tmp, target)
@@ -296,7 +302,7 @@ def replace_folder(new: Path, target: Path) -> None:
 def model_name(folder: str | os.PathLike[str]) -> str:
     """A model's name: a GGUF model's file name without ``.gguf``, else its folder's name."""
     if is_gguf_folder(folder):
-        return gguf_source(folder).stem
+        return json.loads((Path(folder) / MARKER).read_text(encoding="utf-8"))["name"]
     return os.path.basename(os.path.normpath(folder))
 
 

@@ -123,7 +123,7 @@ class Launcher:
             self.spawn_replica(i)
         from radixrt.model.default_model import resolve_model_path
 
-        model_path = resolve_model_path(self.config.model)
+        model_path = resolve_model_path(self.config.model, self.config.dtype)
         detok = DetokenizerArgs(**self.child(), model_path=model_path)
         self._spawn("detokenizer", run_detokenizer, detok)
         pids = {name: p.pid for name, p in self.procs.items()}

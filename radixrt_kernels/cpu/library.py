@@ -119,6 +119,7 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
     "radixrt_quant_pack": [_int, _ptr, _i64, _i64, _i64, _ptr],
     "radixrt_quant_dequantize": [_int, _ptr, _i64, _i64, _ptr],
     "radixrt_quant_rows": [_int, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _int],
+    "radixrt_quant_rows_packed": [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _int],
     "radixrt_quant_linear": [
         _int,
         _ptr,

@@ -291,6 +291,37 @@ int radixrt_quant_dequantize(int ggml, const uint8_t *packed, int64_t n, int64_t
     return 0;
 }
 
+/* Rows ids[0 .. count) of a packed weight [n, k] as float32 (bf16 where out_bf16, rounded once):
+ * radixrt_quant_dequantize's values of those rows (an embedding's lookup in a tied LM head's
+ * blocks). Returns -1 for a size or an id out of range. */
+int radixrt_quant_rows_packed(int ggml, const uint8_t *packed, int64_t n, int64_t k, const int64_t *ids,
+                              int64_t count, void *out, int out_bf16) {
+    const int qt = type_index(ggml);
+    if (radixrt_quant_packed_bytes(ggml, n, k) < 0 || count < 0) return -1;
+    for (int64_t r = 0; r < count; r++)
+        if (ids[r] < 0 || ids[r] >= n) return -1;
+    const struct qlayout *L = &LAYOUTS[qt];
+    const int per = L->qk / 32;
+    const int64_t nb = k / 32, blocks = k / L->qk;
+    for (int64_t r = 0; r < count; r++) {
+        const int64_t p = ids[r] / LANES, o = ids[r] % LANES;
+        int16_t w[8][64];
+        float a[2][LANES], off[LANES];
+        for (int64_t b = 0; b < nb; b++) {
+            unpack_portable(L, packed + (p * blocks + b / per) * L->rec, (int)(b % per), w, a, off);
+            for (int i = 0; i < 32; i++) {
+                const float y = a[i / 16][o] * (float)w[i / 4][4 * o + i % 4];
+                const float v = L->c_kind == C_NONE ? y : y + off[o];
+                if (out_bf16)
+                    ((bf16 *)out)[r * k + 32 * b + i] = f32_to_bf16(v);
+                else
+                    ((float *)out)[r * k + 32 * b + i] = v;
+            }
+        }
+    }
+    return 0;
+}
+
 /* Value i (0 .. qk - 1) of a decoded block: a·w + c, with unpack_portable's a and c. */
 static float raw_value(const struct qlayout *L, const struct rawblk *b, int i) {
     const float d = half_to_float(b->d);

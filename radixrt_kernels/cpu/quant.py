@@ -124,6 +124,33 @@ class Segment(NamedTuple):
     n: int
 
 
+def rows_packed(
+    lib: ctypes.CDLL,
+    qtype: str,
+    packed: torch.Tensor,
+    n: int,
+    k: int,
+    ids: torch.Tensor,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Rows ``ids`` (int64 [T]) of a weight [n, k] packed by ``pack``, as [T, k] in dtype (float32
+    or bf16): ``dequantize``'s values of those rows, rounded once (a tied LM head's blocks as its
+    embedding)."""
+    _type(qtype)
+    _check_packed(lib, qtype, packed, n, k)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{qtype}: rows come out float32 or bf16, not {dtype}")
+    ids = ids.reshape(-1).to(torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], k, dtype=dtype)
+    rc = lib.radixrt_quant_rows_packed(
+        QTYPES[qtype], packed.data_ptr(), n, k, ids.data_ptr(), ids.shape[0], out.data_ptr(),
+        dtype == torch.bfloat16,
+    )  # fmt: skip
+    if rc != 0:
+        raise ValueError(f"{qtype}: an id outside [0, {n}) or a weight [{n}, {k}] it does not take")
+    return out
+
+
 def rows(
     lib: ctypes.CDLL | None,
     qtype: str,

@@ -64,7 +64,9 @@ def test_layout(model_path):
         default_model._MARKER,
     ):
         assert (p / name).is_file(), name
-    assert resolve_model_path(None) == model_path
+    assert resolve_model_path(None, "bfloat16") == model_path  # a dtype named: the folder
+    assert resolve_model_path(None, "float32") == model_path
+    assert resolve_model_path(None) == default_model.default_gguf_path()  # auto: the Q4_1 file
     assert resolve_model_path(model_path) == model_path
     assert default_model_path() == model_path  # cached: no reconversion
 

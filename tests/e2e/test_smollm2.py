@@ -1,4 +1,7 @@
-"""The embedded default model (SmolLM2-135M-Instruct), greedy against transformers in float32."""
+"""The embedded default model (SmolLM2-135M-Instruct): served from its shipped Q4_1 file by
+default (named as the model, its weights in their blocks, the decode chain on), its converted
+bf16 folder with a dtype named (float32 here) greedy against transformers in float32; structured outputs
+and exact outputs on both."""
 
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ def test_default_model_greedy_matches_transformers(engine_factory):
     from radixrt.model.default_model import default_model_path
 
     path = default_model_path()
-    eng = engine_factory(None, max_total_tokens=4096)
+    eng = engine_factory(None, max_total_tokens=4096)  # float32: the converted folder
     assert eng.model_path == path
     assert eng.runner.huge_pages  # its weights outgrow the caches (radixrt.memory)
     outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True))
@@ -52,8 +55,8 @@ def test_default_model_greedy_matches_transformers(engine_factory):
 
 
 def test_default_model_json_schemas_and_regexes(engine_factory):
-    """Structured outputs on the default model (bf16, as served): every output is complete and
-    valid, greedy and sampled."""
+    """Structured outputs on the default model (its Q4_1 file, as served): every output is
+    complete and valid, greedy and sampled."""
     import json
     import re
 
@@ -79,15 +82,16 @@ def test_default_model_json_schemas_and_regexes(engine_factory):
         assert re.fullmatch(REGEXES[name], out.text), out.text
 
 
-def test_default_model_outputs_are_exact_alone_batched_and_cached(engine_factory):
-    """The default model in bf16 (the CPU default): 16 prompts sharing a 200-token prefix, 16
-    greedy tokens each with their logprobs and top logprobs: the same bits alone on a flushed
-    cache, all 16 batched cold, and batched again on the warm cache."""
+@pytest.mark.parametrize("dtype", ["auto", "bfloat16"])  # the Q4_1 file, the bf16 folder
+def test_default_model_outputs_are_exact_alone_batched_and_cached(engine_factory, dtype):
+    """The default model as served (its Q4_1 file) and in bf16: 16 prompts sharing a
+    200-token prefix, 16 greedy tokens each with their logprobs and top logprobs: the same bits
+    alone on a flushed cache, all 16 batched cold, and batched again on the warm cache."""
     import random
 
     from radixrt.testing import output_bits
 
-    eng = engine_factory(None, dtype="bfloat16", max_total_tokens=8192)
+    eng = engine_factory(None, dtype=dtype, max_total_tokens=8192)
     assert eng.runner.exactness.exact, eng.runner.exactness.describe()
     rng = random.Random(0)
     vocab = eng.model_config.vocab_size
@@ -106,3 +110,21 @@ def test_default_model_outputs_are_exact_alone_batched_and_cached(engine_factory
     assert all(o.cached_tokens >= 200 for o in cached)
     assert [output_bits(o) for o in batched] == alone
     assert [output_bits(o) for o in cached] == alone
+
+
+def test_the_default_model_is_served_from_its_q4_1_file(engine_factory):
+    from radixrt.model.default_model import default_gguf_path
+    from radixrt.quant.gguf_model import gguf_source, model_name
+
+    eng = engine_factory(None, dtype="auto", max_total_tokens=4096)
+    assert eng.model_path == default_gguf_path() and model_name(eng.model_path) == (
+        "SmolLM2-135M-Instruct"
+    )
+    assert gguf_source(eng.model_path).name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    weights = eng.runner.weights_info
+    assert weights["quantization"] == "gguf" and weights["weights"]["lm_head"].startswith("Q8_0")
+    assert weights["weights"]["model.layers.mlp.gate_up_proj"].startswith("Q4_1")
+    assert weights["weight_bytes"] <= 1.1 * weights["weight_file_bytes"]
+    assert eng.runner.decode_chain is not None, eng.runner.decode_chain_info
+    out = eng.generate(PROMPTS[:1], SamplingParams(max_new_tokens=4, temperature=0))[0]
+    assert "Berlin" in out.text

@@ -350,3 +350,10 @@ def test_looked_up_rows_are_gguf_s_values(lib, qtype: str) -> None:
     assert torch.equal(quant.rows(None, qtype, raw, ids, 512, torch.bfloat16), got)
     with pytest.raises(ValueError, match=r"rows \[3, 40\] are not all in 0 .. 39"):
         quant.rows(lib, qtype, raw, torch.tensor([3, 40]), 512)
+    packed = quant.pack(lib, qtype, raw, 512)  # a tied LM head's layout: the same values
+    got_packed = quant.rows_packed(lib, qtype, packed, 40, 512, ids)
+    assert torch.equal(got_packed.view(torch.int32), want.view(torch.int32))
+    got_packed = quant.rows_packed(lib, qtype, packed, 40, 512, ids, torch.bfloat16)
+    assert torch.equal(got_packed, got)
+    with pytest.raises(ValueError, match=r"an id outside \[0, 40\)"):
+        quant.rows_packed(lib, qtype, packed, 40, 512, torch.tensor([40]))
