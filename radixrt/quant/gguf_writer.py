@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,15 @@ def quantize(w: torch.Tensor, qtype: str) -> np.ndarray:
     return rtn.quantize(w, qtype).raw.numpy()
 
 
-def write_gguf(folder: str | os.PathLike[str], path: str | os.PathLike[str], qtype: str) -> str:
-    """Write HF model ``folder`` to GGUF file ``path`` (module text); returns ``path``."""
+def write_gguf(
+    folder: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    qtype: str,
+    blocks: Callable[[torch.Tensor, str], np.ndarray] | None = None,
+) -> str:
+    """Write HF model ``folder`` to GGUF file ``path`` (module text); returns ``path``.
+    ``blocks(w, qtype)`` gives a 2-D weight's blocks (default ``quantize``; the tests pass
+    random blocks for the types nothing here quantizes to)."""
     import gguf
 
     from radixrt.model.weights import iter_weights
@@ -64,7 +72,7 @@ def write_gguf(folder: str | os.PathLike[str], path: str | os.PathLike[str], qty
         if arch in PERMUTED_QK and name.endswith(("q_proj.weight", "k_proj.weight")):
             w = permute_rows(w, heads if "q_proj" in name else kv_heads)
         if w.dim() == 2:
-            raw = quantize(w, qtype)
+            raw = (blocks or quantize)(w, qtype)
             writer.add_tensor(
                 gguf_tensor_name(name), raw, raw_dtype=gguf.GGMLQuantizationType[qtype]
             )

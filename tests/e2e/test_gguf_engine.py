@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -50,11 +51,39 @@ def _follows(ref, got) -> None:
         assert a == b, f"token {i}: {b} where the float32 model's {a} leads by {lps[0] - lps[1]}"
 
 
+def random_blocks(w: torch.Tensor, qtype: str) -> np.ndarray:
+    """Random blocks of ``qtype`` for a weight of ``w``'s shape, their fp16 scales small (the
+    types no quantizer here writes: what the model computes from them is what is checked)."""
+    from radixrt.quant.formats import BLOCK_TYPES
+
+    t = BLOCK_TYPES[qtype]
+    n, blocks = w.shape[0], w.shape[1] // t.block
+    g = torch.Generator().manual_seed(n * 7919 + w.shape[1])
+    raw = torch.randint(0, 256, (n, blocks, t.type_size), generator=g, dtype=torch.uint8)
+    # |w| around 0.03, as the other tiny models
+    scale = (torch.rand(n, blocks, generator=g) * 4e-5 + 1e-5).half().view(torch.uint8)
+    where = {"Q5_K": [0, 2], "Q6_K": [t.type_size - 2]}[qtype]  # d (and dmin) offsets
+    for at in where:
+        raw[..., at : at + 2] = scale.view(n, blocks, 2)
+    return raw.reshape(n, -1).numpy()
+
+
 @pytest.mark.parametrize(
-    "arch,qtype", [("llama", "Q8_0"), ("llama", "Q4_1"), ("qwen2", "Q4_K"), ("qwen3", "Q5_0")]
+    "arch,qtype",
+    [
+        ("llama", "Q8_0"),
+        ("llama", "Q4_1"),
+        ("qwen2", "Q4_K"),
+        ("qwen3", "Q5_0"),
+        ("llama", "Q4_0"),
+        ("qwen2", "Q5_1"),
+        ("llama", "Q5_K"),
+        ("qwen2", "Q6_K"),
+    ],
 )
 def test_a_gguf_model_follows_float32_on_its_dequantized_weights(tmp_path, arch, qtype) -> None:
-    gguf = write_gguf(tiny_model_path(arch), tmp_path / "m.gguf", qtype)
+    blocks = random_blocks if qtype in ("Q5_K", "Q6_K") else None
+    gguf = write_gguf(tiny_model_path(arch), tmp_path / "m.gguf", qtype, blocks)
     ref_folder = _dequantized_folder(gguf, tmp_path / "ref")
     sp = SamplingParams(max_new_tokens=12, temperature=0, logprobs=True, top_logprobs=2)
     with Engine(model=ref_folder, dtype="float32", max_total_tokens=1024) as eng:

@@ -1,7 +1,7 @@
 """The embedded default model (SmolLM2-135M-Instruct): served from its shipped Q4_1 file by
-default (named as the model, its weights in their blocks, the decode chain on), its converted
-bf16 folder with a dtype named (float32 here) greedy against transformers in float32; structured outputs
-and exact outputs on both."""
+default (named as the model, its weights in their blocks, the decode chain on); with a dtype
+named (float32 here), its converted folder, greedy against transformers in float32; structured
+outputs and exact outputs on both."""
 
 from __future__ import annotations
 
