@@ -153,3 +153,16 @@ def test_quantizing_at_load_runs_the_same_blocks_as_its_gguf_file(tmp_path, quan
         from_file = eng.generate(PROMPTS, sp)
     for a, b in zip(loaded, from_file):
         assert a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def test_a_gguf_file_missing_a_tensor_is_refused_naming_it(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    folder = tmp_path / "src"
+    shutil.copytree(tiny_model_path("llama"), folder)
+    tensors = load_file(str(folder / "model.safetensors"))
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(folder / "model.safetensors"))
+    gguf = write_gguf(folder, tmp_path / "m.gguf", "Q8_0")
+    with pytest.raises(ValueError, match=r"missing parameters: \['model.layers.1.mlp.down_proj"):
+        Engine(model=gguf, max_total_tokens=256)
