@@ -15,8 +15,6 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,8 +23,8 @@ from typing import Any
 import torch
 
 from radixrt.model.hf_config import ModelConfig
-from radixrt.model.weights import cache_dir, make_shareable
-from radixrt.quant.gguf_model import cleaned_config, file_lock, gguf_model_folder, replace_folder
+from radixrt.model.weights import cache_dir
+from radixrt.quant.gguf_model import building_folder, cleaned_config, file_lock, gguf_model_folder
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -200,8 +198,7 @@ def convert_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     logger.info("converting %s -> %s (one time)", gguf, target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
+    with building_folder(target) as tmp:
         eos_id = _write_dequantised(gguf, dtype, tmp)
         _check_reloads(tmp, eos_id)
         marker = {
@@ -213,11 +210,6 @@ def convert_gguf(
             **_transformers_version(),
         }
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-        make_shareable(tmp)
-        replace_folder(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s", gguf.name, time.perf_counter() - t0)
     return str(target)
 

@@ -200,17 +200,11 @@ def _write_folder(
     gguf: GGUFFile, target: Path, key: str, chat_template: str | None, name: str
 ) -> None:
     t0 = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
-    try:
+    with building_folder(target) as tmp:
         write_metadata(gguf, tmp, chat_template)
         marker = {"source": str(gguf.path), "name": name, "key": key, "architecture": gguf.arch}
         marker.update(gguf.types)
         (tmp / MARKER).write_text(json.dumps(marker, indent=2) + "\n", encoding="utf-8")
-        make_shareable(tmp)
-        replace_folder(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     logger.info(
         "read %s's config and tokenizer in %.1f s", gguf.path.name, time.perf_counter() - t0
     )
@@ -288,6 +282,20 @@ def file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@contextmanager
+def building_folder(target: Path) -> Iterator[Path]:
+    """A temporary sibling of ``target`` to write a folder into; renamed into place (with the
+    permissions the umask allows) when the block ends without an error, deleted either way."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{target.name}-", dir=target.parent))
+    try:
+        yield tmp
+        make_shareable(tmp)
+        replace_folder(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def replace_folder(new: Path, target: Path) -> None:
