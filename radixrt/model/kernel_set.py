@@ -28,6 +28,7 @@ kernels' modules say where they round; float32's up to the order of its sums).
 from __future__ import annotations
 
 import ctypes
+import functools
 import tempfile
 from collections.abc import Callable
 
@@ -175,6 +176,19 @@ CPU = torch.device("cpu")
 ROW_INVARIANT = PACKED | {F32}  # the linear paths whose rows do not depend on their batch
 
 
+class Deferred:
+    """A dense linear method made when its weight is prepared (``Kernels.defer``): the layers of
+    a quantized model whose weights load quantized never make one, nor measure its paths."""
+
+    name = "chosen when its weight loads"
+
+    def __init__(self, make: Callable[[], object]) -> None:
+        self.make = make
+
+    def resolve(self):
+        return self.make()
+
+
 class Kernels:
     """One model's kernels. ``linear`` says which linear path each weight shape runs: a path
     name for every shape (one of ``calibrate.PATHS``, or ``calibrate.F32`` for float32 weights),
@@ -211,6 +225,7 @@ class Kernels:
         self.act = act or TorchSiluMul()
         self.chosen: dict[str, str] = {}  # "n x k" → the path(s) it runs, for describe()
         self.users: dict[str, int] = {}  # "n x k" → the layers built on it and not quantized
+        self.defer = False  # dense methods made when their weights load (a quantized model)
 
     def _choice(self, n: int, k: int, large: bool = True) -> Choice:
         choice = self.choose(n, k, large)
@@ -252,14 +267,27 @@ class Kernels:
             return form(choice.small, choice.large)
         return ByRows(form(choice.small, choice.small), form(choice.large, choice.large), THRESHOLD)
 
-    def linear_for(self, out_features: int, in_features: int, large: bool = True) -> LinearMethod:
+    def _deferred(self, make, *args):
+        return Deferred(functools.partial(make, *args)) if self.defer else make(*args)
+
+    def linear_for(self, out_features: int, in_features: int, large: bool = True):
         """The method for a weight [out_features, in_features] (``large`` False: it never sees
         more than decode-sized calls)."""
-        choice = self._choice(out_features, in_features, large)
-        return self._split(choice, self._plain, in_features)
+        return self._deferred(self._linear_for, out_features, in_features, large)
 
     def gated_for(self, half: int, in_features: int):
         """[gate; up] [2·half, in_features] → silu(gate)·up."""
+        return self._deferred(self._gated_for, half, in_features)
+
+    def rotary_qkv_for(self, shape: QKVShape, out_features: int, in_features: int):
+        """qkv [out_features, in_features] → q and k rotated, v."""
+        return self._deferred(self._rotary_qkv_for, shape, out_features, in_features)
+
+    def _linear_for(self, out_features: int, in_features: int, large: bool) -> LinearMethod:
+        choice = self._choice(out_features, in_features, large)
+        return self._split(choice, self._plain, in_features)
+
+    def _gated_for(self, half: int, in_features: int):
         choice = self._choice(2 * half, in_features)
 
         def form(small: str, big: str):
@@ -269,8 +297,7 @@ class Kernels:
 
         return self._split(choice, form, in_features)
 
-    def rotary_qkv_for(self, shape: QKVShape, out_features: int, in_features: int):
-        """qkv [out_features, in_features] → q and k rotated, v."""
+    def _rotary_qkv_for(self, shape: QKVShape, out_features: int, in_features: int):
         choice = self._choice(out_features, in_features)
 
         def form(small: str, big: str):
@@ -296,7 +323,8 @@ class Kernels:
         else:
             method = QuantLinear(self.lib, segments)
         n, k = sum(s.shape[0] for s in segments), segments[0].k
-        self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1  # its bf16 choice unused
+        if not self.defer:  # the layer was given a dense method at construction: unused
+            self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1
         self.chosen[f"{n}x{k} {'+'.join(dict.fromkeys(method.types))}"] = method.name
         return method
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radixrt.model import rope
-from radixrt.model.kernel_set import Kernels
+from radixrt.model.kernel_set import Deferred, Kernels
 from radixrt.model.linear_methods import ActAfter, QKVShape, RotateAfter
 from radixrt.quant.formats import QuantTensor, stack
 from radixrt.quant.quant_linear import QuantLinear
@@ -97,6 +97,8 @@ class Linear(nn.Module):
             return
         segments = _quantized(self.weight, self.SHARDS)
         if segments is None:
+            if isinstance(self.method, Deferred):
+                self.method = self.method.resolve()
             w = self.method.prepare(self.weight.detach())
         else:
             if sum(q.shape[0] for q in segments) != self.out_features or any(
@@ -277,6 +279,8 @@ class LMHead(VocabEmbedding):
                 self.weight.packed = (q.qtype, self.matmul_weight, q.shape[0], q.k)
                 self.weight.quant = {None: q.rows(slice(0, 0))}
         else:
+            if isinstance(self.method, Deferred):
+                self.method = self.method.resolve()
             self.matmul_weight = self.method.prepare(self.weight.detach())
         super().prepare_weights()
 

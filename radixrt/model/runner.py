@@ -102,6 +102,7 @@ class ModelRunner:
         not_exact: list[str] = []
         lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None
         self.kernels = self._kernels(config, lib, wanted, not_exact)
+        self.kernels.defer = is_gguf_folder(model_path) or config.quantization is not None
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
         self.weights_info = self._describe_weights(config, model_path, lib)
