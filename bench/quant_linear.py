@@ -21,18 +21,10 @@ import time
 import torch
 
 from radixrt.quant import arithmetic
+from radixrt.quant.formats import random_blocks
 from radixrt_kernels.cpu import library, quant
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
-
-
-def random_raw(qtype: str, n: int, k: int) -> torch.Tensor:
-    """Random blocks whose every fp16 field is a normal number near 1e-2 (subnormal scales
-    would time the CPU's denormal assists)."""
-    blocks = k // arithmetic.BLOCK[qtype]
-    raw = torch.randint(0, 256, (n, blocks, arithmetic.TYPE_SIZE[qtype]), dtype=torch.uint8)
-    raw[..., 1::2] = (raw[..., 1::2] & 0x83) | 0x20  # every odd byte: exponent 2^-7 .. 2^-4
-    return raw.view(n, -1)
 
 
 def time_calls(fn, repeats: int) -> float:
@@ -46,7 +38,7 @@ def time_calls(fn, repeats: int) -> float:
 
 
 def cell(lib, qtype: str, n: int, k: int, path: str, args) -> tuple[float, float]:
-    raw = random_raw(qtype, n, k)
+    raw = random_blocks(qtype, n, k)
     packed = quant.pack(lib, qtype, raw, k)
     copies = [packed] + [
         packed.clone() for _ in range(max(0, args.copies_mib * 2**20 // packed.numel() - 1))

@@ -34,6 +34,14 @@ use, PyTorch version and oneDNN limit, and a choice is kept once measured, even 
 A cache the process cannot lock or write is refused there (``NotExact``) rather than measured
 per process.
 
+``Calibrator.quant_choice(qtype, n, k)`` times the quantized kernels' paths
+(``radixrt_kernels.cpu.quant``: AVX2, AVX-512 VNNI, AMX-int8, those that run here; the portable
+one where no other does) on random blocks of the type, at ``QUANT_ROWS`` rows as the decode-sized
+timing above and at ``LARGE_ROWS`` as the prefill-sized one. AMX tiles cost most at one row and
+least at many, so the choice is a path for the fewest rows, one for the most, and the row count
+up to which the first is as fast (``QuantChoice``). Those paths give the same bits, so exact
+mode takes the fastest as well.
+
 ``Calibrator.attention_dots(kv_heads, group, head_dim)`` settles the same question for the
 CPU attention kernel's bf16 work that AMX does not take: AVX512-BF16 dot products, or the
 values widened to float32 for FMA (vdpbf16ps has half FMA's throughput on some CPUs, twice
@@ -69,10 +77,12 @@ from radixrt.model.linear_methods import (
     TorchFP32Linear,
     onednn_works,
 )
+from radixrt.quant.formats import random_blocks
 from radixrt_kernels.cpu import attention as cpu_attention
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu import quant as cpu_quant
 
 logger = logging.getLogger(__name__)
 
@@ -285,6 +295,62 @@ def _one_path(small: dict[str, float], large: dict[str, float]) -> str:
     return min(small, key=cost)
 
 
+def time_quant_paths(
+    lib, qtype: str, n: int, k: int, paths: list[str], rows: int, cold: bool, chained: bool
+) -> dict[str, float]:
+    """Seconds per call of each quantized kernel path on [rows, k] · [n, k]ᵀ for random
+    ``qtype`` blocks, as ``time_paths`` times the bf16 ones (``cold``: cycling through weight
+    copies; ``chained``: the copies as one decode chain)."""
+    gen = torch.Generator().manual_seed(n * 7919 + k)
+    packed = cpu_quant.pack(lib, qtype, random_blocks(qtype, n, k, gen), k)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    copies = min(MAX_COPIES, max(1, math.ceil(COLD_BYTES / packed.numel()))) if cold else 1
+    weights = [packed] + [packed.clone() for _ in range(copies - 1)]
+    best = dict.fromkeys(paths, float("inf"))
+
+    def each(path: str) -> None:
+        for w in weights:
+            cpu_quant.linear(lib, qtype, x, w, n, k, force_path=path)
+
+    runs = {p: functools.partial(each, p) for p in paths}
+    if chained:
+        out = torch.empty(rows, n, dtype=torch.bfloat16)
+        for p in paths:
+            chain = cpu_chain.Chain(lib)
+            for w in weights:
+                chain.quant_linear(qtype, x, w, n, k, out, path=p)
+            runs[p] = chain.run
+    for run in runs.values():  # warm-up
+        run()
+    for _ in range(ROUNDS):
+        for p, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            best[p] = min(best[p], (time.perf_counter() - t0) / copies)
+    return best
+
+
+QUANT_ROWS = (1, 4, 16, THRESHOLD)  # the decode-sized row counts quantized paths are timed at
+
+
+class QuantChoice(NamedTuple):
+    """A quantized weight's paths: ``small`` for calls of up to ``rows`` rows, ``large`` above."""
+
+    small: str
+    large: str
+    rows: int
+
+
+def _quant_paths(seconds: dict[int, dict[str, float]]) -> QuantChoice:
+    """From each path's seconds per call at each timed row count: the fastest at the fewest
+    rows, the fastest at the most, and the most rows at which the first is as fast."""
+    fewest, most = min(seconds), max(seconds)
+    small = min(seconds[fewest], key=seconds[fewest].get)
+    large = min(seconds[most], key=seconds[most].get)
+    rows = max(r for r, t in seconds.items() if t[small] <= t[large])
+    return QuantChoice(small, large, rows)
+
+
 ATTN_REQUESTS, ATTN_KEYS, ATTN_NEW = 16, 512, 128  # the attention timing's batch
 
 
@@ -395,6 +461,52 @@ class Calibrator:
         if self.exact:
             return small == large and small in row_invariant_paths(self.lib)
         return small in PATHS and large in PATHS
+
+    def quant_choice(self, qtype: str, n: int, k: int, large: bool = True) -> QuantChoice:
+        """The quantized kernel paths for ``qtype`` weights [n, k] (``large`` False: only
+        decode-sized calls happen, as for an LM head). Every path gives the same bits, so exact
+        mode takes the fastest as well."""
+        paths = [p for p in cpu_quant.PATHS if cpu_quant.path_available(self.lib, qtype, p)]
+        if len(paths) > 1:
+            paths.remove("portable")  # the scalar reference build, never the fastest
+        key = f"{qtype}:{n}x{k}" + ("" if large else ":small")
+
+        def valid(entry: dict) -> bool:
+            return (
+                entry.get("small") in paths
+                and entry.get("large") in paths
+                and isinstance(entry.get("rows"), int)
+            )
+
+        measure = functools.partial(self._measure_quant, qtype, n, k, paths, large)
+        entry = self._entry(key, valid, measure)
+        return QuantChoice(entry["small"], entry["large"], entry["rows"])
+
+    def _measure_quant(self, qtype: str, n: int, k: int, paths: list[str], large: bool) -> dict:
+        t0 = time.perf_counter()
+        steps = [*QUANT_ROWS, LARGE_ROWS] if large else list(QUANT_ROWS)
+
+        def measure() -> dict[int, dict[str, float]]:
+            return {
+                rows: time_quant_paths(
+                    self.lib, qtype, n, k, paths, rows, rows <= THRESHOLD, self.chained
+                )
+                for rows in steps
+            }
+
+        seconds, busy = settled(measure, f"the {qtype} {n}x{k} linear", self.exact)
+        choice = _quant_paths(seconds)
+        logger.info(
+            "calibrated the %s %dx%d linear in %.1f s: %s up to %d rows, %s above",
+            qtype,
+            n,
+            k,
+            time.perf_counter() - t0,
+            choice.small,
+            choice.rows,
+            choice.large,
+        )
+        return {**choice._asdict(), "seconds": seconds, "busy_cores": busy}
 
     def attention_dots(self, kv_heads: int, group: int, head_dim: int) -> bool:
         """Whether the CPU attention kernel runs this shape's bf16 work faster on dot products

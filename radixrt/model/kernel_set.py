@@ -42,6 +42,7 @@ from radixrt.model.calibrate import (
     Calibrator,
     Choice,
     NotExact,
+    QuantChoice,
     make_method,
 )
 from radixrt.model.linear_methods import (
@@ -208,8 +209,10 @@ class Kernels:
         compiled: bool = False,
         exact: bool = False,
         device: torch.device = CPU,
+        quant: Callable[..., QuantChoice] | None = None,
     ) -> None:
         self.device = device
+        self.quant = quant
         if isinstance(linear, str):
             if exact and linear not in ROW_INVARIANT:
                 raise NotExact(
@@ -307,10 +310,13 @@ class Kernels:
 
         return self._split(choice, form, in_features)
 
-    def quantized_for(self, segments: list[QuantTensor]):
+    def quantized_for(self, segments: list[QuantTensor], large: bool = True):
         """The method of a quantized weight (``formats.QuantTensor`` segments, stacked in row
         order): the C kernels on the CPU, the Triton kernels on CUDA, both the same arithmetic
-        and row-invariant whatever the row count, so exact mode takes them as they are."""
+        and row-invariant whatever the row count, so exact mode takes them as they are. On the
+        CPU each segment's paths are ``quant``'s choice (qtype, n, k, large) → QuantChoice
+        where there is one (``large`` False: only decode-sized calls happen), else the
+        library's rule."""
         if self.compiled:
             raise ValueError(
                 "enable_torch_compile does not run quantized weights (their kernels are C calls "
@@ -321,7 +327,10 @@ class Kernels:
 
             method = TritonQuantLinear(segments, self.device)
         else:
-            method = QuantLinear(self.lib, segments)
+            paths = None
+            if self.quant is not None and self.lib is not None:
+                paths = [self.quant(s.qtype, s.shape[0], s.k, large) for s in segments]
+            method = QuantLinear(self.lib, segments, paths)
         n, k = sum(s.shape[0] for s in segments), segments[0].k
         if not self.defer:  # the layer was given a dense method at construction: unused
             self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1
@@ -359,6 +368,9 @@ def choose_kernels(
     if device.type != "cpu":
         return Kernels(device=device)
     elementwise = _elementwise(dtype, lib, compiled)
+    if lib is not None:
+        calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir(), chained=not compiled)
+        elementwise["quant"] = calibrator.quant_choice  # quantized weights' paths, any dtype
     if dtype != torch.bfloat16:
         return Kernels(**elementwise)
     if linear != "auto":
@@ -366,7 +378,6 @@ def choose_kernels(
         return Kernels(linear, lib, compiled=compiled, **elementwise)
     if lib is None:  # no packed kernels: oneDNN where it works, else PyTorch's bf16 linear
         return Kernels("onednn" if onednn_works() else "torch", compiled=compiled, **elementwise)
-    calibrator = Calibrator(lib, cache_dir or tempfile.gettempdir(), chained=not compiled)
     return Kernels(calibrator.choice, lib, compiled=compiled, **elementwise)
 
 
@@ -396,15 +407,16 @@ def exact_kernels(
             f"which is unavailable: {cpu_library.why_unavailable()}"
         )
     elementwise = _elementwise(dtype, lib, compiled)
+    calibrator = Calibrator(
+        lib, cache_dir or tempfile.gettempdir(), chained=not compiled, exact=True
+    )
+    elementwise["quant"] = calibrator.quant_choice  # quantized weights' paths, any dtype
     if dtype == torch.float32:
         return Kernels(F32, lib, compiled=compiled, exact=True, **elementwise)
     if linear != "auto":
         kernels = Kernels(linear, lib, compiled=compiled, exact=True, **elementwise)
         _check_runs(linear, lib)
         return kernels
-    calibrator = Calibrator(
-        lib, cache_dir or tempfile.gettempdir(), chained=not compiled, exact=True
-    )
     return Kernels(calibrator.choice, lib, compiled=compiled, exact=True, **elementwise)
 
 

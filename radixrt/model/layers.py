@@ -271,7 +271,7 @@ class LMHead(VocabEmbedding):
             return
         if self.quantized is not None:
             q = self.quantized
-            self.method = self.kernels.quantized_for([q])
+            self.method = self.kernels.quantized_for([q], large=False)  # sampled rows only
             self.matmul_weight = self.method.prepare([q])
             if isinstance(self.method, QuantLinear) and self.method.lib is not None:
                 # One copy of the blocks: an embedding sharing this parameter (tied) looks its

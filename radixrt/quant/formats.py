@@ -114,3 +114,17 @@ def stack(parts: list[QuantTensor]) -> list[QuantTensor]:
         else:
             out.append(part)
     return out
+
+
+def random_blocks(
+    qtype: str, n: int, k: int, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Random ``qtype`` blocks for a weight [n, k] (uint8 [n, k // block · type_size]) whose every
+    fp16 field is a normal number between 2^-7 and 2^-4 (subnormal scales would time the CPU's
+    denormal assists): for timing the kernels."""
+    t = BLOCK_TYPES[qtype]
+    raw = torch.randint(
+        0, 256, (n, k // t.block, t.type_size), dtype=torch.uint8, generator=generator
+    )
+    raw[..., 1::2] = (raw[..., 1::2] & 0x83) | 0x20  # every fp16 field's high byte: its exponent
+    return raw.view(n, -1)

@@ -1,11 +1,12 @@
 """The linear method of quantized weights.
 
-``QuantLinear(lib, segments)`` runs a weight given as ``formats.QuantTensor`` segments (one per
-run of a block type: a stacked q/k/v or gate/up weight may mix types), each segment's call
-writing its columns of one output (``cpu_quant.linear_stacked``). Each segment runs the C kernel
-of its type (``radixrt_kernels.cpu.quant``; without the library, the same arithmetic in
-PyTorch): the two give the same bits, and a row's bits do not depend on the rows beside it, so
-the method serves exact mode as it is.
+``QuantLinear(lib, segments, paths)`` runs a weight given as ``formats.QuantTensor`` segments
+(one per run of a block type: a stacked q/k/v or gate/up weight may mix types), each segment's
+call writing its columns of one output (``cpu_quant.linear_stacked``). Each segment runs the C
+kernel of its type (``radixrt_kernels.cpu.quant``; without the library, the same arithmetic in
+PyTorch) on the path ``paths`` gives it for the call's rows (``QuantChoice``: one path up to
+its ``rows``, another above; None: the library's rule). Every path gives the same bits, and a
+row's bits do not depend on the rows beside it, so the method serves exact mode as it is.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ctypes
 
 import torch
 
+from radixrt.model.calibrate import QuantChoice
 from radixrt.quant.formats import QuantTensor
 from radixrt_kernels.cpu import quant as cpu_quant
 
@@ -23,7 +25,12 @@ class QuantLinear:
 
     layout = "quantized"
 
-    def __init__(self, lib: ctypes.CDLL | None, segments: list[QuantTensor]) -> None:
+    def __init__(
+        self,
+        lib: ctypes.CDLL | None,
+        segments: list[QuantTensor],
+        paths: list[QuantChoice] | None = None,
+    ) -> None:
         if not segments or len({s.k for s in segments}) != 1:
             raise ValueError("a quantized weight needs segments of one input width")
         for s in segments:
@@ -32,9 +39,30 @@ class QuantLinear:
         self.lib, self.k = lib, segments[0].k
         self.types = [s.qtype for s in segments]
         self.rows = [s.shape[0] for s in segments]
+        if paths is None:
+            rule = cpu_quant.path  # the library's choice by rows
+            paths = [QuantChoice(rule(lib, t, 1), rule(lib, t, 512), 1) for t in self.types]
+            paths = [c._replace(rows=_rule_rows(lib, t, c)) for t, c in zip(self.types, paths)]
+        elif lib is None:
+            raise ValueError("a quantized weight's paths need the kernels' library")
+        for t, choice in zip(self.types, paths):
+            for p in (choice.small, choice.large):
+                if lib is not None and not cpu_quant.path_available(lib, t, p):
+                    raise ValueError(f"the {p} path does not run {t} weights here")
+        self.paths = [None if lib is None else c for c in paths]
         self.shapes: list[torch.Size] = []
-        where = " (C)" if lib is not None else " (torch)"
-        self.name = "+".join(dict.fromkeys(self.types)) + where
+        self.name = self._name()
+
+    def _name(self) -> str:
+        """Each type and its paths: 'Q4_1: small', 'Q4_1: small up to n rows, large above'
+        (without the library: 'Q4_1 (torch)')."""
+        if self.lib is None:
+            return "+".join(dict.fromkeys(self.types)) + " (torch)"
+        names = {}
+        for t, c in zip(self.types, self.paths):
+            same = c.small == c.large
+            names[t] = c.small if same else f"{c.small} up to {c.rows} rows, {c.large} above"
+        return "; ".join(f"{t}: {p}" for t, p in names.items())
 
     def prepare(self, segments: list[QuantTensor]) -> torch.Tensor:
         """Every segment in its kernel's layout, as one flat uint8 tensor."""
@@ -42,11 +70,19 @@ class QuantLinear:
         self.shapes = [p.shape for p in packed]
         return torch.cat([p.reshape(-1).view(torch.uint8) for p in packed])
 
-    def _segments(self, w: torch.Tensor) -> list[cpu_quant.Segment]:
+    def _segments(self, w: torch.Tensor, m: int) -> list[cpu_quant.Segment]:
+        """The segments of a call of m rows, each on its path for that class of calls."""
         sizes = [s.numel() for s in self.shapes]
         return [
-            cpu_quant.Segment(qtype, p.view(shape), rows)
-            for qtype, rows, p, shape in zip(self.types, self.rows, w.split(sizes), self.shapes)
+            cpu_quant.Segment(
+                qtype,
+                p.view(shape),
+                rows,
+                None if c is None else c.small if m <= c.rows else c.large,
+            )
+            for qtype, rows, p, shape, c in zip(
+                self.types, self.rows, w.split(sizes), self.shapes, self.paths
+            )
         ]
 
     def apply(
@@ -57,10 +93,19 @@ class QuantLinear:
         n: int,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        return cpu_quant.linear_stacked(self.lib, x, self._segments(w), self.k, bias, out_dtype)
+        m = x.numel() // self.k
+        return cpu_quant.linear_stacked(self.lib, x, self._segments(w, m), self.k, bias, out_dtype)
 
     def logits(self, x: torch.Tensor, w: torch.Tensor, n: int) -> torch.Tensor:
         return self.apply(x, w, None, n, torch.float32)
+
+
+def _rule_rows(lib, qtype: str, choice: QuantChoice) -> int:
+    """The most rows the library's rule gives ``choice.small``."""
+    rows = 1
+    while rows < 512 and cpu_quant.path(lib, qtype, rows + 1) == choice.small:
+        rows += 1
+    return rows
 
 
 def _linear_of(method):
@@ -74,8 +119,8 @@ def _linear_of(method):
 
 def describe_weights(model: torch.nn.Module, lib: ctypes.CDLL | None) -> dict[str, object]:
     """What the model's weights are and run on: per role (the module's name without its layer
-    index) the block types (or dtype) and the kernel paths of decode-sized and prefill-sized
-    calls; the bytes the weights hold."""
+    index) the block types (or dtype) and the kernel paths by the rows of a call; the bytes the
+    weights hold."""
     roles: dict[str, str] = {}
     held = 0
     for name, module in model.named_modules():
@@ -90,11 +135,7 @@ def describe_weights(model: torch.nn.Module, lib: ctypes.CDLL | None) -> dict[st
         if q is None:
             roles[role] = f"{weight.dtype} ({module.method.name})".replace("torch.", "")
             continue
-        paths = {t: (cpu_quant.path(lib, t, 1), cpu_quant.path(lib, t, 512)) for t in q.types}
-        roles[role] = ", ".join(
-            f"{t} ({small}" + (f"; prefill {large})" if large != small else ")")
-            for t, (small, large) in paths.items()
-        )
+        roles[role] = q.name
     for module in model.modules():  # embeddings and norms: their own bytes
         if not hasattr(module, "method") and isinstance(
             getattr(module, "weight", None), torch.Tensor

@@ -165,7 +165,8 @@ class Recorder(TorchFunctionMode):
             for s in segments:
                 b = None if bias is None else bias[row : row + s.n]
                 cols = out[:, row : row + s.n]
-                self.steps.append(Step("quant_linear", (s.qtype, x, s.packed, s.n, k, cols, b)))
+                step = (s.qtype, x, s.packed, s.n, k, cols, b, s.path)
+                self.steps.append(Step("quant_linear", step))
                 row += s.n
         return out
 

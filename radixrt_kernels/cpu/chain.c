@@ -22,7 +22,7 @@
 #define STEP_ATTENTION 4
 #define STEP_QUANT 5
 #define STEP_SILU_MUL 6
-#define STEP_FIELDS 20
+#define STEP_FIELDS 21
 #define ATTENTION_FIELDS 27
 
 /* One step (every field 8 bytes: a row of the caller's int64 table).
@@ -37,10 +37,10 @@
  * STEP_ATTENTION: radixrt_attention on the KV buffers y (keys) and residual (values) with the
  *   rest of its arguments at w (struct attention_args: the layers of a decode step share them,
  *   each with its own buffers).
- * STEP_QUANT: y = x · Wᵀ (+ bias) as radixrt_quant_linear computes it on the path it chooses,
- *   for W [n, k] of GGUF type `kernel` packed by radixrt_quant_pack (w); x bf16 (rows x_stride
- *   apart), y float32 where y_f32 else bf16 (rows y_stride apart), bias NULL or [n], bf16 where
- *   `gated` else float32.
+ * STEP_QUANT: y = x · Wᵀ (+ bias) as radixrt_quant_linear computes it on `path` (-1: the path
+ *   it chooses), for W [n, k] of GGUF type `kernel` packed by radixrt_quant_pack (w); x bf16
+ *   (rows x_stride apart), y float32 where y_f32 else bf16 (rows y_stride apart), bias NULL or
+ *   [n], bf16 where `gated` else float32.
  * STEP_SILU_MUL: y [m, n] = silu(x[:, :n]) · x[:, n:] for x [m, 2n], as radixrt_silu_mul
  *   computes it (both contiguous, bf16). */
 struct step {
@@ -55,6 +55,7 @@ struct step {
     int64_t rope_dim, rope_cols, m, n, k;
     void *residual;
     double eps;
+    int64_t path;
 };
 _Static_assert(sizeof(struct step) == STEP_FIELDS * 8, "a step is a row of STEP_FIELDS int64");
 
@@ -103,7 +104,7 @@ static int step_fits(const struct step *s, union prepared *p) {
     switch (s->kind) {
     case STEP_QUANT:
         p->quant = quant_call_of(s);
-        return radixrt_quant_setup(&p->quant, (int)s->kernel, -1) == 0;
+        return radixrt_quant_setup(&p->quant, (int)s->kernel, (int)s->path) == 0;
     case STEP_SILU_MUL:
         return s->m >= 0 && s->n > 0;
     case STEP_LINEAR: {

@@ -73,7 +73,7 @@ class Chain:
         row = dict.fromkeys(
             (
                 "kind kernel x x_stride w bias y y_stride y_f32 gated positions rope_cos "
-                "rope_sin rope_dim rope_cols m n k residual eps"
+                "rope_sin rope_dim rope_cols m n k residual eps path"
             ).split(),
             0,
         )
@@ -197,10 +197,12 @@ class Chain:
         k: int,
         out: torch.Tensor,
         bias: torch.Tensor | None = None,
+        path: str | None = None,
     ) -> None:
-        """out = ``quant.linear(x, packed, n, k, bias)`` on the path that call chooses: x
-        [m, k] bf16 with contiguous rows, out [m, n] bf16 or float32 with contiguous rows (a
-        stacked weight's columns), bias None or contiguous float32 or bf16 [n]."""
+        """out = ``quant.linear(x, packed, n, k, bias, force_path=path)``: x [m, k] bf16 with
+        contiguous rows, out [m, n] bf16 or float32 with contiguous rows (a stacked weight's
+        columns), bias None or contiguous float32 or bf16 [n]; ``path`` one of ``quant.PATHS``
+        (None: the path ``quant.path`` chooses for m rows)."""
         m = x.shape[0]
         x_stride = _rows(x, "a quantized linear's x", k)
         if (
@@ -223,6 +225,8 @@ class Chain:
             raise ValueError(
                 f"chain: a quantized linear's bias must be contiguous float32 or bf16 [{n}]"
             )
+        if path is not None and not cpu_quant.path_available(self.lib, qtype, path):
+            raise ValueError(f"chain: the {path} path does not run {qtype} here")
         self._add(
             (x, packed, out, bias),
             kind=QUANT,
@@ -238,6 +242,7 @@ class Chain:
             m=m,
             n=n,
             k=k,
+            path=-1 if path is None else cpu_quant.PATHS.index(path),
         )
 
     def silu_mul(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -399,7 +404,7 @@ class Replay:
         self.attention: dict[tuple, _Attention] = {}  # steps with equal arguments share them
         self.kernels = sorted({s.args[0] for s in steps if s.kind == "linear"}) + sorted(
             {
-                f"{s.args[0]} {cpu_quant.path(lib, s.args[0], 1)}"
+                f"{s.args[0]} {s.args[7] or cpu_quant.path(lib, s.args[0], 1)}"
                 for s in steps
                 if s.kind == "quant_linear"
             }

@@ -53,9 +53,11 @@ def path(lib: ctypes.CDLL | None, qtype: str, rows: int) -> str:
 
 
 def path_available(lib: ctypes.CDLL, qtype: str, name: str) -> bool:
-    """Whether ``linear(..., force_path=name)`` runs here."""
-    return lib is not None and bool(
-        lib.radixrt_quant_path_available(_type(qtype), PATHS.index(name))
+    """Whether ``linear(..., force_path=name)`` runs here (False for a name not in PATHS)."""
+    return (
+        lib is not None
+        and name in PATHS
+        and bool(lib.radixrt_quant_path_available(_type(qtype), PATHS.index(name)))
     )
 
 
@@ -117,11 +119,13 @@ def dequantize(
 
 class Segment(NamedTuple):
     """One run of a stacked weight: its GGUF type, its blocks packed by ``pack`` (the raw blocks
-    without the library) and its output rows."""
+    without the library), its output rows and the path its call runs (one of ``PATHS``; None:
+    ``path``'s choice for the call's rows)."""
 
     qtype: str
     packed: torch.Tensor
     n: int
+    path: str | None = None
 
 
 def rows_packed(
@@ -269,6 +273,7 @@ def _reference(x2, segments, k, bias, out_dtype) -> torch.Tensor:
 def _call(lib, s: Segment, x2, k, bias, y, force_path) -> None:
     """One segment's C call: x2 [m, k] (unit column stride) into y [m, s.n] (a view, rows
     y.stride(0) apart)."""
+    force_path = force_path or s.path
     chosen = -1 if force_path is None else PATHS.index(force_path)
     rc = lib.radixrt_quant_linear(
         QTYPES[s.qtype],

@@ -6,6 +6,7 @@ log-probabilities are close to it, and the quantized model keeps the exact-outpu
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from radixrt.quant.gguf_model import GGUFFile, gguf_model_folder
 from radixrt.quant.gguf_writer import write_gguf
 from radixrt.sampling import SamplingParams
 from radixrt.testing import tiny_model_path
+from radixrt_kernels.cpu import quant as cpu_quant
 
 pytestmark = pytest.mark.e2e
 
@@ -118,8 +120,10 @@ def test_a_gguf_model_is_described_and_counted(tmp_path) -> None:
     with Engine(model=gguf, max_total_tokens=256) as eng:
         info = eng.runner.weights_info
     assert info["quantization"] == "gguf"
-    assert info["weights"]["model.layers.self_attn.qkv_proj"].startswith("Q4_1 (")
-    assert info["weights"]["lm_head"].startswith("Q4_1 (")  # tied: the embedding's blocks
+    paths = "|".join(cpu_quant.PATHS)  # each role's type and the kernel paths it runs
+    runs = rf"Q4_1: ({paths})( up to \d+ rows, ({paths}) above)?"
+    assert re.fullmatch(runs, info["weights"]["model.layers.self_attn.qkv_proj"])
+    assert re.fullmatch(runs, info["weights"]["lm_head"])  # tied: the embedding's blocks
     assert info["weight_file_bytes"] == Path(gguf).stat().st_size
     assert info["weight_bytes"] <= 2.2 * info["weight_file_bytes"]  # the tied head's own copy
 
@@ -131,7 +135,7 @@ def test_a_server_on_a_gguf_file_names_it_and_its_quantization(tmp_path) -> None
         card = httpx.get(f"{server.http}/v1/models").json()["data"][0]
         assert card["id"] == "tiny-q4" and card["quantization"] == "gguf"
         info = httpx.get(f"{server.http}/get_server_info").json()["internal_states"][0]
-        assert info["weights"]["model.layers.mlp.gate_up_proj"].startswith("Q4_1 (")
+        assert info["weights"]["model.layers.mlp.gate_up_proj"].startswith("Q4_1: ")
         chat = httpx.post(
             f"{server.http}/v1/chat/completions",
             json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
