@@ -251,19 +251,17 @@ static inline int amx_permitted(void) {
     return ready;
 }
 
-/* All eight tile registers as 16 rows × 64 bytes (the calling thread's configuration). */
+/* All eight tile registers as 16 rows × 64 bytes (the calling thread's configuration). The
+ * configuration is static data: GCC 12's _tile_loadconfig tells the compiler it reads 8 bytes,
+ * so stores that fill the rest of a stack copy may be dropped. */
 static inline void amx_configure(void) {
-    struct {
+    static const struct {
         uint8_t palette, start_row, reserved[14];
         uint16_t colsb[16];
         uint8_t rows[16];
-    } cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
+    } cfg = {.palette = 1,
+             .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+             .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&cfg);
 }
 #endif

@@ -107,4 +107,68 @@ QHIDDEN void radixrt_quant_scratch(struct qcall *c, void *buf);
 QHIDDEN void radixrt_quant_x_part(const struct qcall *c, int64_t id, int64_t threads);
 QHIDDEN void radixrt_quant_items_part(const struct qcall *c, int64_t id, int64_t threads);
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__F16C__)
+/* The AVX-512 paths' shared unpacking (quant_x86.c's VNNI kernels, quant_amx.c's). */
+#include <immintrin.h>
+
+static inline __attribute__((always_inline)) __m512i quant_shift512(__m512i v, int s) {
+    return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v; /* callers mask */
+}
+
+/* 32-block j of record rec as 8 vectors of unsigned values u = w + OFF (Q8_0: w + 128). */
+static inline __attribute__((always_inline)) void quant_unpack512(const int qt, const uint8_t *rec, int j,
+                                                                  __m512i u[8]) {
+    const struct qlayout *L = &LAYOUTS[qt];
+    const uint8_t *ql = rec + L->ql_at + j * L->ql_stride, *qh = rec + L->qh_at + j * L->qh_stride;
+    if (L->bits == 8) {
+        for (int v = 0; v < 8; v++) u[v] = _mm512_xor_si512(_mm512_loadu_si512(ql + 64 * v), _mm512_set1_epi8(-128));
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16), b45 = _mm512_set1_epi8(48);
+    __m512i h0 = _mm512_setzero_si512(), h1 = h0;
+    if (L->bits >= 5) h0 = _mm512_loadu_si512(qh);
+    if (L->bits == 6) h1 = _mm512_loadu_si512(qh + 64);
+    for (int v = 0; v < 4; v++) {
+        const __m512i q = _mm512_loadu_si512(ql + 64 * v);
+        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
+        if (L->bits == 5) {
+            lo = _mm512_or_si512(lo, _mm512_and_si512(quant_shift512(h0, 4 - 2 * v), b4));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(quant_shift512(h0, 3 - 2 * v), b4));
+        }
+        if (L->bits == 6) {
+            const __m512i h = v < 2 ? h0 : h1;
+            lo = _mm512_or_si512(lo, _mm512_and_si512(quant_shift512(h, 4 - 4 * (v % 2)), b45));
+            hi = _mm512_or_si512(hi, _mm512_and_si512(quant_shift512(h, 2 - 4 * (v % 2)), b45));
+        }
+        u[2 * v] = lo;
+        u[2 * v + 1] = hi;
+    }
+}
+
+static inline __attribute__((always_inline)) __m512 quant_u8_lanes(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Scales a (a[0], a[1]: the two 16-value halves; the same but for Q6_K) and offsets c (zero
+ * where the type has none) of 32-block j of rec, per lane. */
+static inline __attribute__((always_inline)) void quant_scales512(const int qt, const uint8_t *rec, int j,
+                                                                  __m512 a[2], __m512 *c) {
+    const struct qlayout *L = &LAYOUTS[qt];
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->d_at)));
+    a[0] = a[1] = d;
+    if (L->a_kind == A_DSC) a[0] = a[1] = _mm512_mul_ps(d, quant_u8_lanes(rec + L->sc_at + 16 * j));
+    for (int h = 0; L->a_kind == A_DSC16 && h < 2; h++) {
+        const __m128i s = _mm_loadu_si128((const __m128i *)(rec + L->sc_at + 16 * (2 * j + h)));
+        a[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
+    }
+    *c = _mm512_setzero_ps();
+    if (L->c_kind == C_NONE) return;
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->m_at)));
+    *c = m;
+    if (L->c_kind == C_DMIN) /* -(dmin · m_j): the sign flipped exactly */
+        *c = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(m, quant_u8_lanes(rec + L->mn_at + 16 * j))),
+                                                  _mm512_set1_epi32(INT32_MIN)));
+}
+#endif
+
 #endif

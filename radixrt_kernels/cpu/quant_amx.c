@@ -53,65 +53,6 @@ static const struct tile_config CONFIGS[2] = {
     {.palette = 1, .colsb = {64, 64, 64, 64, 16, 64, 16, 64}, .rows = {16, 16, 16, 16, 16, 4, 16, 4}},
 };
 
-INLINE __m512i shift_bytes(__m512i v, int s) { /* by s (left) or -s (right); callers mask */
-    return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
-}
-
-/* 32-block j of record rec as 8 rows of signed values w = q - OFF (Q8_0: the bytes as they are). */
-INLINE void unpack_w(const int qt, const uint8_t *rec, int j, int8_t w[8][64]) {
-    const struct qlayout *L = &LAYOUTS[qt];
-    const uint8_t *ql = rec + L->ql_at + j * L->ql_stride, *qh = rec + L->qh_at + j * L->qh_stride;
-    if (L->bits == 8) {
-        for (int v = 0; v < 8; v++) _mm512_store_si512(w[v], _mm512_loadu_si512(ql + 64 * v));
-        return;
-    }
-    const __m512i m4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16), b45 = _mm512_set1_epi8(48);
-    const __m512i off = _mm512_set1_epi8((char)L->off);
-    __m512i h0 = _mm512_setzero_si512(), h1 = h0;
-    if (L->bits >= 5) h0 = _mm512_loadu_si512(qh);
-    if (L->bits == 6) h1 = _mm512_loadu_si512(qh + 64);
-    for (int v = 0; v < 4; v++) {
-        const __m512i q = _mm512_loadu_si512(ql + 64 * v);
-        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-        if (L->bits == 5) {
-            lo = _mm512_or_si512(lo, _mm512_and_si512(shift_bytes(h0, 4 - 2 * v), b4));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(shift_bytes(h0, 3 - 2 * v), b4));
-        }
-        if (L->bits == 6) {
-            const __m512i h = v < 2 ? h0 : h1;
-            lo = _mm512_or_si512(lo, _mm512_and_si512(shift_bytes(h, 4 - 4 * (v % 2)), b45));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(shift_bytes(h, 2 - 4 * (v % 2)), b45));
-        }
-        _mm512_store_si512(w[2 * v], _mm512_sub_epi8(lo, off));
-        _mm512_store_si512(w[2 * v + 1], _mm512_sub_epi8(hi, off));
-    }
-}
-
-INLINE __m512 u8_lanes(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* Scales a[0], a[1] and offsets c of 32-block j of rec, per lane (as unpack_portable's). */
-INLINE void unpack_scales(const int qt, const uint8_t *rec, int j, float a[2][LANES], float c[LANES]) {
-    const struct qlayout *L = &LAYOUTS[qt];
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->d_at)));
-    __m512 a0 = d, a1 = d, cv = _mm512_setzero_ps();
-    if (L->a_kind == A_DSC) a0 = a1 = _mm512_mul_ps(d, u8_lanes(rec + L->sc_at + 16 * j));
-    if (L->a_kind == A_DSC16) {
-        const __m128i s0 = _mm_loadu_si128((const __m128i *)(rec + L->sc_at + 32 * j));
-        const __m128i s1 = _mm_loadu_si128((const __m128i *)(rec + L->sc_at + 32 * j + 16));
-        a0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
-        a1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
-    }
-    if (L->c_kind != C_NONE) cv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->m_at)));
-    if (L->c_kind == C_DMIN) /* -(dmin · m_j): the sign flipped exactly */
-        cv = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(cv, u8_lanes(rec + L->mn_at + 16 * j))),
-                                                  _mm512_set1_epi32(INT32_MIN)));
-    _mm512_store_ps(a[0], a0);
-    _mm512_store_ps(a[1], a1);
-    _mm512_store_ps(c, cv);
-}
-
 /* Panel p's 32-blocks b0 .. b0 + count - 1 into s. */
 INLINE void unpack_segment(const struct qcall *c, const int qt, int64_t p, int64_t b0, int count,
                            struct segment *s) {
@@ -120,8 +61,16 @@ INLINE void unpack_segment(const struct qcall *c, const int qt, int64_t p, int64
     const uint8_t *pw = c->packed + p * c->panel_bytes;
     for (int i = 0; i < count; i++) {
         const int64_t b = b0 + i;
-        unpack_w(qt, pw + b / per * L->rec, (int)(b % per), s->w[i]);
-        unpack_scales(qt, pw + b / per * L->rec, (int)(b % per), s->a[i], s->c[i]);
+        const uint8_t *rec = pw + b / per * L->rec;
+        const __m512i off = _mm512_set1_epi8((char)(L->bits == 8 ? 128 : L->off));
+        __m512i u[8];
+        quant_unpack512(qt, rec, (int)(b % per), u);
+        for (int v = 0; v < 8; v++) _mm512_store_si512(s->w[i][v], _mm512_sub_epi8(u[v], off)); /* w = u - OFF */
+        __m512 scale[2], cv;
+        quant_scales512(qt, rec, (int)(b % per), scale, &cv);
+        _mm512_store_ps(s->a[i][0], scale[0]);
+        _mm512_store_ps(s->a[i][1], scale[1]);
+        _mm512_store_ps(s->c[i], cv);
     }
 }
 

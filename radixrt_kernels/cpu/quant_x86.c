@@ -35,62 +35,6 @@ static inline int32_t load32(const void *p) {
 #ifdef HAVE_Q_AVX512
 #define R512 8 /* rows sharing an unpacked block */
 
-INLINE __m512i shl512(__m512i v, int s) { /* bytes shifted by s (left) or -s (right); callers mask */
-    return s > 0 ? _mm512_slli_epi16(v, s) : s < 0 ? _mm512_srli_epi16(v, -s) : v;
-}
-
-/* 32-block j of record rec as 8 vectors of unsigned values (Q8_0: w + 128). */
-INLINE void unpack512(const int qt, const uint8_t *rec, int j, __m512i u[8]) {
-    const struct qlayout *L = &LAYOUTS[qt];
-    const uint8_t *ql = rec + L->ql_at + j * L->ql_stride, *qh = rec + L->qh_at + j * L->qh_stride;
-    if (L->bits == 8) {
-        for (int v = 0; v < 8; v++) u[v] = _mm512_xor_si512(_mm512_loadu_si512(ql + 64 * v), _mm512_set1_epi8(-128));
-        return;
-    }
-    const __m512i m4 = _mm512_set1_epi8(15), b4 = _mm512_set1_epi8(16), b45 = _mm512_set1_epi8(48);
-    __m512i h0 = _mm512_setzero_si512(), h1 = h0;
-    if (L->bits >= 5) h0 = _mm512_loadu_si512(qh);
-    if (L->bits == 6) h1 = _mm512_loadu_si512(qh + 64);
-    for (int v = 0; v < 4; v++) {
-        const __m512i q = _mm512_loadu_si512(ql + 64 * v);
-        __m512i lo = _mm512_and_si512(q, m4), hi = _mm512_and_si512(_mm512_srli_epi16(q, 4), m4);
-        if (L->bits == 5) {
-            lo = _mm512_or_si512(lo, _mm512_and_si512(shl512(h0, 4 - 2 * v), b4));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(shl512(h0, 3 - 2 * v), b4));
-        }
-        if (L->bits == 6) {
-            const __m512i h = v < 2 ? h0 : h1;
-            lo = _mm512_or_si512(lo, _mm512_and_si512(shl512(h, 4 - 4 * (v % 2)), b45));
-            hi = _mm512_or_si512(hi, _mm512_and_si512(shl512(h, 2 - 4 * (v % 2)), b45));
-        }
-        u[2 * v] = lo;
-        u[2 * v + 1] = hi;
-    }
-}
-
-INLINE __m512 u8s512(const uint8_t *p) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
-}
-
-/* Scales a (a[0], a[1]: the two 16-value halves) and offsets c of 32-block j, per lane. */
-INLINE void scales512(const int qt, const uint8_t *rec, int j, __m512 a[2], __m512 *c) {
-    const struct qlayout *L = &LAYOUTS[qt];
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->d_at)));
-    a[0] = a[1] = d;
-    if (L->a_kind == A_DSC) a[0] = a[1] = _mm512_mul_ps(d, u8s512(rec + L->sc_at + 16 * j));
-    for (int h = 0; L->a_kind == A_DSC16 && h < 2; h++) {
-        const __m128i s = _mm_loadu_si128((const __m128i *)(rec + L->sc_at + 16 * (2 * j + h)));
-        a[h] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s)));
-    }
-    *c = _mm512_setzero_ps();
-    if (L->c_kind == C_NONE) return;
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(rec + L->m_at)));
-    *c = m;
-    if (L->c_kind == C_DMIN) /* -(dmin · m_j): the sign flipped exactly */
-        *c = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(m, u8s512(rec + L->mn_at + 16 * j))),
-                                                  _mm512_set1_epi32(INT32_MIN)));
-}
-
 /* Σ over vectors v0 .. v0 + count - 1 of u · x (x's 4 values per vector broadcast), in two
  * chains. */
 INLINE __m512i dot512(const __m512i *u, const int8_t *x, int v0, int count) {
@@ -132,8 +76,8 @@ INLINE void panel512(const struct qcall *c, int64_t p, int64_t r0, int rows, con
             const uint8_t *rec = pw + b / per * L->rec;
             __m512i u[8];
             __m512 a[2], off;
-            unpack512(qt, rec, (int)(b % per), u);
-            scales512(qt, rec, (int)(b % per), a, &off);
+            quant_unpack512(qt, rec, (int)(b % per), u);
+            quant_scales512(qt, rec, (int)(b % per), a, &off);
             for (int r = 0; r < R512 && r < rr; r++) {
                 const int64_t row = r0 + rt + r;
                 acc[r] = step512(qt, u, a, off, c->xq + row * c->k + 32 * b, c->dx[row * nb + b],
