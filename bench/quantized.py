@@ -40,7 +40,7 @@ import re
 import shlex
 import sys
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).parent))
 import peers  # noqa: E402  (workloads, runs, best-of book, llama-server, checks, machine)
@@ -160,45 +160,10 @@ def tree_memory(root: int) -> Memory:
 # ------------------------------------------------------------ radixrt's weights
 
 
-def held_tensors(model) -> dict[tuple[int, int], str]:
-    """Every distinct storage (data pointer, bytes) a model's modules hold, in parameters,
-    buffers, attributes and what hangs off a parameter (``param.quant``), with the name of its
-    first holder (layer indices as ``N``)."""
-    found: dict[tuple[int, int], str] = {}
-    for name, mod in model.named_modules():
-        prefix = f"{name}." if name else ""
-        for key, value in vars(mod).items():
-            if key in ("_parameters", "_buffers"):
-                for k, v in value.items():
-                    _visit(v, f"{prefix}{k}", found, 0)
-            elif key != "_modules":
-                _visit(value, f"{prefix}{key}", found, 0)
-    return {k: re.sub(r"\.\d+\.", ".N.", v) for k, v in found.items()}
-
-
-def _visit(value: Any, where: str, found: dict, depth: int) -> None:
-    import torch
-
-    if depth > 3 or value is None:
-        return
-    if isinstance(value, torch.Tensor):
-        s = value.untyped_storage()
-        found.setdefault((s.data_ptr(), s.nbytes()), where)
-        for k, v in getattr(value, "__dict__", {}).items():
-            _visit(v, f"{where}.{k}", found, depth + 1)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _visit(v, f"{where}[{k}]", found, depth + 1)
-    elif isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            _visit(v, f"{where}[{i}]", found, depth + 1)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a QuantTensor
-        for f in dataclasses.fields(value):
-            _visit(getattr(value, f.name), f"{where}.{f.name}", found, depth + 1)
-
-
 def weight_parts(model) -> dict[str, int]:
     """Bytes per holder (``held_tensors``), largest first."""
+    from radixrt.quant.quant_linear import held_tensors
+
     parts: dict[str, int] = {}
     for (_, nbytes), name in held_tensors(model).items():
         parts[name] = parts.get(name, 0) + nbytes

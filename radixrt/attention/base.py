@@ -81,8 +81,23 @@ class AttentionBackend(ABC):
         layer_id: int,
         batch: ForwardBatch,
         scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KH, D] → attention output [T, H, D]."""
+        """q [T, H, D], k/v [T, KH, D] → attention output [T, H, D]. ``window``: a query at
+        position p attends only keys at positions p - window + 1 .. p (a sliding-window layer;
+        None: every key); ``softcap``: scores (after ``scaling``) become softcap·tanh(s/softcap)
+        before the softmax (None: as they are). A backend that does not implement one refuses
+        it (``unsupported``)."""
+
+    def unsupported(self, window: int | None, softcap: float | None) -> None:
+        """Refuses a sliding window or a logit soft-cap, naming it, for a backend without them."""
+        for name, value in (("sliding window", window), ("logit soft-capping", softcap)):
+            if value is not None:
+                raise NotImplementedError(
+                    f"the {self.name} attention backend has no {name} ({value}); "
+                    "choose another --attention-backend"
+                )
 
 
 # ---- attention inside a compiled model ------------------------------------------------------
@@ -109,19 +124,34 @@ def forward_context(batch: ForwardBatch) -> Iterator[None]:
 
 @torch.library.custom_op("radixrt::attention", mutates_args=())
 def _attention_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    scaling: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
+    """``attention`` for a compiled model: window 0 and softcap 0.0 stand for None."""
     batch = _current_batch
     if batch is None:
         raise RuntimeError(
             "radixrt::attention ran outside forward_context (no batch to attend over)"
         )
-    return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling)
+    return batch.attn_backend.forward(
+        q, k, v, layer_id, batch, scaling, window or None, softcap or None
+    )
 
 
 @_attention_op.register_fake
 def _(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int, scaling: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer_id: int,
+    scaling: float,
+    window: int,
+    softcap: float,
 ) -> torch.Tensor:
     return q.new_empty(q.shape)
 
@@ -133,9 +163,11 @@ def attention(
     layer_id: int,
     batch: ForwardBatch | None,
     scaling: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """The layer's attention: straight to the batch's backend, or (batch None: inside a
-    compiled model) through the ``radixrt::attention`` op."""
+    """The layer's attention (``AttentionBackend.forward``): straight to the batch's backend,
+    or (batch None: inside a compiled model) through the ``radixrt::attention`` op."""
     if batch is None:
-        return _attention_op(q, k, v, layer_id, scaling)
-    return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling)
+        return _attention_op(q, k, v, layer_id, scaling, window or 0, softcap or 0.0)
+    return batch.attn_backend.forward(q, k, v, layer_id, batch, scaling, window, softcap)

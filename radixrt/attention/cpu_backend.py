@@ -126,8 +126,11 @@ class CpuAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]."""
+        self.unsupported(window, softcap)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         dt, out_dtype = k_buf.dtype, q.dtype
         if not q.dtype == k.dtype == v.dtype == dt:

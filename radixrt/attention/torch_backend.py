@@ -54,8 +54,11 @@ class TorchAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] → [T, H, D] in q's dtype."""
+        self.unsupported(window, softcap)
         self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
         meta: _Meta = batch.attn_metadata
         (b, nq), (_, h, d) = meta.q_rows.shape, q.shape

@@ -192,7 +192,10 @@ class TritonAttentionBackend(AttentionBackend):
         layer_id: int,
         batch: ForwardBatch,
         scaling: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        self.unsupported(window, softcap)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
         return batch.attn_metadata.run(q, k, v, k_buf, v_buf, scaling)

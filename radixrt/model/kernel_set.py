@@ -334,7 +334,8 @@ class Kernels:
         n, k = sum(s.shape[0] for s in segments), segments[0].k
         if not self.defer:  # the layer was given a dense method at construction: unused
             self.users[f"{n}x{k}"] = self.users.get(f"{n}x{k}", 1) - 1
-        self.chosen[f"{n}x{k} {'+'.join(dict.fromkeys(method.types))}"] = method.name
+        for qtype, paths in method.type_paths().items():
+            self.chosen[f"{n}x{k} {qtype}"] = paths
         return method
 
     def describe(self) -> dict[str, object]:

@@ -277,7 +277,7 @@ class LMHead(VocabEmbedding):
                 # One copy of the blocks: an embedding sharing this parameter (tied) looks its
                 # rows up in the packed layout, and the file's raw blocks are let go.
                 self.weight.packed = (q.qtype, self.matmul_weight, q.shape[0], q.k)
-                self.weight.quant = {None: q.rows(slice(0, 0))}
+                self.weight.quant = {None: QuantTensor(q.qtype, q.raw[:0].clone(), q.k)}
         else:
             if isinstance(self.method, Deferred):
                 self.method = self.method.resolve()

@@ -12,6 +12,9 @@ row's bits do not depend on the rows beside it, so the method serves exact mode 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
+import re
+from typing import Any
 
 import torch
 
@@ -58,11 +61,19 @@ class QuantLinear:
         (without the library: 'Q4_1 (torch)')."""
         if self.lib is None:
             return "+".join(dict.fromkeys(self.types)) + " (torch)"
+        return "; ".join(f"{t}: {p}" for t, p in self.type_paths().items())
+
+    def type_paths(self) -> dict[str, str]:
+        """Each type's paths: 'small', or 'small up to n rows, large above'."""
         names = {}
         for t, c in zip(self.types, self.paths):
-            same = c.small == c.large
-            names[t] = c.small if same else f"{c.small} up to {c.rows} rows, {c.large} above"
-        return "; ".join(f"{t}: {p}" for t, p in names.items())
+            if c is None:
+                names[t] = "reference"
+            elif c.small == c.large:
+                names[t] = c.small
+            else:
+                names[t] = f"{c.small} up to {c.rows} rows, {c.large} above"
+        return names
 
     def prepare(self, segments: list[QuantTensor]) -> torch.Tensor:
         """Every segment in its kernel's layout, as one flat uint8 tensor."""
@@ -120,28 +131,54 @@ def _linear_of(method):
 def describe_weights(model: torch.nn.Module, lib: ctypes.CDLL | None) -> dict[str, object]:
     """What the model's weights are and run on: per role (the module's name without its layer
     index) the block types (or dtype) and the kernel paths by the rows of a call; the bytes the
-    weights hold."""
+    model's tensors hold (``held_tensors``: each storage once)."""
     roles: dict[str, str] = {}
-    held = 0
     for name, module in model.named_modules():
         weight = getattr(module, "matmul_weight", None)
         if weight is None:
             weight = getattr(module, "weight", None)
         if not isinstance(weight, torch.Tensor) or not hasattr(module, "method"):
             continue
-        held += weight.numel() * weight.element_size()
         role = ".".join(p for p in name.split(".") if not p.isdigit())
         q = _linear_of(module.method)
         if q is None:
             roles[role] = f"{weight.dtype} ({module.method.name})".replace("torch.", "")
-            continue
-        roles[role] = q.name
-    for module in model.modules():  # embeddings and norms: their own bytes
-        if not hasattr(module, "method") and isinstance(
-            getattr(module, "weight", None), torch.Tensor
-        ):
-            held += module.weight.numel() * module.weight.element_size()
-        quant = getattr(getattr(module, "weight", None), "quant", None)
-        if quant is not None and not hasattr(module, "method"):
-            held += sum(q.nbytes for q in quant.values())
+        else:
+            roles[role] = q.name
+    held = sum(nbytes for _, nbytes in held_tensors(model))
     return {"weights": roles, "weight_bytes": held}
+
+
+def held_tensors(model) -> dict[tuple[int, int], str]:
+    """Every distinct storage (data pointer, bytes) a model's modules hold, in parameters,
+    buffers, attributes and what hangs off a parameter (``param.quant``), with the name of its
+    first holder (layer indices as ``N``)."""
+    found: dict[tuple[int, int], str] = {}
+    for name, mod in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, value in vars(mod).items():
+            if key in ("_parameters", "_buffers"):
+                for k, v in value.items():
+                    _visit(v, f"{prefix}{k}", found, 0)
+            elif key != "_modules":
+                _visit(value, f"{prefix}{key}", found, 0)
+    return {k: re.sub(r"\.\d+\.", ".N.", v) for k, v in found.items()}
+
+
+def _visit(value: Any, where: str, found: dict, depth: int) -> None:
+    if depth > 3 or value is None:
+        return
+    if isinstance(value, torch.Tensor):
+        s = value.untyped_storage()
+        found.setdefault((s.data_ptr(), s.nbytes()), where)
+        for k, v in getattr(value, "__dict__", {}).items():
+            _visit(v, f"{where}.{k}", found, depth + 1)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _visit(v, f"{where}[{k}]", found, depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _visit(v, f"{where}[{i}]", found, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):  # a QuantTensor
+        for f in dataclasses.fields(value):
+            _visit(getattr(value, f.name), f"{where}.{f.name}", found, depth + 1)

@@ -90,6 +90,8 @@ class Launcher:
             if linears:  # which path each weight shape runs (stderr: stdout has the ready line)
                 shapes = ", ".join(f"{shape}: {path}" for shape, path in linears.items())
                 print(f"radixrt: linear kernels: {shapes}", file=sys.stderr, flush=True)
+            if "weights" in info:  # each role's type and paths, the bytes held against the file's
+                print(f"radixrt: weights: {weights_line(info)}", file=sys.stderr, flush=True)
             if "attention" in info:
                 print(f"radixrt: attention: {info['attention']}", file=sys.stderr, flush=True)
             if "decode_chain" in info:
@@ -302,3 +304,11 @@ def replica_cpus(replica: int, server: ServerConfig) -> tuple[int, ...] | None:
     if t * server.dp_size > len(cpus):
         return None
     return tuple(cpus[replica * t : (replica + 1) * t])
+
+
+def weights_line(info: dict) -> str:
+    """server_info's weights in one line: quantization, MiB held and in the files, each role."""
+    kind = info.get("quantization") or "unquantized"
+    roles = ", ".join(f"{role}: {what}" for role, what in info["weights"].items())
+    held, files = info["weight_bytes"] / 2**20, info["weight_file_bytes"] / 2**20
+    return f"{kind}, {held:.1f} MiB held (files {files:.1f} MiB); {roles}"

@@ -40,6 +40,10 @@ class TritonQuantLinear:
         ]
         self.name = "+".join(dict.fromkeys(self.types)) + " (triton)"
 
+    def type_paths(self) -> dict[str, str]:
+        """Each type's kernel (``QuantLinear.type_paths``'s form)."""
+        return dict.fromkeys(self.types, "triton")
+
     def prepare(self, segments: list[QuantTensor]) -> torch.Tensor:
         """The segments' blocks, as stored, one flat uint8 tensor on the device."""
         if [s.shape[0] for s in segments] != self.rows or [s.qtype for s in segments] != self.types:

@@ -21,8 +21,9 @@ from radixrt import Engine
 from radixrt.quant.formats import QuantTensor
 from radixrt.quant.gguf_model import GGUFFile, gguf_model_folder
 from radixrt.quant.gguf_writer import write_gguf
+from radixrt.quant.quant_linear import held_tensors
 from radixrt.sampling import SamplingParams
-from radixrt.testing import tiny_model_path
+from radixrt.testing import make_tiny_model, tiny_model_path
 from radixrt_kernels.cpu import quant as cpu_quant
 
 pytestmark = pytest.mark.e2e
@@ -101,14 +102,14 @@ def test_a_gguf_model_follows_float32_on_its_dequantized_weights(tmp_path, arch,
         )
 
 
-def test_a_gguf_model_keeps_a_requests_bits_whatever_the_batch(tmp_path) -> None:
+def test_a_gguf_model_keeps_a_requests_bits_whatever_the_batch(tmp_path, engine_factory) -> None:
     gguf = write_gguf(tiny_model_path("llama"), tmp_path / "m.gguf", "Q4_1")
     sp = SamplingParams(max_new_tokens=8, temperature=0, logprobs=True)
-    with Engine(model=gguf, max_total_tokens=1024) as eng:
-        alone = [eng.generate([p], sp)[0] for p in PROMPTS]
-        eng.flush_cache()
-        together = eng.generate(PROMPTS, sp)
-        warm = eng.generate(PROMPTS, sp)
+    eng = engine_factory(gguf, dtype="auto", max_total_tokens=1024)  # its KV checked at the end
+    alone = [eng.generate([p], sp)[0] for p in PROMPTS]
+    eng.flush_cache()
+    together = eng.generate(PROMPTS, sp)
+    warm = eng.generate(PROMPTS, sp)
     for a, b, c in zip(alone, together, warm):
         assert a.token_ids == b.token_ids == c.token_ids
         assert torch.equal(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
@@ -116,16 +117,20 @@ def test_a_gguf_model_keeps_a_requests_bits_whatever_the_batch(tmp_path) -> None
 
 
 def test_a_gguf_model_is_described_and_counted(tmp_path) -> None:
-    gguf = write_gguf(tiny_model_path("llama"), tmp_path / "m.gguf", "Q4_1")
+    tied = make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    gguf = write_gguf(tied, tmp_path / "m.gguf", "Q4_1")
     with Engine(model=gguf, max_total_tokens=256) as eng:
         info = eng.runner.weights_info
+        held = held_tensors(eng.runner.model)  # each storage the model holds, once
     assert info["quantization"] == "gguf"
     paths = "|".join(cpu_quant.PATHS)  # each role's type and the kernel paths it runs
     runs = rf"Q4_1: ({paths})( up to \d+ rows, ({paths}) above)?"
     assert re.fullmatch(runs, info["weights"]["model.layers.self_attn.qkv_proj"])
     assert re.fullmatch(runs, info["weights"]["lm_head"])  # tied: the embedding's blocks
     assert info["weight_file_bytes"] == Path(gguf).stat().st_size
-    assert info["weight_bytes"] <= 2.2 * info["weight_file_bytes"]  # the tied head's own copy
+    assert info["weight_bytes"] == sum(nbytes for _, nbytes in held)
+    rope = sum(nbytes for (_, nbytes), name in held.items() if ".rotary." in name)
+    assert info["weight_bytes"] - rope <= 1.1 * info["weight_file_bytes"]  # the blocks, once
 
 
 def test_a_server_on_a_gguf_file_names_it_and_its_quantization(tmp_path) -> None:
@@ -143,6 +148,9 @@ def test_a_server_on_a_gguf_file_names_it_and_its_quantization(tmp_path) -> None
         assert chat["usage"]["completion_tokens"] >= 1
     finally:
         server.stop()
+    log = server.proc.stderr.read()  # the launch log: each weight's type and paths, the bytes
+    assert re.search(r"radixrt: weights: gguf, [\d.]+ MiB held \(files [\d.]+ MiB\); ", log)
+    assert "model.layers.mlp.gate_up_proj: Q4_1: " in log
 
 
 @pytest.mark.parametrize("quantization", ["q4_0", "q4_k"])
