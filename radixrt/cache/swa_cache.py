@@ -7,10 +7,11 @@ Contract (beyond ``RadixCache``'s, whose API and invariants it keeps):
   tokens is dropped (tombstoned) apart from its full KV.
 - ``window`` W (transformers' ``sliding_window``: a query at position p attends keys
   p - W + 1 .. p). A prefix of length L is *usable* when its last min(W, L) tokens are in
-  live nodes. ``match_prefix`` returns the longest usable prefix of the tokens' hit: a hit
-  ending in a tombstone, or fewer than W tokens after one, is cut back to where the window
-  is whole (a split is made only where the cut hit ends inside an edge). ``peek_prefix``
-  finds the same, changing nothing.
+  live nodes (the token after it reads W - 1 of them: one is spare, so the rule and the
+  release below both read "the last W tokens"). ``match_prefix`` returns the longest
+  usable prefix of the tokens' hit: a hit ending in a tombstone, or fewer than W tokens
+  after one, is cut back to where the window is whole (a split is made only where the cut
+  hit ends inside an edge). ``peek_prefix`` finds the same, changing nothing.
 - ``lock(node)`` takes the full lock on the path (``RadixCache.lock``) and a *window lock*
   (``swa_lock_ref``) on the node's window, its last min(W, depth) tokens, which keeps them
   live; it first splits the node where the window starts, so a window is a whole number of
@@ -26,9 +27,10 @@ Contract (beyond ``RadixCache``'s, whose API and invariants it keeps):
 - Eviction: ``evict`` (the full pool) removes unlocked leaves, tombstoned leaves first (no
   match can end in one), then least recently used, and frees their full and SWA slots.
   ``evict_swa`` tombstones live nodes without a window lock, at any depth, least recently
-  used first and ancestors before descendants on a tie, and frees only their SWA slots.
-  ``swa_evictable_size`` / ``swa_protected_size`` count live tokens without / with a window
-  lock (like ``evictable_size`` / ``protected_size`` for the full lock).
+  used first (under either eviction policy) and ancestors before descendants on a tie,
+  and frees only their SWA slots; it records no KV event (the tree's tokens and shape
+  stay). ``swa_evictable_size`` / ``swa_protected_size`` count live tokens without / with
+  a window lock (as ``evictable_size`` / ``protected_size`` do for the full lock).
 - A running request gives back the SWA KV behind its window with ``release_behind``: what
   it holds in the sliding layers stays O(W) (plus the tokens of the step it computes).
 - Page size 1 only, and no hierarchical tiers (``on_evict``): the allocator refuses other

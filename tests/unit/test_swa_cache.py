@@ -633,8 +633,8 @@ class SWAServingTrace(RuleBasedStateMachine):
 
 
 SWAServingTrace.TestCase.settings = settings(
-    max_examples=80,
-    stateful_step_count=40,
+    max_examples=150,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
