@@ -32,7 +32,10 @@ class SWAKVPool:
         max_running: int,
         max_context: int,
         device: torch.device | str = "cpu",
+        window: int = 0,
     ) -> None:
+        """``window``: the sliding layers' window W (what the KV bookkeeping keeps of them)."""
+        self.window = window
         if not any(sliding):
             raise ValueError("SWAKVPool: no layer has a sliding window (use KVPool)")
         self.sliding = list(sliding)

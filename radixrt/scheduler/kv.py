@@ -37,14 +37,18 @@ class KVManager:
         hicache: HierarchicalCache | None = None,
     ) -> None:
         self.pool = pool
-        self.allocator = KVSlotAllocator(pool.num_slots, page_size)
         self.hicache = None if disable_radix_cache else hicache
-        on_evict = None if self.hicache is None else self.hicache.evicted
-        self.tree = RadixCache(self.allocator, page_size, eviction_policy, on_evict=on_evict)
+        self.allocator, self.tree = self._make_cache(page_size, eviction_policy)
         self.disabled = disable_radix_cache
         self.running: dict[str, Req] = {}  # requests holding a row
         self.token_ids: dict[str, TokenBuffer] = {}  # rid -> ids of a running request (cache on)
         self.evicted_tokens = 0
+
+    def _make_cache(self, page_size: int, eviction_policy: str) -> tuple:
+        """(the slot allocator, the radix tree) over the pool's slots."""
+        allocator = KVSlotAllocator(self.pool.num_slots, page_size)
+        on_evict = None if self.hicache is None else self.hicache.evicted
+        return allocator, RadixCache(allocator, page_size, eviction_policy, on_evict=on_evict)
 
     @property
     def page_size(self) -> int:
@@ -153,9 +157,21 @@ class KVManager:
         inserted = self.tree.insert_prefix(ids, slots, salt)
         self.allocator.free(slots[req.prefix_len : inserted.cached_len].clone())
         table[: inserted.kv_indices.numel()] = inserted.kv_indices
-        self.tree.lock(inserted.last_node)
+        self._relock(req, inserted.last_node, inserted.kv_indices.numel())
+
+    def _relock(self, req: Req, node, prefix_len: int) -> None:
+        """Lock req's KV in the tree at ``node`` (``prefix_len`` tokens) instead of before."""
+        self.tree.lock(node)
+        self._unlock(req)
+        req.last_node, req.prefix_len = node, prefix_len
+
+    def _unlock(self, req: Req) -> None:
+        """Drop the lock req holds on the tree."""
         self.tree.unlock(req.last_node)
-        req.last_node, req.prefix_len = inserted.last_node, inserted.kv_indices.numel()
+
+    def advanced(self, req: Req) -> None:
+        """Req's KV grew by a forward (``kv_len`` updated, the prefill cached): nothing to do
+        here (``SWAKVManager`` gives back what its window left behind)."""
 
     def _ids(self, req: Req, n: int) -> np.ndarray:
         """``req.fill_ids[:n]`` from req's buffer, first extended with the tokens decoded since."""
@@ -175,11 +191,15 @@ class KVManager:
             )
         tail = self.pool.req_to_token[req.row, req.prefix_len : req.kv_len].clone()
         self.allocator.free(tail)
-        self.tree.unlock(req.last_node)
+        self._unlock(req)
         self.pool.free_row(req.row)
         del self.running[req.rid]
         self.token_ids.pop(req.rid, None)
         req.reset_kv()
+
+    def stats(self) -> dict[str, int]:
+        """Pool counters beyond the scheduler's own (``SWAKVManager``: both pools)."""
+        return {}
 
     def private_slots(self) -> list[torch.Tensor]:
         table = self.pool.req_to_token

@@ -75,6 +75,7 @@ class Req:
         self.prefix_len = 0
         self.kv_len = 0
         self.loaded_tokens = (0, 0)  # of prefix_len, loaded from the (host, storage) tier
+        self.swa_released = 0  # sliding-window models: positions before it hold no SWA KV
 
     @property
     def fill_ids(self) -> list[int]:

@@ -54,10 +54,10 @@ from radixrt.grammar import GrammarCompiler, mask_logits
 from radixrt.sampling import Sampler, topk_logprobs
 from radixrt.scheduler.batch import ScheduledBatch
 from radixrt.scheduler.grammar_wait import GrammarWait
-from radixrt.scheduler.kv import KVManager
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.req import Req, ReqState
 from radixrt.scheduler.step_cost import StepCost, attention_pairs, for_runner
+from radixrt.scheduler.swa_kv import kv_manager
 
 # A waiting request sharing at least this many more tokens with a request admitted
 # in the same round than it hits in the tree waits one round (in-batch prefix caching).
@@ -86,13 +86,7 @@ class Scheduler:
         self.runner = runner
         self.decode_fn = decode_fn
         self.max_context = max_context
-        self.kv = KVManager(
-            runner.pool,
-            config.page_size,
-            config.disable_radix_cache,
-            config.eviction_policy,
-            hicache,
-        )
+        self.kv = kv_manager(runner.pool, config, hicache)
         self.cost = step_cost or for_runner(runner, config, max_context)
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
@@ -388,6 +382,7 @@ class Scheduler:
             if batch.prefills(i):
                 self.stats["prefill_tokens"] += n
                 self.kv.cache_computed(req)
+            self.kv.advanced(req)
             if req.kv_len == req.fill_len and not req.finished:
                 if req.prefill_only:
                     finished.append(self._finish(req, "length"))
@@ -508,6 +503,7 @@ class Scheduler:
         )
         if self.kv.hicache is not None:
             s.update(self.kv.hicache.get_stats())
+        s.update(self.kv.stats())
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0
         return s
