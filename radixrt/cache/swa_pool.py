@@ -36,6 +36,7 @@ class SWAKVPool:
     ) -> None:
         """``window``: the sliding layers' window W (what the KV bookkeeping keeps of them)."""
         self.window = window
+        self.full_to_swa: torch.Tensor | None = None  # attached by the KV bookkeeping
         if not any(sliding):
             raise ValueError("SWAKVPool: no layer has a sliding window (use KVPool)")
         self.sliding = list(sliding)
@@ -60,6 +61,14 @@ class SWAKVPool:
             counts[s] += 1
         self.k_buffers = [pool.k_buffers[i] for pool, i in self._where]
         self.v_buffers = [pool.v_buffers[i] for pool, i in self._where]
+
+    def slots_for(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """The rows of ``layer``'s buffers that hold the tokens of full slots ``slots``: the
+        slots themselves for a full layer, their SWA slots (``full_to_swa``, which the KV
+        bookkeeping attaches: ``SWASlotAllocator.full_to_swa``) for a sliding one."""
+        if not self.sliding[layer]:
+            return slots
+        return self.full_to_swa[slots.cpu()].to(slots.device)
 
     @property
     def free_rows(self) -> int:

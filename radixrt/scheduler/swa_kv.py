@@ -38,6 +38,7 @@ class SWAKVManager(KVManager):
             )
         self.window = window
         super().__init__(pool, page_size, disable_radix_cache, eviction_policy, None)
+        pool.full_to_swa = self.allocator.full_to_swa  # how sliding layers find their rows
 
     def _make_cache(self, page_size: int, eviction_policy: str) -> tuple:
         allocator = SWASlotAllocator(self.pool.num_slots, self.pool.num_swa_slots)
