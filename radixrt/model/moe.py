@@ -215,18 +215,20 @@ def weighted_sum(outputs: torch.Tensor, weights: torch.Tensor, dtype: torch.dtyp
     return rank_sum(outputs * weights.unsqueeze(-1)).to(dtype)
 
 
-def group_by_expert(experts: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
-    """(expert, its (token, rank) pairs t·k + r, ascending) for each expert chosen in
-    ``experts`` [T, k], by expert id."""
+class ExpertGroups(NamedTuple):
+    """The (token, rank) pairs p = t·k + r of a routing grouped by expert: ``order`` [T·k]
+    lists expert 0's pairs, then expert 1's, ... (ascending within an expert); ``counts``
+    [E] how many each expert has."""
+
+    order: torch.Tensor
+    counts: list[int]
+
+
+def group_by_expert(experts: torch.Tensor, num_experts: int) -> ExpertGroups:
+    """The pairs of ``experts`` [T, k] grouped by expert."""
     flat = experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
-    groups, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            groups.append((e, order[start : start + n]))
-            start += n
-    return groups
+    return ExpertGroups(order, torch.bincount(flat, minlength=num_experts).tolist())
 
 
 # The checkpoint's names of an expert's projections → (our linear, shard of its weight)
@@ -279,9 +281,9 @@ def _split_name(name: str) -> tuple[str, str]:
 
 
 class ExpertList(nn.ModuleList):
-    """The experts as modules of the kernels' linears; tokens grouped by expert, one call of
-    each chosen expert over its tokens (in expert order), the weighted sum per token in rank
-    order."""
+    """The experts as modules of the kernels' linears; the (token, rank) pairs grouped by
+    expert, one call of each chosen expert over its tokens (in expert order), the weighted sum
+    per token in rank order."""
 
     def __init__(self, spec: MoeSpec, kernels: Kernels) -> None:
         super().__init__(
@@ -291,11 +293,18 @@ class ExpertList(nn.ModuleList):
         self.intermediate = spec.intermediate_size
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        t, k = routing.experts.shape
-        outputs = x.new_empty(t * k, x.shape[1])  # row t·k + r: token t's rank-r expert
-        for e, pairs in group_by_expert(routing.experts, len(self)):
-            outputs.index_copy_(0, pairs, self[e](x.index_select(0, pairs // k)))
-        return weighted_sum(outputs.view(t, k, x.shape[1]), routing.weights, x.dtype)
+        (t, k), hidden = routing.experts.shape, x.shape[1]
+        if t == 0:
+            return x.new_empty(0, hidden)
+        groups = group_by_expert(routing.experts, len(self))
+        xs = x.index_select(0, groups.order // k)  # each pair's token, the pairs by expert
+        ys, start = [], 0
+        for expert, n in zip(self, groups.counts):
+            if n:
+                ys.append(expert(xs[start : start + n]))
+                start += n
+        outputs = xs.index_copy(0, groups.order, torch.cat(ys))  # row t·k + r: rank r of t
+        return weighted_sum(outputs.view(t, k, hidden), routing.weights, x.dtype)
 
     def load(self, name: str, tensor: torch.Tensor | QuantTensor) -> list[str]:
         """A checkpoint tensor named below ``experts.``: one expert's projection or a stacked
