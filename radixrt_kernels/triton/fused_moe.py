@@ -249,11 +249,13 @@ class Alignment(NamedTuple):
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     """The (token, rank) pairs of ``topk_ids`` [T, k] in blocks of ``block_m`` of one expert
-    each (module text, step 1); the block count is a bound from the shapes alone."""
+    each (module text, step 1); the block count is a bound from the shapes alone, so nothing
+    waits for the device (a CUDA graph may hold it)."""
     flat = topk_ids.reshape(-1).long()
     n, device = flat.numel(), flat.device
     capacity = -(-(n + min(n, num_experts) * (block_m - 1)) // block_m) * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount's size would need a sync
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)
