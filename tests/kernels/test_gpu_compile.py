@@ -36,6 +36,7 @@ except ImportError as e:  # another Triton layout: nothing to check against
 import radixrt_kernels.triton.decode_attention as decode  # noqa: E402
 import radixrt_kernels.triton.deterministic_attention as fixed  # noqa: E402
 import radixrt_kernels.triton.extend_attention as extend  # noqa: E402
+import radixrt_kernels.triton.fused_moe as moe  # noqa: E402
 import radixrt_kernels.triton.quant_matmul as quant  # noqa: E402
 import radixrt_kernels.triton.store_kv as store  # noqa: E402
 
@@ -193,3 +194,32 @@ def test_quantize_x_compiles_for_sm90(bf16):
     assert _spill_bytes(ptx) == 0
     assert "fma.rn.f32" not in ptx and "div.full" not in ptx  # correctly rounded divisions
     assert "div.rn.f32" in ptx
+
+
+@pytest.mark.parametrize(
+    "dtype,weights",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),  # mixtral's float32 routing weights: float32 products
+        (torch.float16, torch.float16),
+        (torch.float32, torch.float32),
+    ],
+    ids=str,
+)
+def test_fused_moe_compiles_for_sm90(dtype, weights):
+    """The gate-up, down and combine kernels of the fused MoE at the default tiling."""
+    t, p = TYPE[dtype], TYPE[torch.promote_types(dtype, weights)]
+    meta = moe.launch_meta(dtype, moe.default_tiling(dtype))
+    index = {"Pairs": "i32", "BlockExpert": "i32"}
+    gate_up = {"X": t, "W": t, "Hbuf": t} | index
+    down = {"Hbuf": t, "W": t, "Weights": TYPE[weights], "P": p} | index
+    combine = {"P": p, "Out": t}
+    for kernel, pointers, kernel_meta in (
+        (moe._gate_up_kernel, gate_up, meta | {"TOP_K": 8}),
+        (moe._down_kernel, down, meta | {"P_BF16": p == "bf16"}),
+        (moe._combine_kernel, combine, moe.combine_meta(dtype, 8)),
+    ):
+        shared, spills = _compile(kernel, pointers, kernel_meta)
+        assert shared <= MAX_SHARED_BYTES
+        if dtype != torch.float32:  # fp32 (FMA dots) is a correctness path: spills allowed
+            assert spills == 0, f"{kernel.__name__} spills {spills} bytes"
