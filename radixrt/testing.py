@@ -61,7 +61,7 @@ FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
     "gemma2": {
         "sliding_window": 12,
         "attn_logit_softcapping": 2.0,
-        "final_logit_softcapping": 3.0,
+        "final_logit_softcapping": 5.0,
         "query_pre_attn_scalar": 24,
     },
     "gemma3_text": {
@@ -210,7 +210,7 @@ def tiny_config(
     vocab_size: int = 2048,
     max_position_embeddings: int = 2048,
     initializer_range: float = 0.1,
-    tie_word_embeddings: bool | None = None,
+    tie_word_embeddings: bool = False,
     rope_theta: float = 10000.0,
     rope_scaling: dict | None = None,
     rms_norm_eps: float = 1e-6,
@@ -222,7 +222,8 @@ def tiny_config(
     ``"qwen3"`` (q/k RMSNorm, explicit ``head_dim``; when ``head_dim`` is None it
     defaults to ``2 * hidden_size // num_heads`` for qwen3 and ``hidden_size //
     num_heads`` otherwise), ``"mistral"``, ``"phi3"`` (fused qkv and gate/up
-    weights), ``"gemma2"`` or ``"gemma3_text"`` (GeGLU, tied embeddings by default).
+    weights), ``"gemma2"`` or ``"gemma3_text"`` (GeGLU, sandwich norms, scaled
+    embeddings; a tied random model tends to repeat its last token).
     ``rope_scaling`` is a rope parameter dict without ``rope_theta`` (``rope_type`` or
     the legacy ``type`` names its type), e.g. ``{"rope_type": "yarn", "factor": 4.0,
     "original_max_position_embeddings": 16}``; for gemma3_text it applies to the global
@@ -230,8 +231,6 @@ def tiny_config(
     (``sliding_window``, ``layer_types``, ``use_sliding_window``, ...), over
     :data:`FAMILY_OPTIONS`; gemma3_text also takes ``global_rope_theta``.
     """
-    if tie_word_embeddings is None:
-        tie_word_embeddings = arch.startswith("gemma")
     return _arch_config(
         arch,
         head_dim,
