@@ -8,6 +8,8 @@ lets each linear lay its weight out for its method, once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -184,7 +186,19 @@ class GeluGateUpLinear(GateUpLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.method.apply(x, self.weight, None, self.out_features)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+        return gelu_tanh(gate.float()).to(gate.dtype) * up
+
+
+_GELU_BETA = math.sqrt(2 / math.pi)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))), PyTorch's tanh-approximated gelu, out of
+    elementwise steps that each give an element the same bits wherever it lies in a tensor (F.gelu
+    does not: its vector and scalar loops round differently, so a row's bits would move with the
+    batch, the thread split falling elsewhere in it)."""
+    inner = _GELU_BETA * (x + 0.044715 * (x * x * x))
+    return 0.5 * x * (1.0 + torch.tanh(inner))
 
 
 class QKVLinear(Linear):

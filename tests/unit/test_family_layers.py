@@ -16,6 +16,7 @@ from radixrt.model.layers import (
     PartialRotaryEmbedding,
     QKVLinear,
     ScaledVocabEmbedding,
+    gelu_tanh,
 )
 from radixrt.quant.formats import QuantTensor, random_blocks
 from radixrt.testing import make_tiny_model
@@ -43,7 +44,23 @@ def test_gemma_norm_is_transformers_bit_for_bit(dtype):
     assert torch.equal(ours_heads(heads), hf_heads(heads))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_norm_rows_do_not_depend_on_the_batch(dtype):
+    """Exact outputs: a row's bits are the same alone and among 1..700 rows."""
+    gen = torch.Generator().manual_seed(6)
+    x, r = (torch.randn(700, 2304, generator=gen).to(dtype) for _ in range(2))
+    norm = GemmaRMSNorm(2304, 1e-6).to(dtype)
+    norm.weight.data.copy_(0.3 * torch.randn(2304, generator=gen))
+    alone = [norm(x[i : i + 1]) for i in (0, 5)]
+    alone_sum = [norm(x[i : i + 1], r[i : i + 1])[0] for i in (0, 5)]
+    for rows in (6, 17, 64, 333, 700):
+        out, (out_sum, _) = norm(x[:rows]), norm(x[:rows], r[:rows])
+        assert torch.equal(out[0:1], alone[0]) and torch.equal(out[5:6], alone[1])
+        assert torch.equal(out_sum[0:1], alone_sum[0]) and torch.equal(out_sum[5:6], alone_sum[1])
+
+
 def test_geglu_is_gelu_tanh_of_gate_times_up():
+    """transformers' gelu_pytorch_tanh of the gate times up, within float32 rounding."""
     from transformers.activations import ACT2FN
 
     gen = torch.Generator().manual_seed(1)
@@ -54,7 +71,27 @@ def test_geglu_is_gelu_tanh_of_gate_times_up():
     mlp.prepare_weights()
     both = torch.nn.functional.linear(x, torch.cat([gate, up]))
     want = ACT2FN["gelu_pytorch_tanh"](both[:, :96]) * both[:, 96:]
-    assert torch.equal(mlp(x), want)
+    torch.testing.assert_close(mlp(x), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_gelu_tanh_rows_do_not_depend_on_the_batch(dtype, threads):
+    """Exact outputs: each element's bits are the same alone and in a batch of rows split
+    among threads anywhere (a width no vector divides)."""
+    gen = torch.Generator().manual_seed(7)
+    x = (3 * torch.randn(64, 9000, generator=gen)).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batched = {rows: gelu_tanh(x[:rows].float()) for rows in (2, 5, 17, 64)}
+        alone = [gelu_tanh(x[i : i + 1].float()) for i in range(64)]
+    finally:
+        torch.set_num_threads(before)
+    for rows, out in batched.items():
+        assert all(torch.equal(out[i : i + 1], alone[i]) for i in range(rows)), rows
+    single = torch.cat([gelu_tanh(x[0, i : i + 1].float()) for i in range(9000)])
+    assert torch.equal(single, alone[0][0])  # every element as the scalar loop gives it
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
