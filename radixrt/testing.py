@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ARCHS",
     "FAMILIES",
+    "FAMILY_OPTIONS",
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "TINY_MODEL_VERSION",
