@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCHS",
+    "FAMILIES",
+    "FAMILY_OPTIONS",
     "CHATML_TEMPLATE",
     "SPECIAL_TOKENS",
     "TINY_MODEL_VERSION",
@@ -45,6 +47,31 @@ __all__ = [
 TINY_MODEL_VERSION = 2
 
 ARCHS = ("llama", "qwen2", "qwen3")
+#: Every family :func:`make_tiny_model` builds: ``ARCHS`` and those whose tiny models slide a
+#: window over some layers (:data:`FAMILY_OPTIONS`).
+FAMILIES = (*ARCHS, "mistral", "phi3", "gemma2", "gemma3_text")
+
+#: The family-specific settings of the tiny models (each overridable by keyword): windows of
+#: 12 positions, on every layer (mistral, phi3), alternate layers (gemma2) or two layers in
+#: three (gemma3_text); Gemma's soft-caps small enough to matter at these weights' scale, and
+#: an attention scale other than head_dim's; gemma3's global layers with RoPE base 1e6 (its
+#: sliding layers: 1e4); phi3 rotating three quarters of each head.
+FAMILY_OPTIONS: dict[str, dict[str, Any]] = {
+    "mistral": {"sliding_window": 12},
+    "phi3": {"sliding_window": 12, "partial_rotary_factor": 0.75},
+    "gemma2": {
+        "sliding_window": 12,
+        "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 5.0,
+        "query_pre_attn_scalar": 24,
+    },
+    "gemma3_text": {
+        "sliding_window": 12,
+        "sliding_window_pattern": 3,
+        "query_pre_attn_scalar": 24,
+        "global_rope_theta": 1_000_000.0,
+    },
+}
 
 #: Special tokens, in id order: ``<|endoftext|>`` = 0, ``<|im_start|>`` = 1,
 #: ``<|im_end|>`` = 2 (the layout SmolLM2 uses).
@@ -188,15 +215,22 @@ def tiny_config(
     rope_theta: float = 10000.0,
     rope_scaling: dict | None = None,
     rms_norm_eps: float = 1e-6,
+    **options: Any,
 ) -> PretrainedConfig:
-    """The transformers config of a :func:`make_tiny_model` model (float32, SiLU).
+    """The transformers config of a :func:`make_tiny_model` model (float32).
 
-    ``arch`` is ``"llama"``, ``"qwen2"`` (q/k/v biases) or ``"qwen3"`` (q/k
-    RMSNorm, explicit ``head_dim``; when ``head_dim`` is None it defaults to
-    ``2 * hidden_size // num_heads`` for qwen3 and ``hidden_size // num_heads``
-    otherwise).  ``rope_scaling`` is a rope parameter dict without
-    ``rope_theta`` (``rope_type`` or the legacy ``type`` names its type), e.g.
-    ``{"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}``.
+    ``arch`` is one of :data:`FAMILIES`: ``"llama"``, ``"qwen2"`` (q/k/v biases),
+    ``"qwen3"`` (q/k RMSNorm, explicit ``head_dim``; when ``head_dim`` is None it
+    defaults to ``2 * hidden_size // num_heads`` for qwen3 and ``hidden_size //
+    num_heads`` otherwise), ``"mistral"``, ``"phi3"`` (fused qkv and gate/up
+    weights), ``"gemma2"`` or ``"gemma3_text"`` (GeGLU, sandwich norms, scaled
+    embeddings; a tied random model tends to repeat its last token).
+    ``rope_scaling`` is a rope parameter dict without ``rope_theta`` (``rope_type`` or
+    the legacy ``type`` names its type), e.g. ``{"rope_type": "yarn", "factor": 4.0,
+    "original_max_position_embeddings": 16}``; for gemma3_text it applies to the global
+    layers. ``options`` are further fields of the family's transformers config
+    (``sliding_window``, ``layer_types``, ``use_sliding_window``, ...), over
+    :data:`FAMILY_OPTIONS`; gemma3_text also takes ``global_rope_theta``.
     """
     return _arch_config(
         arch,
@@ -219,14 +253,19 @@ def tiny_config(
             pad_token_id=0,
             dtype="float32",
         ),
+        {**FAMILY_OPTIONS.get(arch, {}), **options},
     )
 
 
-def _arch_config(arch: str, head_dim: int | None, common: dict) -> PretrainedConfig:
-    """``arch``'s transformers config class built from the shared settings ``common``."""
+def _arch_config(arch: str, head_dim: int | None, common: dict, options: dict) -> PretrainedConfig:
+    """``arch``'s transformers config class built from the shared settings ``common`` and the
+    family's ``options``."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     derived = common["hidden_size"] // common["num_attention_heads"]
+    if arch in ("mistral", "phi3", "gemma2", "gemma3_text"):
+        return _family_config(arch, head_dim or derived, common, dict(options))
+    common = {**common, **options}
     if arch == "llama":
         return LlamaConfig(**common, head_dim=head_dim or derived, attention_bias=False)
     if arch == "qwen2":
@@ -234,13 +273,30 @@ def _arch_config(arch: str, head_dim: int | None, common: dict) -> PretrainedCon
             raise ValueError(
                 "qwen2 has no explicit head_dim; it is always hidden_size // num_heads"
             )
-        return Qwen2Config(**common, use_sliding_window=False)
+        return Qwen2Config(**{"use_sliding_window": False, **common})
     if arch == "qwen3":
         # Qwen3 stores head_dim explicitly and, in the real models, it differs
         # from hidden_size // num_heads; default to twice that so the tiny
         # model exercises the q/o projection shape mismatch too.
         return Qwen3Config(**common, head_dim=head_dim or 2 * derived, attention_bias=False)
-    raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    raise ValueError(f"arch must be one of {FAMILIES}, got {arch!r}")
+
+
+def _family_config(arch: str, head_dim: int, common: dict, options: dict) -> PretrainedConfig:
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Phi3Config
+
+    if arch == "mistral":
+        return MistralConfig(**common, head_dim=head_dim, **options)
+    if arch == "phi3":
+        return Phi3Config(**{k: v for k, v in common.items() if k != "hidden_act"}, **options)
+    common = {k: v for k, v in common.items() if k != "hidden_act"}
+    common["hidden_activation"] = "gelu_pytorch_tanh"
+    if arch == "gemma2":
+        return Gemma2Config(**common, head_dim=head_dim, **options)
+    full = dict(common.pop("rope_parameters"), rope_theta=options.pop("global_rope_theta"))
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    common["rope_parameters"] = {"full_attention": full, "sliding_attention": local}
+    return Gemma3TextConfig(**common, head_dim=head_dim, **options)
 
 
 def _rope_parameters(rope_theta: float, rope_scaling: dict | None) -> dict:
@@ -265,8 +321,9 @@ def make_tiny_model(
     own seeded with ``seed`` (not torch's global one, which other threads of the
     calling process may be drawing from): linear and embedding weights normal
     with std ``initializer_range`` (the embedding's padding row 0), the RMSNorm
-    weights around 1 and the qwen2 biases around 0 rather than exactly 1 and 0,
-    so that a runtime that ignores them does not match transformers.
+    weights around 1 (Gemma's, which scale by 1 + w: around 0) and the qwen2 biases
+    around 0, rather than exactly at their neutral values, so that a runtime that
+    ignores them does not match transformers.
 
     The tokenizer is a byte-level BPE with ``vocab_size`` tokens trained on
     stdlib sources; ids 0, 1, 2 are ``<|endoftext|>`` (bos/pad),
@@ -290,11 +347,12 @@ def _random_model(config: PretrainedConfig, seed: int) -> PreTrainedModel:
 
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    norm_center = 0.0 if config.model_type.startswith("gemma") else 1.0  # Gemma's: 1 + w
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
             drawn = torch.randn(param.shape, generator=gen)
             if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * drawn)
+                param.copy_(norm_center + 0.1 * drawn)
             else:
                 param.copy_(config.initializer_range * drawn)
         embed = model.get_input_embeddings()
@@ -338,8 +396,8 @@ def tiny_model_path(arch: str = "llama", seed: int = 0) -> str:
     temporary sibling and renamed into place, so concurrent callers never see
     a partial folder (the loser of a race discards its copy).
     """
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if arch not in FAMILIES:
+        raise ValueError(f"arch must be one of {FAMILIES}, got {arch!r}")
     root = _cache_root() / "tiny"
     final = root / f"{arch}-{seed}-{_version_hash(arch, seed)}"
     if (final / _MARKER).is_file():

@@ -2,9 +2,15 @@
 
 ``ModelConfig.from_pretrained(folder)`` reads the files, ``ModelConfig.from_dict`` the parsed
 dict (transformers v4 or v5 layout), every field as transformers' classes for the architecture
-read it. Architectures: ``ARCHITECTURES``. A setting that would make transformers compute
-something radixrt's model does not (an unsupported rope type, a bias on llama's attention, a
-partial rotation, ...) is refused with a ValueError naming the field.
+read it (their defaults included). Architectures: ``ARCHITECTURES``. A setting that would make
+transformers compute something radixrt's model does not (an unsupported rope type, a bias on
+llama's attention, another activation, bidirectional attention, a vision tower, ...) is refused
+with a ValueError naming the field.
+
+What differs between the families is data here, read once: which layers slide and over how
+many keys (``layer_types``, ``sliding_window``), the MLP's activation, Gemma's soft-caps,
+attention scale and per-kind RoPE bases, phi3's partial rotation, and the context radixrt
+serves exactly (``max_context``: a ``longrope`` model's original context).
 """
 
 from __future__ import annotations
@@ -21,16 +27,27 @@ import torch
 
 from radixrt.model import rope
 
-__all__ = ["ARCHITECTURES", "ModelConfig"]
+__all__ = ["ACTIVATIONS", "ARCHITECTURES", "GEMMA", "LAYER_TYPES", "ModelConfig"]
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")  # sandwich norms, Gemma's RMSNorm, scaled embeddings
+FULL, SLIDING = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL, SLIDING)
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # SiLU-gated and GeGLU (tanh-approximated) MLPs
 
-_ARCH_BY_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral"}
+_ARCH_BY_MODEL_TYPE = {a: a for a in ARCHITECTURES}
 _ARCH_BY_CLASS = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+}
+_REFUSED_MODEL_TYPES = {
+    "gemma3": "gemma3's vision-language model (text_config + vision_config) is not supported: "
+    "radixrt serves the text-only gemma3_text",
 }
 _LLAMA3_ROPE_KEYS = (
     "factor",
@@ -38,13 +55,14 @@ _LLAMA3_ROPE_KEYS = (
     "high_freq_factor",
     "original_max_position_embeddings",
 )
-# rope types whose transformers tables depend on the length of the sequence in each forward
-_LENGTH_DEPENDENT_ROPE = {
-    "longrope": "transformers rotates by short_factor or long_factor depending on the length of "
-    "the sequence in each forward, which keys already in the KV cache cannot follow",
-}
-# num_key_value_heads where config.json has none (transformers' config classes; else num_heads)
-_DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8}
+# transformers' config classes' defaults for what config.json may leave out
+_DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma2": 4, "gemma3_text": 4}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
+_DEFAULT_EPS = {"phi3": 1e-5}
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
+_DEFAULT_WINDOW = dict.fromkeys(("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), 4096)
+_GEMMA_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}  # (attention, final)
+_PHI3_ORIGINAL_CONTEXT = 4096  # Phi3Config's original_max_position_embeddings
 _SILU_ACTS = ("silu", "swish")  # the names transformers' ACT2FN maps to SiLU
 _POSITIVE_INT_FIELDS = (
     "vocab_size",
@@ -79,8 +97,14 @@ class ModelConfig:
     key (one of ``radixrt.model.rope.ROPE_TYPES``) and every parameter that
     type reads, without ``rope_theta`` (that is :attr:`rope_theta`).
     ``eos_token_ids`` merges config.json's ``eos_token_id`` with
-    generation_config.json's, config first.  ``sliding_window`` is None unless
-    the model really uses one, on every layer.
+    generation_config.json's, config first.
+
+    Attention spans: ``layer_types`` names each layer's kind (``LAYER_TYPES``; None on
+    construction: every layer sliding if ``sliding_window`` is set, else full), and a sliding
+    layer's query at position p attends keys p - sliding_window + 1 .. p. ``sliding_window``
+    is None exactly when no layer slides. ``local_rope_theta`` is the RoPE base of the
+    sliding layers where it differs (gemma3; they rotate by plain RoPE), None: every layer
+    rotates by ``rope_theta`` / ``rope_scaling``.
     """
 
     architecture: str
@@ -102,6 +126,13 @@ class ModelConfig:
     bos_token_id: int | None = None
     torch_dtype: torch.dtype = torch.float32
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    hidden_act: str = "silu"
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
+    query_pre_attn_scalar: float | None = None
+    local_rope_theta: float | None = None
+    partial_rotary_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -130,11 +161,53 @@ class ModelConfig:
         if bos is not None and (not _is_int(bos) or bos < 0):
             raise _invalid(f"bos_token_id must be None or a non-negative int, got {bos!r}")
         object.__setattr__(self, "torch_dtype", _checked_dtype(self.torch_dtype))
+        self._check_attention_spans()
+        self._check_family_fields()
+        if self.rope_scaling is not None:
+            object.__setattr__(
+                self, "rope_scaling", _checked_rope_scaling(self.rope_scaling, self.rotary_dim)
+            )
+
+    def _check_attention_spans(self) -> None:
         window = self.sliding_window
         if window is not None and (not _is_int(window) or window <= 0):
             raise _invalid(f"sliding_window must be None or a positive int, got {window!r}")
-        if self.rope_scaling is not None:
-            object.__setattr__(self, "rope_scaling", _checked_rope_scaling(self.rope_scaling))
+        types = self.layer_types
+        if types is None:
+            types = (SLIDING if window is not None else FULL,) * self.num_layers
+        types = tuple(types)
+        if len(types) != self.num_layers or not set(types) <= set(LAYER_TYPES):
+            raise _invalid(
+                f"layer_types must name each of the {self.num_layers} layers one of "
+                f"{LAYER_TYPES}, got {types!r}"
+            )
+        if (SLIDING in types) != (window is not None):
+            raise _invalid(
+                f"sliding_window ({window!r}) must be set exactly when a layer is "
+                f"{SLIDING!r} (layer_types {types!r})"
+            )
+        object.__setattr__(self, "layer_types", types)
+
+    def _check_family_fields(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise _invalid(f"hidden_act must be one of {ACTIVATIONS}, got {self.hidden_act!r}")
+        for name in (
+            "attn_logit_softcapping",
+            "final_logit_softcapping",
+            "query_pre_attn_scalar",
+            "local_rope_theta",
+        ):
+            value = getattr(self, name)
+            if value is not None and not _is_positive_number(value):
+                raise _invalid(f"{name} must be None or a positive number, got {value!r}")
+        prf = self.partial_rotary_factor
+        if not _is_positive_number(prf) or prf > 1:
+            raise _invalid(f"partial_rotary_factor must be in (0, 1], got {prf!r}")
+        if self.rotary_dim <= 0 or self.rotary_dim % 2:
+            raise _invalid(
+                f"partial_rotary_factor {prf!r} of head_dim {self.head_dim} rotates "
+                f"{self.rotary_dim} dimensions; RoPE needs a positive even number"
+            )
 
     # Derived sizes -------------------------------------------------------- #
 
@@ -152,6 +225,49 @@ class ModelConfig:
     def num_kv_groups(self) -> int:
         """Query heads per KV head (GQA group size)."""
         return self.num_heads // self.num_kv_heads
+
+    @property
+    def family(self) -> str:
+        """ "gemma" (sandwich norms, Gemma's RMSNorm, scaled embeddings) or "llama"."""
+        return "gemma" if self.architecture in GEMMA else "llama"
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: every key up to the query)."""
+        return tuple(self.sliding_window if t == SLIDING else None for t in self.layer_types)
+
+    @property
+    def attn_scaling(self) -> float:
+        """The scores' scale: ``query_pre_attn_scalar ** -0.5`` (Gemma), else head_dim's."""
+        scalar = self.query_pre_attn_scalar
+        return (scalar if scalar is not None else self.head_dim) ** -0.5
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dimensions of each head RoPE rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def max_context(self) -> int:
+        """The longest sequence radixrt serves exactly (see :attr:`context_bound`)."""
+        if self.context_bound is None:
+            return self.max_position_embeddings
+        return min(
+            self.max_position_embeddings, self.rope_scaling["original_max_position_embeddings"]
+        )
+
+    @property
+    def context_bound(self) -> str | None:
+        """Why :attr:`max_context` is below max_position_embeddings (None: it is not)."""
+        rs = self.rope_scaling
+        if rs is None or rs["rope_type"] != "longrope":
+            return None
+        return (
+            f"longrope: transformers rotates by short_factor up to "
+            f"original_max_position_embeddings ({rs['original_max_position_embeddings']} "
+            "tokens) and by long_factor beyond, a switch keys already in the KV cache cannot "
+            "follow, so the context ends there"
+        )
 
     # Construction --------------------------------------------------------- #
 
@@ -178,14 +294,15 @@ class ModelConfig:
 
         Every field is read as transformers' config and model classes for the
         architecture read it (defaults included).  Raises ValueError naming the
-        field where transformers would compute something radixrt's Llama model
-        does not (see :func:`_refuse_unsupported`).
+        field where transformers would compute something radixrt's model does
+        not (see :func:`_refuse_unsupported`).
         """
         arch = _architecture(config)
         _refuse_unsupported(config, arch)
         num_heads = config["num_attention_heads"]
         num_kv_heads = config.get("num_key_value_heads", _DEFAULT_KV_HEADS.get(arch))
-        rope_theta, rope_scaling = _rope(config)
+        rope_theta, rope_scaling = _rope(config, arch)
+        window, layer_types = _attention_spans(config, arch)
         return cls(
             architecture=arch,
             vocab_size=config["vocab_size"],
@@ -195,18 +312,21 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=num_kv_heads or num_heads,
             head_dim=_head_dim(config, arch),
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=config.get("rms_norm_eps", _DEFAULT_EPS.get(arch, 1e-6)),
             rope_theta=rope_theta,
             max_position_embeddings=config["max_position_embeddings"],
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            # qwen2 always biases q/k/v; mistral never does; llama and qwen3 with a bias are refused
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in GEMMA)),
+            # qwen2 always biases q/k/v; the others never do (a bias where transformers
+            # would add one is refused)
             attention_bias=arch == "qwen2",
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "gemma3_text"),
             eos_token_ids=_merged_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=_dtype_name(config),
-            sliding_window=_sliding_window(config, arch),
+            sliding_window=window,
+            layer_types=layer_types,
+            **_family_fields(config, arch),
         )
 
 
@@ -224,13 +344,10 @@ def _checked_dtype(dtype: Any) -> torch.dtype:
     return resolved
 
 
-def _checked_rope_scaling(rope_scaling: Mapping[str, Any]) -> dict[str, Any]:
+def _checked_rope_scaling(rope_scaling: Mapping[str, Any], rotary_dim: int) -> dict[str, Any]:
     """A copy of ``rope_scaling`` once its type and that type's parameters check out."""
     rs = dict(rope_scaling)
     rope_type = rs.get("rope_type")
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        why = _LENGTH_DEPENDENT_ROPE[rope_type]
-        raise _invalid(f"rope_scaling type {rope_type!r} is not supported: {why}")
     if rope_type not in rope.ROPE_TYPES:
         raise _invalid(
             f"rope_scaling['rope_type'] must be one of {rope.ROPE_TYPES}, got {rope_type!r}"
@@ -245,6 +362,8 @@ def _checked_rope_scaling(rope_scaling: Mapping[str, Any]) -> dict[str, Any]:
         _check_llama3_rope(rs)
     elif rope_type == "yarn":
         _check_yarn_rope(rs)
+    elif rope_type == "longrope":
+        _check_longrope(rs, rotary_dim)
     return rs
 
 
@@ -287,6 +406,27 @@ def _check_yarn_rope(rs: Mapping[str, Any]) -> None:
         )
 
 
+def _check_longrope(rs: Mapping[str, Any], rotary_dim: int) -> None:
+    _check_original_context(rs)
+    for key in ("short_factor", "long_factor"):
+        value = rs.get(key)
+        if not (
+            isinstance(value, (list, tuple))
+            and len(value) == rotary_dim // 2
+            and all(_is_positive_number(f) for f in value)
+        ):
+            raise _invalid(
+                f"longrope rope_scaling[{key!r}] must be {rotary_dim // 2} positive numbers (one "
+                f"per rotated pair of dimensions), got {value!r}"
+            )
+    value = rs.get("attention_factor")
+    if value is not None and not _is_positive_number(value):
+        raise _invalid(
+            f"longrope rope_scaling['attention_factor'] must be None or a positive number, "
+            f"got {value!r}"
+        )
+
+
 def _check_full_rotation(field: str, value: Any) -> None:
     if value is not None and value != 1:
         raise ValueError(
@@ -297,12 +437,20 @@ def _check_full_rotation(field: str, value: Any) -> None:
 
 def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
     """Raise ValueError naming the first config.json field with which transformers' model for
-    ``arch`` computes something radixrt's (SiLU-gated MLP without biases, RMSNorm, neox RoPE
-    over the whole head, no o_proj bias, one attention span for every layer) does not."""
+    ``arch`` computes something radixrt's does not."""
+    if arch in GEMMA:
+        _refuse_gemma(config, arch)
+    else:
+        _refuse_llama_family(config, arch)
+
+
+def _refuse_llama_family(config: Mapping[str, Any], arch: str) -> None:
+    """SiLU-gated MLP without biases, RMSNorm, neox RoPE over the whole head (phi3: over its
+    partial_rotary_factor), no o_proj bias."""
     act = config.get("hidden_act", "silu")
     if act not in _SILU_ACTS:
         raise ValueError(
-            f"hidden_act {act!r} is not supported: radixrt's MLP is SiLU-gated ('silu')"
+            f"hidden_act {act!r} is not supported for {arch}: radixrt's MLP is SiLU-gated ('silu')"
         )
     if arch == "llama" and config.get("mlp_bias"):
         raise ValueError("mlp_bias = true is not supported: radixrt's MLP projections have no bias")
@@ -310,6 +458,33 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
         raise ValueError(
             f"attention_bias = true is not supported for {arch}: transformers then gives o_proj a "
             "bias too, which radixrt's attention does not have"
+        )
+    if arch == "phi3":
+        return  # phi3 applies partial_rotary_factor (read by _partial_rotary_factor)
+    _check_full_rotation("partial_rotary_factor", config.get("partial_rotary_factor"))
+    _check_full_rotation(
+        "rope_parameters['partial_rotary_factor']",
+        _rope_params(config).get("partial_rotary_factor"),
+    )
+
+
+def _refuse_gemma(config: Mapping[str, Any], arch: str) -> None:
+    """GeGLU (tanh-approximated gelu) MLP, no biases, causal attention, whole-head RoPE."""
+    act = config.get("hidden_activation", "gelu_pytorch_tanh")
+    if act != "gelu_pytorch_tanh":
+        raise ValueError(
+            f"hidden_activation {act!r} is not supported for {arch}: radixrt's Gemma MLP is "
+            "GeGLU with PyTorch's tanh-approximated gelu ('gelu_pytorch_tanh')"
+        )
+    if config.get("attention_bias"):
+        raise ValueError(
+            f"attention_bias = true is not supported for {arch}: radixrt's Gemma attention has "
+            "no q/k/v/o biases"
+        )
+    if config.get("use_bidirectional_attention"):
+        raise ValueError(
+            f"use_bidirectional_attention = true is not supported for {arch}: radixrt's "
+            "attention is causal"
         )
     _check_full_rotation("partial_rotary_factor", config.get("partial_rotary_factor"))
     _check_full_rotation(
@@ -320,6 +495,8 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
 
 def _architecture(config: Mapping[str, Any]) -> str:
     model_type = config.get("model_type")
+    if model_type in _REFUSED_MODEL_TYPES:
+        raise ValueError(f"model_type {model_type!r}: {_REFUSED_MODEL_TYPES[model_type]}")
     if model_type in _ARCH_BY_MODEL_TYPE:
         return _ARCH_BY_MODEL_TYPE[model_type]
     for cls_name in config.get("architectures") or []:
@@ -333,8 +510,8 @@ def _architecture(config: Mapping[str, Any]) -> str:
 
 
 def _head_dim(config: Mapping[str, Any], arch: str) -> int:
-    """config.json's head_dim, else Qwen3Config's default 128, else hidden_size / heads."""
-    head_dim = config.get("head_dim", 128 if arch == "qwen3" else None)
+    """config.json's head_dim, else the config class's default, else hidden_size / heads."""
+    head_dim = config.get("head_dim", _DEFAULT_HEAD_DIM.get(arch))
     if head_dim is not None:
         return head_dim
     hidden, num_heads = config["hidden_size"], config["num_attention_heads"]
@@ -364,34 +541,68 @@ def _dtype_name(config: Mapping[str, Any]) -> Any:
     return name
 
 
-def _sliding_window(config: Mapping[str, Any], arch: str) -> int | None:
-    """The window transformers' attention for ``arch`` applies (None: full attention).
+def _family_fields(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
+    """The fields only some families set: Gemma's activation, soft-caps, attention scale and
+    local RoPE base; phi3's partial rotation."""
+    if arch == "phi3":
+        return {"partial_rotary_factor": _partial_rotary_factor(config)}
+    if arch not in GEMMA:
+        return {}
+    attn_cap, final_cap = _GEMMA_SOFTCAPS[arch]
+    return {
+        "hidden_act": config.get("hidden_activation", "gelu_pytorch_tanh"),
+        "attn_logit_softcapping": config.get("attn_logit_softcapping", attn_cap),
+        "final_logit_softcapping": config.get("final_logit_softcapping", final_cap),
+        "query_pre_attn_scalar": config.get("query_pre_attn_scalar", 256),
+        "local_rope_theta": _gemma3_local_theta(config) if arch == "gemma3_text" else None,
+    }
 
-    Llama has none; Mistral applies ``sliding_window`` (MistralConfig's default: 4096) on
-    every layer; Qwen2/3 only with ``use_sliding_window``, on the layers ``layer_types`` (by
-    default those from ``max_window_layers`` on) mark sliding.  A window on some layers only
-    is refused.
+
+def _partial_rotary_factor(config: Mapping[str, Any]) -> float:
+    """Phi3Config's: the rope dict's ``partial_rotary_factor``, else the top-level one, else 1."""
+    value = _rope_params(config).get("partial_rotary_factor")
+    if value is None:
+        value = config.get("partial_rotary_factor", 1.0)
+    return value
+
+
+def _attention_spans(config: Mapping[str, Any], arch: str) -> tuple[int | None, tuple[str, ...]]:
+    """(the sliding window, each layer's kind) as transformers' attention for ``arch`` applies
+    them.
+
+    Llama has no window. Mistral and phi3 apply ``sliding_window`` (MistralConfig's default
+    4096; Phi3Config's None) on every layer. Qwen2/3 only with ``use_sliding_window``, on the
+    layers ``layer_types`` (by default those from ``max_window_layers`` on) marks sliding.
+    gemma2 alternates sliding and full layers, gemma3_text has a full layer every
+    ``sliding_window_pattern`` (6), unless ``layer_types`` says otherwise.
     """
-    if arch == "mistral":
-        return config.get("sliding_window", 4096)
-    window = config.get("sliding_window")
-    if arch == "llama" or window is None:
-        return None
-    if not config.get("use_sliding_window", False):
-        return None
+    n = config["num_hidden_layers"]
+    window = config.get("sliding_window", _DEFAULT_WINDOW.get(arch))
+    if arch == "llama" or (arch in ("mistral", "phi3") and window is None):
+        return None, (FULL,) * n
+    if arch in ("mistral", "phi3"):
+        return window, (SLIDING,) * n
+    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+        window = None
+    layer_types = tuple(config.get("layer_types") or _default_layer_types(config, arch, window))
+    if SLIDING in layer_types and window is None:
+        raise ValueError(
+            f"layer_types marks sliding layers but there is no sliding_window (for {arch}: "
+            "sliding_window is null, or use_sliding_window is false); transformers refuses "
+            "such a config too"
+        )
+    return (window if SLIDING in layer_types else None), layer_types
+
+
+def _default_layer_types(config: Mapping[str, Any], arch: str, window: int | None) -> list[str]:
+    n = config["num_hidden_layers"]
+    if arch == "gemma2":
+        return [SLIDING if (i + 1) % 2 else FULL for i in range(n)]
+    if arch == "gemma3_text":
+        pattern = config.get("sliding_window_pattern", 6)
+        return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
     first_sliding = config.get("max_window_layers", 28)
-    layer_types = config.get("layer_types") or [
-        "sliding_attention" if i >= first_sliding else "full_attention"
-        for i in range(config["num_hidden_layers"])
-    ]
-    if set(layer_types) == {"full_attention"}:
-        return None
-    if set(layer_types) == {"sliding_attention"}:
-        return window
-    raise ValueError(
-        f"use_sliding_window with a window on some layers only (layer_types {layer_types}) is not "
-        "supported: radixrt attends over one span on every layer"
-    )
+    return [SLIDING if window is not None and i >= first_sliding else FULL for i in range(n)]
 
 
 def _rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -399,35 +610,68 @@ def _rope_params(config: Mapping[str, Any]) -> dict[str, Any]:
     (its ``full_attention`` entry where it is given per layer type)."""
     params = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if params and all(isinstance(v, Mapping) for v in params.values()):  # per layer type
-        if "full_attention" not in params:
+        if FULL not in params:
             raise ValueError(
                 f"per-layer-type rope_parameters without 'full_attention': {sorted(params)}"
             )
-        params = params["full_attention"]
+        params = params[FULL]
     return dict(params)
 
 
-def _rope(config: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _gemma3_local_theta(config: Mapping[str, Any]) -> float:
+    """The RoPE base of gemma3's sliding layers: v5 ``rope_parameters['sliding_attention']``'s
+    ``rope_theta``, else v4 ``rope_local_base_freq``, else Gemma3TextConfig's 10000."""
+    params = config.get("rope_parameters") or {}
+    local = params.get(SLIDING) if isinstance(params, Mapping) else None
+    if isinstance(local, Mapping):
+        kind = local.get("rope_type", local.get("type", "default"))
+        if kind != "default":
+            raise ValueError(
+                f"rope_parameters['sliding_attention'] of type {kind!r} is not supported: "
+                "radixrt rotates gemma3's sliding layers by plain RoPE"
+            )
+        if local.get("rope_theta") is not None:
+            return local["rope_theta"]
+    return config.get("rope_local_base_freq", 10000.0)
+
+
+def _rope(config: Mapping[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, rope_scaling) with the defaults transformers fills in.
 
-    ``original_max_position_embeddings`` (llama3, yarn) is config.json's top-level
-    field where there is one (transformers gives it priority), else the rope dict's, else
-    ``max_position_embeddings``.
+    ``original_max_position_embeddings`` (llama3, yarn, longrope) is config.json's top-level
+    field where there is one (transformers gives it priority; Phi3Config always has one), else
+    the rope dict's, else ``max_position_embeddings``. phi3 reads types "su" and "yarn" as
+    "longrope", whose ``factor`` defaults to max_position_embeddings over the original context.
     """
     rest = _rope_params(config)
+    rest.pop("partial_rotary_factor", None)  # ModelConfig.partial_rotary_factor
     theta = rest.pop("rope_theta", None)
     if theta is None:
         theta = config.get("rope_theta")
     if theta is None:
-        theta = 10000.0
+        theta = _DEFAULT_THETA.get(arch, 10000.0)
     rope_type = rest.pop("rope_type", None)
     legacy_type = rest.pop("type", None)
     rope_type = rope_type or legacy_type or "default"
+    if arch == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"
+    if arch == "phi3" and rope_type not in ("default", "longrope"):
+        raise ValueError(
+            f"rope type {rope_type!r} is not supported for phi3: Phi3Config takes 'default' or "
+            "'longrope' ('su' and 'yarn' read as 'longrope')"
+        )
     if rope_type == "default":
         return float(theta), None
-    if rope_type in ("llama3", "yarn"):
-        top_level = config.get("original_max_position_embeddings")
+    if rope_type in ("llama3", "yarn", "longrope"):
+        top_level = config.get(
+            "original_max_position_embeddings",
+            _PHI3_ORIGINAL_CONTEXT if arch == "phi3" else None,
+        )
         if top_level is not None:
             rest["original_max_position_embeddings"] = top_level
         rest.setdefault("original_max_position_embeddings", config["max_position_embeddings"])
+    if rope_type == "longrope" and rest.get("factor") is None:
+        rest["factor"] = (
+            config["max_position_embeddings"] / rest["original_max_position_embeddings"]
+        )
     return float(theta), {"rope_type": rope_type, **rest}

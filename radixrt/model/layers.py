@@ -8,6 +8,8 @@ lets each linear lay its weight out for its method, once.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -52,6 +54,25 @@ def _quantized(param: nn.Parameter, shards: tuple) -> list[QuantTensor] | None:
             "(or not at all) and the others quantized; radixrt runs a stacked weight one way"
         )
     return stack([quant[s] for s in shards])
+
+
+def _load_fused(layer: Linear, param: nn.Parameter, loaded) -> None:
+    """A checkpoint's fused weight (phi3's qkv_proj, gate_up_proj) into a stacked layer: its
+    rows are the layer's shards in order, each loaded as the shard it is."""
+    sizes = layer.shard_rows()
+    rows = loaded.shape[0]
+    if rows != sum(sizes):
+        raise ValueError(
+            f"fused checkpoint weight of {rows} rows does not stack shards "
+            f"{dict(zip(map(str, layer.SHARDS), sizes))}"
+        )
+    start = 0
+    for shard, size in zip(layer.SHARDS, sizes):
+        part = slice(start, start + size)
+        layer.weight_loader(
+            param, loaded.rows(part) if isinstance(loaded, QuantTensor) else loaded[part], shard
+        )
+        start += size
 
 
 class Linear(nn.Module):
@@ -135,7 +156,13 @@ class GateUpLinear(Linear):
     def _quantized_method(self, kernels: Kernels, segments: list[QuantTensor]):
         return ActAfter(kernels.quantized_for(segments), kernels.act)
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int) -> None:
+    def shard_rows(self) -> list[int]:
+        return [self.intermediate, self.intermediate]
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: int | None = None) -> None:
+        """Shard 0 (gate) or 1 (up); None: a fused [gate; up] checkpoint weight."""
+        if shard_id is None:
+            return _load_fused(self, param, loaded)
         if isinstance(loaded, QuantTensor):
             return _keep_quantized(param, shard_id, loaded)
         size = self.intermediate
@@ -143,6 +170,35 @@ class GateUpLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(x, self.weight, self.out_features)
+
+
+class GeluGateUpLinear(GateUpLinear):
+    """An MLP's [gate; up] projection followed by GeGLU: gelu(x·gateᵀ)·(x·upᵀ) [.., intermediate]
+    with PyTorch's tanh-approximated gelu (transformers' ``gelu_pytorch_tanh``). The projection
+    runs the plain linear method of its shape; the activation runs in PyTorch."""
+
+    def _method(self, kernels: Kernels):
+        return kernels.linear_for(self.out_features, self.in_features)
+
+    def _quantized_method(self, kernels: Kernels, segments: list[QuantTensor]):
+        return kernels.quantized_for(segments)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.method.apply(x, self.weight, None, self.out_features)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return gelu_tanh(gate.float()).to(gate.dtype) * up
+
+
+_GELU_BETA = math.sqrt(2 / math.pi)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))), PyTorch's tanh-approximated gelu, out of
+    elementwise steps that each give an element the same bits wherever it lies in a tensor (F.gelu
+    does not: its vector and scalar loops round differently, so a row's bits would move with the
+    batch, the thread split falling elsewhere in it)."""
+    inner = _GELU_BETA * (x + 0.044715 * (x * x * x))
+    return 0.5 * x * (1.0 + torch.tanh(inner))
 
 
 class QKVLinear(Linear):
@@ -164,7 +220,14 @@ class QKVLinear(Linear):
 
     SHARDS = ("q", "k", "v")
 
-    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str) -> None:
+    def shard_rows(self) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+    def weight_loader(self, param: nn.Parameter, loaded, shard_id: str | None = None) -> None:
+        """Shard "q", "k" or "v"; None: a fused [q; k; v] checkpoint weight (phi3's qkv_proj)."""
+        if shard_id is None:
+            return _load_fused(self, param, loaded)
         if isinstance(loaded, QuantTensor):
             return _keep_quantized(param, shard_id, loaded)
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -255,6 +318,19 @@ class VocabEmbedding(nn.Module):
         return rows.to(ids.device).reshape(*ids.shape, quant.k)
 
 
+class ScaledVocabEmbedding(VocabEmbedding):
+    """The tokens' rows times sqrt(hidden) (Gemma), the multiplier rounded to the model's dtype
+    first, as transformers rounds it."""
+
+    def __init__(self, vocab_size: int, hidden: int, kernels: Kernels = DEFAULT_KERNELS) -> None:
+        super().__init__(vocab_size, hidden, kernels)
+        normalizer = torch.tensor(hidden**0.5, dtype=torch.float32).to(self.weight.dtype)
+        self.register_buffer("normalizer", normalizer, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * self.normalizer
+
+
 class LMHead(VocabEmbedding):
     """Output projection over the vocabulary: float32 logits [.., vocab]. Its weight may be the
     embedding's (tied); ``prepare_weights`` gives the method its own copy where its layout
@@ -313,10 +389,43 @@ class RMSNorm(nn.Module):
         return self.kernel(x, self.weight, self.eps, residual)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMS norm: x·rsqrt(mean(x²) + eps)·(1 + w), all in float32 and rounded once to x's
+    dtype (transformers' Gemma2RMSNorm / Gemma3RMSNorm); given a residual, the norm of
+    x + residual, returned with that sum. Runs in PyTorch, per row; returns new tensors."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None:
+            x = residual = x + residual
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class LogitSoftCap(nn.Module):
+    """cap·tanh(logits / cap) on the float32 logits (Gemma's final_logit_softcapping)."""
+
+    def __init__(self, cap: float) -> None:
+        super().__init__()
+        self.cap = cap
+
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(logits / self.cap) * self.cap
+
+
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding with float32 tables cos and sin± [max_position, head_dim]
-    (``radixrt.model.rope``). The rotation may happen in place: callers pass a tensor of their
-    own and use the result."""
+    """Neox-style rotary embedding with float32 tables cos and sin± [rows, head_dim]
+    (``radixrt.model.rope``; ``rows``: the first positions of the model's max_position, all by
+    default). The rotation may happen in place: callers pass a tensor of their own and use the
+    result."""
 
     def __init__(
         self,
@@ -325,9 +434,12 @@ class RotaryEmbedding(nn.Module):
         base: float,
         scaling: dict | None = None,
         kernels: Kernels = DEFAULT_KERNELS,
+        rows: int | None = None,
     ) -> None:
         super().__init__()
         cos, sin_signed = rope.cos_sin_tables(head_dim, max_position, base, scaling)
+        if rows is not None and rows < max_position:
+            cos, sin_signed = cos[:rows].clone(), sin_signed[:rows].clone()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin_signed", sin_signed, persistent=False)
         self.kernel = kernels.rotary
@@ -335,3 +447,18 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """positions [T]; x [T, N, D] (any number of heads: q and k side by side rotate at once)."""
         return self.kernel(x, positions, self.cos, self.sin_signed)
+
+
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Rotates the first ``head_dim`` (here: the rotated) dimensions of each head of x
+    [T, N, D], neox-style among them, and passes the other D - head_dim through (phi3's
+    partial_rotary_factor). Returns a new tensor."""
+
+    def __init__(self, rotary_dim: int, *args, **kwargs) -> None:
+        super().__init__(rotary_dim, *args, **kwargs)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        d = self.rotary_dim
+        rotated = self.kernel(x[..., :d], positions, self.cos, self.sin_signed)
+        return torch.cat([rotated, x[..., d:]], dim=-1)

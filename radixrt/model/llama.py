@@ -1,4 +1,15 @@
-"""Llama-family decoder (Llama 2/3, Qwen2, Qwen3, Mistral) over the paged KV pool.
+"""The decoder of every supported family (Llama 2/3, Qwen2, Qwen3, Mistral, Phi-3, Gemma 2,
+Gemma 3 text) over the paged KV pool: the one model definition.
+
+What differs between the families is read from ``ModelConfig`` when the model is built and
+becomes the layers it is made of: Llama-style layers (RMSNorm before attention and MLP, the
+residual add fused into the next norm) or Gemma-style ones (Gemma's RMSNorm before and after
+attention and MLP, embeddings scaled by sqrt(hidden), logits soft-capped); a SiLU-gated or
+GeGLU MLP; q/k norms; each layer's attention window (sliding layers attend the last
+``sliding_window`` positions), logit soft-cap and scale; each kind of layer's RoPE (gemma3's
+sliding layers have their own base), over the whole head or its first ``rotary_dim``
+dimensions (phi3). Checkpoints with fused q/k/v or gate/up weights (phi3) load into the same
+stacked layers.
 
 The model reads and writes K/V only through the attention backend carried by
 the ForwardBatch; it never sees request state. ``forward`` returns float32
@@ -24,15 +35,41 @@ from radixrt.model.kernel_set import Kernels
 from radixrt.model.layers import (
     DEFAULT_KERNELS,
     GateUpLinear,
+    GeluGateUpLinear,
+    GemmaRMSNorm,
     Linear,
     LMHead,
+    LogitSoftCap,
+    PartialRotaryEmbedding,
     QKVLinear,
     RMSNorm,
     RotaryEmbedding,
     RotaryQKVLinear,
+    ScaledVocabEmbedding,
     VocabEmbedding,
     prepare_weights,
 )
+
+
+def _norm(cfg: ModelConfig, dim: int, kernels: Kernels) -> nn.Module:
+    """The family's RMS norm over ``dim``: Gemma's (x·(1 + w) in float32) or Llama's."""
+    if cfg.family == "gemma":
+        return GemmaRMSNorm(dim, cfg.rms_norm_eps)
+    return RMSNorm(dim, cfg.rms_norm_eps, kernels)
+
+
+def _rotaries(cfg: ModelConfig, kernels: Kernels) -> list[RotaryEmbedding]:
+    """Each layer's rotary embedding: one per kind of layer (gemma3's sliding layers rotate by
+    plain RoPE of ``local_rope_theta``), shared by the layers of that kind."""
+    make = RotaryEmbedding if cfg.rotary_dim == cfg.head_dim else PartialRotaryEmbedding
+    size = (cfg.rotary_dim, cfg.max_position_embeddings)
+
+    def rotary(theta: float, scaling: dict | None) -> RotaryEmbedding:
+        return make(*size, theta, scaling, kernels, rows=cfg.max_context)
+
+    full = rotary(cfg.rope_theta, cfg.rope_scaling)
+    local = full if cfg.local_rope_theta is None else rotary(cfg.local_rope_theta, None)
+    return [full if w is None else local for w in cfg.layer_windows]
 
 
 class LlamaAttention(nn.Module):
@@ -42,41 +79,46 @@ class LlamaAttention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         heads = (cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads)
-        if cfg.qk_norm:  # q and k are normed per head, then rotated
+        # q and k are normed per head and then rotated, or rotated over part of the head: the
+        # projection hands them over as they are; otherwise it hands them over rotated.
+        self.rotate_after = cfg.qk_norm or cfg.rotary_dim != cfg.head_dim
+        if self.rotate_after:
             self.qkv_proj = QKVLinear(*heads, bias=cfg.attention_bias, kernels=kernels)
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, kernels)
-        else:  # the projection hands q and k over rotated
+        else:
             self.qkv_proj = RotaryQKVLinear(
                 *heads, rotary, bias=cfg.attention_bias, kernels=kernels
             )
-            self.q_norm = self.k_norm = None
+        qk_norm = cfg.qk_norm
+        self.q_norm = _norm(cfg, cfg.head_dim, kernels) if qk_norm else nn.Identity()
+        self.k_norm = _norm(cfg, cfg.head_dim, kernels) if qk_norm else nn.Identity()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
         )
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, kernels=kernels)
-        self.rotary = rotary  # one for the model
-        self.scaling = cfg.head_dim**-0.5
+        self.rotary = rotary  # one per kind of layer
+        self.scaling = cfg.attn_scaling
+        self.window = cfg.layer_windows[layer_id]
+        self.softcap = cfg.attn_logit_softcapping
 
     def forward(
         self, positions: torch.Tensor, h: torch.Tensor, batch: ForwardBatch | None
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(h, positions)
-        if self.q_norm is not None:
+        if self.rotate_after:
             q = self.rotary(positions, self.q_norm(q))
             k = self.rotary(positions, self.k_norm(k))
-        o = attention(q, k, v, self.layer_id, batch, self.scaling)
+        o = attention(q, k, v, self.layer_id, batch, self.scaling, self.window, self.softcap)
         return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.gate_up_proj = GateUpLinear(
-            cfg.hidden_size, cfg.intermediate_size, kernels
-        )  # SiLU-and-mul included
+        # the activation-and-mul is part of the gate/up projection's method
+        gated = GateUpLinear if cfg.hidden_act == "silu" else GeluGateUpLinear
+        self.gate_up_proj = gated(cfg.hidden_size, cfg.intermediate_size, kernels)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, kernels=kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,14 +126,16 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
+    """RMSNorm → attention → (+ residual) RMSNorm → MLP (Llama, Qwen, Mistral, Phi-3)."""
+
     def __init__(
         self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, kernels)
         self.mlp = LlamaMLP(cfg, kernels)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.input_layernorm = _norm(cfg, cfg.hidden_size, kernels)
+        self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, kernels)
 
     def forward(
         self,
@@ -111,17 +155,47 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class GemmaDecoderLayer(LlamaDecoderLayer):
+    """Norms on both sides of attention and of the MLP (Gemma 2 and 3): input_layernorm →
+    attention → post_attention_layernorm → (+ residual) pre_feedforward_layernorm → MLP →
+    post_feedforward_layernorm."""
+
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, kernels: Kernels
+    ) -> None:
+        super().__init__(cfg, layer_id, rotary, kernels)
+        self.pre_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kernels)
+        self.post_feedforward_layernorm = _norm(cfg, cfg.hidden_size, kernels)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        batch: ForwardBatch | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``LlamaDecoderLayer.forward``: (output, residual before it), summed by the next
+        norm."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(positions, h, batch))
+        h, residual = self.pre_feedforward_layernorm(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: Kernels) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, kernels)
-        rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling, kernels
-        )
+        gemma = cfg.family == "gemma"
+        embedding = ScaledVocabEmbedding if gemma else VocabEmbedding
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, kernels)
+        layer = GemmaDecoderLayer if gemma else LlamaDecoderLayer
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, rotary, kernels) for i in range(cfg.num_layers)
+            layer(cfg, i, rotary, kernels) for i, rotary in enumerate(_rotaries(cfg, kernels))
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, kernels)
+        self.norm = _norm(cfg, cfg.hidden_size, kernels)
 
     def forward(
         self, h: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch | None
@@ -151,6 +225,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, kernels)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        cap = cfg.final_logit_softcapping
+        self.logit_softcap = nn.Identity() if cap is None else LogitSoftCap(cap)
         self.compiled = None  # see enable_torch_compile
 
     @torch.inference_mode()
@@ -184,7 +260,7 @@ class LlamaForCausalLM(nn.Module):
         """float32 logits of the rows ``idx`` (an index tensor or a slice) of the final hidden
         state h + residual."""
         normed, _ = self.model.norm(h[idx], residual[idx])
-        return self.lm_head(normed)
+        return self.logit_softcap(self.lm_head(normed))
 
     def logits(
         self,

@@ -20,6 +20,11 @@ Each type in :data:`ROPE_TYPES` gives the cos and sin transformers'
   in the original context, with the attention factor from ``attention_factor``
   or ``factor``, ``mscale`` and ``mscale_all_dim``.
 - ``llama3``: low frequencies / factor, high ones kept, a smooth blend between.
+- ``longrope``: inv_freq / short_factor (per frequency), with the attention factor from
+  ``attention_factor``, else sqrt(1 + ln(factor) / ln(original context)). transformers
+  switches to long_factor once a forward's sequence outgrows
+  ``original_max_position_embeddings``; the tables are short_factor's only, and
+  ``ModelConfig.max_context`` ends the context there.
 
 ``scaling`` carries every key its type reads (``ModelConfig.rope_scaling``
 resolves the defaults transformers would take from the rest of config.json).
@@ -33,7 +38,7 @@ from collections.abc import Callable
 import torch
 
 #: rope_scaling types with static tables (see the module docstring).
-ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3", "longrope")
 
 
 def cos_sin_tables(
@@ -41,6 +46,7 @@ def cos_sin_tables(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos·a [max_position, head_dim], sin±·a [max_position, head_dim]), float32.
 
+    ``head_dim`` is the number of dimensions rotated (a partial rotation's share of the head).
     ``scaling`` is None for plain RoPE or a dict whose ``rope_type`` is one of
     :data:`ROPE_TYPES`; ``a`` is its attention factor.
     """
@@ -141,9 +147,27 @@ def yarn_attention_factor(s: dict) -> float:
     return mscale(factor)
 
 
+def _longrope(dim: int, max_position: int, base: float, s: dict) -> tuple[torch.Tensor, float]:
+    short = torch.tensor(s["short_factor"], dtype=torch.float32)
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
+    return 1.0 / (short * base**exponents), longrope_attention_factor(s)
+
+
+def longrope_attention_factor(s: dict) -> float:
+    """longrope's cos/sin multiplier: ``attention_factor`` if set, else from factor and the
+    original context (1 where factor <= 1)."""
+    if s.get("attention_factor") is not None:
+        return s["attention_factor"]
+    factor = s["factor"]
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+
+
 _INV_FREQ: dict[str, Callable[[int, int, float, dict], tuple[torch.Tensor, float]]] = {
     "linear": _linear,
     "dynamic": _dynamic,
     "yarn": _yarn,
     "llama3": _llama3,
+    "longrope": _longrope,
 }

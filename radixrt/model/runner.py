@@ -84,6 +84,19 @@ def make_attention_backend(
     raise ValueError(f"unknown attention_backend {name!r}")
 
 
+def served_context(model_cfg: ModelConfig) -> int:
+    """The longest sequence served: the model's ``max_context``, logged with its reason where
+    that is below max_position_embeddings."""
+    if model_cfg.context_bound is not None:
+        logger.info(
+            "context: %d tokens, not max_position_embeddings %d (%s)",
+            model_cfg.max_context,
+            model_cfg.max_position_embeddings,
+            model_cfg.context_bound,
+        )
+    return model_cfg.max_context
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_path: str, model_cfg: ModelConfig) -> None:
         self.device = resolve_device(config.device)
@@ -92,12 +105,7 @@ class ModelRunner:
         self.malloc_tuned = self.device.type == "cpu" and keep_freed_memory()
         host_memory = anonymous_regions(heap=False)  # not ours to collapse (see below)
         self.model_cfg = model_cfg
-        # A sliding-window model (Mistral v0.1) is exact as long as no sequence
-        # outgrows its window, so the window bounds the context.
-        self.max_context = min(
-            model_cfg.max_position_embeddings,
-            model_cfg.sliding_window or model_cfg.max_position_embeddings,
-        )
+        self.max_context = served_context(model_cfg)
         wanted = exactness.refuse_conflicts(config, self.device.type)
         not_exact: list[str] = []
         lib = cpu_library.load(cache_dir()) if self.device.type == "cpu" else None

@@ -234,7 +234,8 @@ def test_mistral_folder_loads_as_llama(tiny_llama, tmp_path, engine_factory):
     cfg.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=128)
     (folder / "config.json").write_text(json.dumps(cfg))
     eng = engine_factory(str(folder))
-    assert eng.model_config.architecture == "mistral" and eng.runner.max_context == 128
+    assert eng.model_config.architecture == "mistral" and eng.runner.max_context == 2048
+    assert eng.model_config.layer_windows == (128,) * 4  # the prompts fit in the window
     want = list(hf_greedy(tiny_llama, tuple(PROMPTS[:2]), NEW))
     assert ids_of(eng.generate(PROMPTS[:2], GREEDY)) == want
 

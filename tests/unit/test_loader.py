@@ -51,6 +51,13 @@ _COMMON = dict(
     bos_token_id=0,
     torch_dtype=torch.float32,
     sliding_window=None,
+    layer_types=("full_attention",) * 4,
+    hidden_act="silu",
+    attn_logit_softcapping=None,
+    final_logit_softcapping=None,
+    query_pre_attn_scalar=None,
+    local_rope_theta=None,
+    partial_rotary_factor=1.0,
 )
 _EXPECTED = {
     "llama": dict(_COMMON, architecture="llama", head_dim=32, attention_bias=False, qk_norm=False),
@@ -221,8 +228,8 @@ def test_model_config_rope_scaling_types():
         "long_factor": [4.0] * 32,
         "original_max_position_embeddings": 4096,
     }
-    with pytest.raises(ValueError, match="rope_scaling type 'longrope' is not supported: .*length"):
-        ModelConfig.from_dict(_llama_dict(rope_scaling=longrope))
+    cfg = ModelConfig.from_dict(_llama_dict(rope_scaling=longrope))  # served within 4096
+    assert cfg.max_context == 4096 and "long_factor" in cfg.context_bound
     for unknown in ("proportional", "mrope"):
         with pytest.raises(ValueError, match=f"rope_type.*{unknown}"):
             ModelConfig.from_dict(_llama_dict(rope_scaling={"rope_type": unknown, "factor": 2.0}))
@@ -289,18 +296,9 @@ _PARTIAL_IN_ROPE = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_f
             "partial_rotary_factor",
         ),
         (
-            "qwen2",
-            {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 8},
-            "use_sliding_window .*some layers",
-        ),
-        (
             "qwen3",
-            {
-                "use_sliding_window": True,
-                "sliding_window": 4096,
-                "layer_types": ["full_attention", "sliding_attention"] * 8,
-            },
-            "some layers",
+            {"layer_types": ["full_attention", "sliding_attention"] * 8},
+            "layer_types marks sliding layers but there is no sliding_window",
         ),
     ],
 )
@@ -342,6 +340,15 @@ def _hf_windows(arch: str, hf) -> set[int | None]:
             {"sliding_window": 4096, "use_sliding_window": True},
         ),  # no layer from the 28th on
         ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 0}),
+        ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 8}),
+        (
+            "qwen3",
+            {
+                "use_sliding_window": True,
+                "sliding_window": 4096,
+                "layer_types": ["full_attention", "sliding_attention"] * 8,
+            },
+        ),
         (
             "qwen3",
             {
@@ -404,7 +411,7 @@ def test_model_config_reads_fields_as_transformers(arch, over):
     )
     assert (cfg.rms_norm_eps, cfg.tie_word_embeddings) == (hf.rms_norm_eps, hf.tie_word_embeddings)
     assert cfg.rope_theta == hf.rope_parameters["rope_theta"] and hf.hidden_act in ("silu", "swish")
-    assert {cfg.sliding_window} == _hf_windows(arch, hf)
+    assert set(cfg.layer_windows) == _hf_windows(arch, hf)
     assert cfg.attention_bias == (attn.q_proj.bias is not None) and attn.o_proj.bias is None
     assert cfg.qk_norm == hasattr(attn, "q_norm")
 
