@@ -47,9 +47,13 @@ __all__ = [
 TINY_MODEL_VERSION = 2
 
 ARCHS = ("llama", "qwen2", "qwen3")
+#: Mixture-of-experts families: 8 experts of width intermediate_size // 4, top 2 (with the
+#: routing weights renormalised, as qwen3_moe's models do; olmoe's are not; qwen2_moe with a
+#: shared expert).
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 #: Every family :func:`make_tiny_model` builds: ``ARCHS`` and those whose tiny models slide a
 #: window over some layers (:data:`FAMILY_OPTIONS`).
-FAMILIES = (*ARCHS, "mistral", "phi3", "gemma2", "gemma3_text")
+FAMILIES = (*ARCHS, "mistral", "phi3", "gemma2", "gemma3_text", *MOE_ARCHS)
 
 #: The family-specific settings of the tiny models (each overridable by keyword): windows of
 #: 12 positions, on every layer (mistral, phi3), alternate layers (gemma2) or two layers in
@@ -265,6 +269,8 @@ def _arch_config(arch: str, head_dim: int | None, common: dict, options: dict) -
     derived = common["hidden_size"] // common["num_attention_heads"]
     if arch in ("mistral", "phi3", "gemma2", "gemma3_text"):
         return _family_config(arch, head_dim or derived, common, dict(options))
+    if arch in MOE_ARCHS:
+        return _moe_config(arch, head_dim or derived, common, dict(options))
     common = {**common, **options}
     if arch == "llama":
         return LlamaConfig(**common, head_dim=head_dim or derived, attention_bias=False)
@@ -280,6 +286,23 @@ def _arch_config(arch: str, head_dim: int | None, common: dict, options: dict) -
         # model exercises the q/o projection shape mismatch too.
         return Qwen3Config(**common, head_dim=head_dim or 2 * derived, attention_bias=False)
     raise ValueError(f"arch must be one of {FAMILIES}, got {arch!r}")
+
+
+def _moe_config(arch: str, head_dim: int, common: dict, options: dict) -> PretrainedConfig:
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    width = common["intermediate_size"] // 4
+    experts = dict(num_experts_per_tok=2, **options)
+    if arch == "mixtral":
+        return MixtralConfig(**common, head_dim=head_dim, num_local_experts=8, **experts)
+    common = {**common, "intermediate_size": width} if arch == "olmoe" else common
+    if arch == "olmoe":
+        return OlmoeConfig(**common, num_experts=8, **experts)
+    qwen = dict(num_experts=8, moe_intermediate_size=width, norm_topk_prob=True)
+    if arch == "qwen2_moe":
+        qwen.update(shared_expert_intermediate_size=width, use_sliding_window=False)
+        return Qwen2MoeConfig(**common, **qwen, **experts)
+    return Qwen3MoeConfig(**common, head_dim=head_dim, **qwen, **experts)
 
 
 def _family_config(arch: str, head_dim: int, common: dict, options: dict) -> PretrainedConfig:

@@ -29,7 +29,8 @@ from radixrt.model import rope
 
 __all__ = ["ACTIVATIONS", "ARCHITECTURES", "GEMMA", "LAYER_TYPES", "ModelConfig"]
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text")
+MOE = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")  # a mixture-of-experts MLP (moe.py)
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3", "gemma2", "gemma3_text", *MOE)
 GEMMA = ("gemma2", "gemma3_text")  # sandwich norms, Gemma's RMSNorm, scaled embeddings
 FULL, SLIDING = "full_attention", "sliding_attention"
 LAYER_TYPES = (FULL, SLIDING)
@@ -44,6 +45,10 @@ _ARCH_BY_CLASS = {
     "Phi3ForCausalLM": "phi3",
     "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 _REFUSED_MODEL_TYPES = {
     "gemma3": "gemma3's vision-language model (text_config + vision_config) is not supported: "
@@ -56,11 +61,23 @@ _LLAMA3_ROPE_KEYS = (
     "original_max_position_embeddings",
 )
 # transformers' config classes' defaults for what config.json may leave out
-_DEFAULT_KV_HEADS = {"qwen2": 32, "qwen3": 32, "mistral": 8, "gemma2": 4, "gemma3_text": 4}
-_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}
-_DEFAULT_EPS = {"phi3": 1e-5}
-_DEFAULT_THETA = {"gemma3_text": 1_000_000.0}
-_DEFAULT_WINDOW = dict.fromkeys(("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text"), 4096)
+_DEFAULT_KV_HEADS = {
+    "qwen2": 32,
+    "qwen3": 32,
+    "mistral": 8,
+    "gemma2": 4,
+    "gemma3_text": 4,
+    "qwen3_moe": 4,
+    "qwen2_moe": 16,
+    "mixtral": 8,
+}
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256, "qwen3_moe": 128}
+_DEFAULT_EPS = {"phi3": 1e-5, "mixtral": 1e-5, "olmoe": 1e-5}
+_DEFAULT_THETA = {"gemma3_text": 1_000_000.0, "mixtral": 1_000_000.0}
+_DEFAULT_WINDOW = dict.fromkeys(
+    ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "qwen3_moe", "qwen2_moe"), 4096
+)
+_QWEN = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # use_sliding_window, max_window_layers
 _GEMMA_SOFTCAPS = {"gemma2": (50.0, 30.0), "gemma3_text": (None, None)}  # (attention, final)
 _PHI3_ORIGINAL_CONTEXT = 4096  # Phi3Config's original_max_position_embeddings
 _SILU_ACTS = ("silu", "swish")  # the names transformers' ACT2FN maps to SiLU
@@ -122,6 +139,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False  # olmoe: q and k normed over the whole projection, not per head
+    moe: Any = dataclasses.field(default=None, hash=False)  # a moe.MoeSpec, or None (dense)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     torch_dtype: torch.dtype = torch.float32
@@ -319,8 +338,10 @@ class ModelConfig:
             tie_word_embeddings=bool(config.get("tie_word_embeddings", arch in GEMMA)),
             # qwen2 always biases q/k/v; the others never do (a bias where transformers
             # would add one is refused)
-            attention_bias=arch == "qwen2",
-            qk_norm=arch in ("qwen3", "gemma3_text"),
+            attention_bias=arch in ("qwen2", "qwen2_moe"),
+            qk_norm=arch in ("qwen3", "gemma3_text", "qwen3_moe", "olmoe"),
+            qk_norm_whole=arch == "olmoe",
+            moe=_moe(config, arch),
             eos_token_ids=_merged_eos_ids(config, generation_config),
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=_dtype_name(config),
@@ -444,6 +465,15 @@ def _refuse_unsupported(config: Mapping[str, Any], arch: str) -> None:
         _refuse_llama_family(config, arch)
 
 
+def _moe(config: Mapping[str, Any], arch: str):
+    """The mixture-of-experts block's settings (``moe.MoeSpec``), or None for a dense model."""
+    if arch not in MOE:
+        return None
+    from radixrt.model.moe import MoeSpec  # the block's module: layers, kernels
+
+    return MoeSpec.from_hf(arch, config)
+
+
 def _refuse_llama_family(config: Mapping[str, Any], arch: str) -> None:
     """SiLU-gated MLP without biases, RMSNorm, neox RoPE over the whole head (phi3: over its
     partial_rotary_factor), no o_proj bias."""
@@ -454,7 +484,12 @@ def _refuse_llama_family(config: Mapping[str, Any], arch: str) -> None:
         )
     if arch == "llama" and config.get("mlp_bias"):
         raise ValueError("mlp_bias = true is not supported: radixrt's MLP projections have no bias")
-    if arch in ("llama", "qwen3") and config.get("attention_bias"):
+    if config.get("clip_qkv") is not None:
+        raise ValueError(
+            f"clip_qkv = {config['clip_qkv']!r} is not supported for {arch}: radixrt does not "
+            "clamp q, k and v"
+        )
+    if arch in ("llama", "qwen3", "qwen3_moe", "olmoe") and config.get("attention_bias"):
         raise ValueError(
             f"attention_bias = true is not supported for {arch}: transformers then gives o_proj a "
             "bias too, which radixrt's attention does not have"
@@ -578,11 +613,11 @@ def _attention_spans(config: Mapping[str, Any], arch: str) -> tuple[int | None, 
     """
     n = config["num_hidden_layers"]
     window = config.get("sliding_window", _DEFAULT_WINDOW.get(arch))
-    if arch == "llama" or (arch in ("mistral", "phi3") and window is None):
+    if arch in ("llama", "olmoe") or (arch in ("mistral", "phi3", "mixtral") and window is None):
         return None, (FULL,) * n
-    if arch in ("mistral", "phi3"):
+    if arch in ("mistral", "phi3", "mixtral"):
         return window, (SLIDING,) * n
-    if arch in ("qwen2", "qwen3") and not config.get("use_sliding_window", False):
+    if arch in _QWEN and not config.get("use_sliding_window", False):
         window = None
     layer_types = tuple(config.get("layer_types") or _default_layer_types(config, arch, window))
     if SLIDING in layer_types and window is None:

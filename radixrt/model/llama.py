@@ -49,6 +49,7 @@ from radixrt.model.layers import (
     VocabEmbedding,
     prepare_weights,
 )
+from radixrt.model.moe import SparseMoeBlock
 
 
 def _norm(cfg: ModelConfig, dim: int, kernels: Kernels) -> nn.Module:
@@ -88,9 +89,13 @@ class LlamaAttention(nn.Module):
             self.qkv_proj = RotaryQKVLinear(
                 *heads, rotary, bias=cfg.attention_bias, kernels=kernels
             )
-        qk_norm = cfg.qk_norm
-        self.q_norm = _norm(cfg, cfg.head_dim, kernels) if qk_norm else nn.Identity()
-        self.k_norm = _norm(cfg, cfg.head_dim, kernels) if qk_norm else nn.Identity()
+        # per head (qwen3, gemma3) or over the whole projection (olmoe: q [T, H·D], k [T, KH·D])
+        q_dim, k_dim = cfg.head_dim, cfg.head_dim
+        if cfg.qk_norm_whole:
+            q_dim, k_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.whole = cfg.qk_norm_whole
+        self.q_norm = _norm(cfg, q_dim, kernels) if cfg.qk_norm else nn.Identity()
+        self.k_norm = _norm(cfg, k_dim, kernels) if cfg.qk_norm else nn.Identity()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
             cfg.num_kv_heads,
@@ -107,10 +112,16 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         q, k, v = self.qkv_proj(h, positions)
         if self.rotate_after:
-            q = self.rotary(positions, self.q_norm(q))
-            k = self.rotary(positions, self.k_norm(k))
+            q = self.rotary(positions, self._qk_norm(self.q_norm, q))
+            k = self.rotary(positions, self._qk_norm(self.k_norm, k))
         o = attention(q, k, v, self.layer_id, batch, self.scaling, self.window, self.softcap)
         return self.o_proj(o.reshape(h.shape[0], self.num_heads * self.head_dim))
+
+    def _qk_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] normed per head, or over its heads together (olmoe)."""
+        if not self.whole:
+            return norm(x)
+        return norm(x.reshape(x.shape[0], -1)).view(x.shape)
 
 
 class LlamaMLP(nn.Module):
@@ -133,7 +144,8 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(cfg, layer_id, rotary, kernels)
-        self.mlp = LlamaMLP(cfg, kernels)
+        sparse = cfg.moe is not None and cfg.moe.is_sparse(layer_id)
+        self.mlp = SparseMoeBlock(cfg.moe, kernels) if sparse else LlamaMLP(cfg, kernels)
         self.input_layernorm = _norm(cfg, cfg.hidden_size, kernels)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, kernels)
 
@@ -285,6 +297,11 @@ class LlamaForCausalLM(nn.Module):
                 name == "lm_head.weight" and self.config.tie_word_embeddings
             ):
                 continue
+            experts = self._moe_block(name)
+            if experts is not None:  # a sparse layer's router and experts load themselves
+                layer, below, block = experts
+                loaded.update(f"model.layers.{layer}.mlp.{p}" for p in block.load(below, tensor))
+                continue
             target, shard = self._map_name(name)
             if target not in params:
                 raise KeyError(f"checkpoint tensor {name!r} has no matching parameter ({target!r})")
@@ -302,6 +319,21 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing parameters: {sorted(missing)[:8]}")
         prepare_weights(self)
+
+    def _moe_block(self, name: str) -> tuple[int, str, SparseMoeBlock] | None:
+        """(layer, the name below the block, the block) where checkpoint tensor ``name``
+        belongs to a sparse layer's block (``model.layers.{i}.mlp.``; mixtral's
+        ``block_sparse_moe``), else None."""
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return None
+        if parts[3] not in ("mlp", "block_sparse_moe"):
+            return None
+        layer = int(parts[2])
+        block = self.model.layers[layer].mlp if layer < len(self.model.layers) else None
+        if not isinstance(block, SparseMoeBlock):
+            return None
+        return layer, ".".join(parts[4:]), block
 
     def _map_name(self, name: str) -> tuple[str, str | int | None]:
         for ckpt, ours, shard in self.STACKED:

@@ -393,6 +393,16 @@ def make_experts(spec: MoeSpec, kernels: Kernels) -> ExpertList | FusedExperts:
     return ExpertList(spec, kernels)
 
 
+_LANES = 64  # a multiple of every CPU vector loop's step
+
+
+def _sigmoid_rows(gate: torch.Tensor) -> torch.Tensor:
+    """sigmoid of gate [T, 1], each row's value the same bits whatever T: PyTorch's sigmoid
+    rounds an element in its scalar tail loop differently from one in its vector loop, so the
+    gate is widened to a whole vector step per row, where every element takes the vector loop."""
+    return torch.sigmoid(gate.expand(-1, _LANES).contiguous())[:, :1]
+
+
 class SparseMoeBlock(nn.Module):
     """The block (module text): router ``gate`` [E, hidden], ``experts``, and where the spec
     has one the ``shared_expert`` and its ``shared_expert_gate`` [1, hidden]."""
@@ -415,7 +425,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, hidden] → [T, hidden]."""
         out = self.experts(x, self.route(x))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + _sigmoid_rows(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
     def load(self, name: str, tensor: torch.Tensor | QuantTensor) -> list[str]:

@@ -1,5 +1,6 @@
-"""The families beyond Llama (gemma2, gemma3_text, phi3) and sliding windows on some or all
-layers (mistral, qwen2, qwen3) through the Engine, against transformers in float32.
+"""The families beyond Llama (gemma2, gemma3_text, phi3), sliding windows on some or all
+layers (mistral, qwen2, qwen3, mixtral) and mixture-of-experts models (qwen3_moe, qwen2_moe with
+its shared expert, mixtral, olmoe) through the Engine, against transformers in float32.
 
 Each tiny model (``radixrt.testing``: windows of 12 positions, prompts of 23 to 50 tokens, a
 shared prefix of 20) generates greedily; its tokens must be transformers' argmax after every
@@ -58,6 +59,10 @@ MODELS: dict[str, dict] = {
         "sliding_window": 12,
         "layer_types": [S, F] * 2,
     },
+    "qwen3_moe": {"arch": "qwen3_moe"},
+    "qwen2_moe": {"arch": "qwen2_moe", "mlp_only_layers": [1]},  # a dense layer among them
+    "mixtral": {"arch": "mixtral", "sliding_window": 12},
+    "olmoe": {"arch": "olmoe"},
 }
 
 # name -> transformers config changes that each drop one of the model's settings
@@ -107,6 +112,10 @@ DROPPED: dict[str, list[dict]] = {
     "mistral": [{"sliding_window": None}],
     "qwen2 windows from max_window_layers": [{"layer_types": [F] * 4}],
     "qwen3 windows on alternate layers": [{"layer_types": [F] * 4}],
+    "qwen3_moe": [{"norm_topk_prob": False}, {"num_experts_per_tok": 1}],
+    "qwen2_moe": [{"norm_topk_prob": False}, {"mlp_only_layers": []}],
+    "mixtral": [{"sliding_window": None}, {"num_experts_per_tok": 1}],
+    "olmoe": [{"norm_topk_prob": True}],
 }
 
 
