@@ -58,6 +58,8 @@ _COMMON = dict(
     query_pre_attn_scalar=None,
     local_rope_theta=None,
     partial_rotary_factor=1.0,
+    qk_norm_whole=False,
+    moe=None,
 )
 _EXPECTED = {
     "llama": dict(_COMMON, architecture="llama", head_dim=32, attention_bias=False, qk_norm=False),
