@@ -23,6 +23,11 @@ With ``exact`` (exact mode, ``attention``'s module text) a request's outputs hav
 whatever the batch, the prefix shared with it, and decode or extend: a group's prefix ends on a
 multiple of ``attention.EXACT_STEP`` keys and each tail continues it, no request is split, and
 every bf16 work item runs AMX where the CPU has it (else the ``bf16_dots`` choice).
+
+A layer's sliding window and logit soft cap (``forward(..., window, softcap)``) go to the kernel
+with the step's segments, which carry every key's and token's position: a windowed layer reads
+only its tokens' windows' keys, whatever the rest of the sequence's slots hold, in exact mode
+too.
 """
 
 from __future__ import annotations
@@ -130,7 +135,6 @@ class CpuAttentionBackend(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] (views into qkv are read in place) → [T, H, D]."""
-        self.unsupported(window, softcap)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         dt, out_dtype = k_buf.dtype, q.dtype
         if not q.dtype == k.dtype == v.dtype == dt:
@@ -144,6 +148,8 @@ class CpuAttentionBackend(AttentionBackend):
             scaling,
             (k, v, batch.out_cache_loc),
             bf16_dots=self.bf16_dots,
+            window=window,
+            softcap=softcap,
         )
         return o.to(out_dtype)
 
@@ -156,13 +162,16 @@ def extend_segments(
     exact: bool = False,
 ) -> cpu_attention.Segments:
     """An extend's segments: per request its whole sequence, causal, with its new tokens as
-    members (``exact``: for exact mode)."""
+    members (``exact``: for exact mode); token i of request b at position
+    seq_len_b - extend_len_b + i."""
     dev = table.device
     lens = torch.tensor(seq_lens, dtype=torch.int64, device=dev)
     valid = torch.arange(max(seq_lens), device=dev)[None, :] < lens[:, None]
     zero = torch.zeros(1, dtype=torch.int64, device=dev)
     ext = torch.tensor(extend_lens, dtype=torch.int64, device=dev)
     t, s = int(ext.sum()), len(seq_lens)
+    first = torch.repeat_interleave(ext.cumsum(0) - ext, ext, output_size=t)  # a token's request's
+    prefix = torch.repeat_interleave(lens - ext, ext, output_size=t)
     return cpu_attention.Segments(
         slots=table[:, : valid.shape[1]].index_select(0, req_rows)[valid],  # request by request
         slot_start=torch.cat([zero, lens.cumsum(0)]),
@@ -172,4 +181,6 @@ def extend_segments(
         num_parts=torch.ones(t, dtype=torch.int64, device=dev),
         causal=torch.ones(s, dtype=torch.int64, device=dev),
         exact=exact,
+        key_start=torch.zeros(s, dtype=torch.int64, device=dev),
+        position=prefix + torch.arange(t, device=dev) - first,
     )

@@ -18,8 +18,10 @@ sequence ``req_to_token[row_b, :seq_len_b]`` (the new K/V are stored first);
 its decode splits keys at fixed offsets, the split axis sized from the longest
 sequence. Its records subclass the split-count ones: same planning, other kernel.
 Per layer, ``forward`` stores the new K/V with ``store_kv`` and runs the step's
-record. On CPU it works only under the Triton interpreter (``TRITON_INTERPRET=1``
-set before import), which is slow and meant for tests.
+record with the layer's sliding window and logit soft cap (the kernels read no slot
+before a token's window; in deterministic mode the fixed splits stay where they are).
+On CPU it works only under the Triton interpreter (``TRITON_INTERPRET=1`` set before
+import), which is slow and meant for tests.
 """
 
 from __future__ import annotations
@@ -83,10 +85,14 @@ class _ExtendMeta:
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         scaling: float,
+        window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         o = q.new_empty(q.shape)
         index = (self.qo_indptr, self.kv_indptr, self.kv_indices)
-        return self.attend(q, k, v, o, k_buf, v_buf, *index, scaling, self.max_extend_len)
+        return self.attend(
+            q, k, v, o, k_buf, v_buf, *index, scaling, self.max_extend_len, None, window, softcap
+        )
 
 
 class _FixedExtendMeta(_ExtendMeta):
@@ -105,10 +111,10 @@ class _FixedExtendMeta(_ExtendMeta):
         o: torch.Tensor,
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
-        *index_and_scale: object,
+        *rest: object,
     ) -> torch.Tensor:
         """``extend_attention``'s arguments; the new K/V (k, v) are read from the buffers."""
-        return deterministic_extend_attention(q, o, k_buf, v_buf, *index_and_scale)
+        return deterministic_extend_attention(q, o, k_buf, v_buf, *rest)
 
 
 @dataclass
@@ -135,12 +141,15 @@ class _DecodeMeta:
         k_buf: torch.Tensor,
         v_buf: torch.Tensor,
         scaling: float,
+        window: int | None,
+        softcap: float | None,
     ) -> torch.Tensor:
         if self.workspace is None:
             self.workspace = self.new_workspace(q, self.split_arg)
         o = q.new_empty(q.shape)
         index = (self.kv_indptr, self.kv_indices)
-        return self.attend(q, k_buf, v_buf, o, *index, scaling, self.split_arg, self.workspace)
+        split, ws = self.split_arg, self.workspace
+        return self.attend(q, k_buf, v_buf, o, *index, scaling, split, ws, None, window, softcap)
 
 
 class _FixedDecodeMeta(_DecodeMeta):
@@ -195,10 +204,9 @@ class TritonAttentionBackend(AttentionBackend):
         window: int | None = None,
         softcap: float | None = None,
     ) -> torch.Tensor:
-        self.unsupported(window, softcap)
         k_buf, v_buf = self.pool.k_buffers[layer_id], self.pool.v_buffers[layer_id]
         store_kv(k, v, k_buf, v_buf, batch.out_cache_loc)
-        return batch.attn_metadata.run(q, k, v, k_buf, v_buf, scaling)
+        return batch.attn_metadata.run(q, k, v, k_buf, v_buf, scaling, window, softcap)
 
     def _num_kv_splits(self, batch: ForwardBatch) -> int:
         return choose_num_kv_splits(

@@ -58,6 +58,22 @@
  *   segment then starts from that state (a second phase of items) and writes the
  *   output. The caller's segments have no split of a lone request
  *   (radixrt_decode_segments with exact).
+ *
+ * A sliding window (the call's `window` W > 0): a token at position p (positions[token], the
+ * index of its own key in its sequence) sees only the keys at positions p - W + 1 .. p; a
+ * segment's key i is at position seg_key_start[s] + i. A row's first visible key of a
+ * segment is its `from`; an item reads no key before the least `from` of its rows (those
+ * keys' slots may hold anything: keys a window dropped), so its key loop starts at the
+ * block (of the path's step, from the segment's key 0) that holds it, and a row's keys
+ * before its own `from` score -inf like keys past its limit. A block that holds none of a
+ * row's keys leaves the row's state (acc, m, l) as it was, also before the row's first key
+ * (an all -inf block's maximum counts as 0: probabilities e^-inf = 0, factor 0 on a zero
+ * state), so a row's bits do not depend on where its item's loop starts. In exact mode a
+ * two-part token's part 1 starts on a multiple of the step, so every row's blocks stay
+ * aligned from key 0 of its sequence. A layer's cost follows W, not the sequence.
+ *
+ * Logit soft-capping (the call's `softcap` c > 0): a score s (after scaling) becomes
+ * c·tanh(s / c) before the masks and the softmax (soft_cap).
  */
 #include <math.h>
 #include <omp.h>
@@ -165,6 +181,9 @@ struct call {
     const int64_t *num_parts;          /* [T] */
     float *part_acc, *part_m, *part_l; /* [T, 2, H, D], [T, 2, H], [T, 2, H] */
     int exact;                         /* part 1 continues part 0's state (see the header) */
+    int64_t window;                    /* 0, or a sliding window of this many keys (the header) */
+    const int64_t *positions;          /* [T] with a window: each token's own key's position */
+    float softcap;                     /* 0, or the scores' soft cap */
 };
 
 /* A work item: rows [q0, q0 + nq) (nq <= QB, or AMX_QB for AMX) of a segment's queries on KV head j. Query row r
@@ -174,6 +193,8 @@ struct item {
     int64_t n_keys;      /* keys read: the segment's, in a causal segment up to the last row's limit */
     int64_t causal_from; /* -1, or (causal) row r sees the keys [0, causal_from + (q0 + r) / G + 1) */
     int64_t part, j, q0, nq;
+    int64_t key_start; /* the position of the segment's key 0 in its members' sequences */
+    int64_t k_from;    /* the least first visible key of the item's rows: no key before it is read */
 };
 
 /* The number of keys row r of the item sees (rows past nq: as row nq - 1). */
@@ -182,13 +203,64 @@ static inline int64_t row_limit(const struct item *it, int64_t g, int64_t r) {
     return it->causal_from + (it->q0 + (r < it->nq ? r : it->nq - 1)) / g + 1;
 }
 
-/* -inf on the scores of a block's keys at or past `left` (s0: keys 0-15, s1: 16-31). */
-static inline void mask_from(v16 *s0, v16 *s1, int64_t left) {
-    if (left >= KB) return;
+/* The first key of the segment row r of the item sees (rows past nq: as row nq - 1): 0, or
+ * under a window the one at its token's position - W + 1 (at most n_keys: then none). */
+static inline int64_t row_from(const struct call *c, const struct item *it, int64_t r) {
+    if (c->window <= 0) return 0;
+    const int64_t token = it->members[(it->q0 + (r < it->nq ? r : it->nq - 1)) / c->g];
+    const int64_t from = c->positions[token] - c->window + 1 - it->key_start;
+    return from < 0 ? 0 : from < it->n_keys ? from : it->n_keys;
+}
+
+/* from[r] = row_from of rows [0, rows) of the item (rows past nq: padding); returns the
+ * largest. */
+static inline int64_t row_froms(const struct call *c, const struct item *it, int64_t rows, int64_t *from) {
+    int64_t last = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        from[r] = row_from(c, it, r);
+        last = from[r] > last ? from[r] : last;
+    }
+    return last;
+}
+
+/* Where an item's key loop starts: the block of `step` keys (from the segment's key 0) that
+ * holds its first visible key (n_keys when it sees none). */
+static inline int64_t first_block(const struct item *it, int64_t step) {
+    return it->k_from >= it->n_keys ? it->n_keys : it->k_from / step * step;
+}
+
+/* -inf on the scores of a block's keys before `from` or at or past `left` (both relative to
+ * the block; s0: keys 0-15, s1: 16-31). */
+static inline void mask_outside(v16 *s0, v16 *s1, int64_t from, int64_t left) {
+    if (from <= 0 && left >= KB) return;
     const v16 iota = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    const v16 lf = (v16){0} + (float)left, ninf = (v16){0} - INFINITY;
-    *s0 = vselect(iota < lf, *s0, ninf);
-    *s1 = vselect(iota + 16.0f < lf, *s1, ninf);
+    const v16 lf = (v16){0} + (float)(left < KB ? left : KB), ff = (v16){0} + (float)(from > 0 ? from : 0);
+    const v16 ninf = (v16){0} - INFINITY;
+    *s0 = vselect((iota < lf) & (iota >= ff), *s0, ninf);
+    *s1 = vselect((iota + 16.0f < lf) & (iota + 16.0f >= ff), *s1, ninf);
+}
+
+/* Logit soft-capping: c·tanh(s / c) per lane. tanh(y) for |y| < 1/4 by its odd Taylor
+ * polynomial to y^11 (relative error < 1e-9 there), else as 1 - 2 / (e^(2|y|) + 1), with y's
+ * sign (vexpf saturates: ±1 for large |y|; NaN stays NaN). */
+static inline vf soft_cap(vf s, float c) {
+    const vf y = s / c, a = vsel(y < 0.0f, -y, y), a2 = a * a;
+    vf poly = (vf){0} - 1382.0f / 155925;
+    poly = poly * a2 + 62.0f / 2835;
+    poly = poly * a2 - 17.0f / 315;
+    poly = poly * a2 + 2.0f / 15;
+    poly = poly * a2 - 1.0f / 3;
+    poly = (poly * a2 + 1.0f) * a;
+    const vf far = 1.0f - 2.0f / (vexpf(a + a) + 1.0f);
+    const vf t = vsel(a < 0.25f, poly, far);
+    return c * vsel(y < 0.0f, -t, t);
+}
+
+/* An online-softmax step's reference maximum: mx, or 0 where mx is -inf (a row that has seen
+ * no key yet: its probabilities e^-inf = 0 and its factor e^(-inf - 0) = 0 keep its zero
+ * state). */
+static inline vf max_ref(vf mx) {
+    return vsel(mx == -INFINITY, (vf){0}, mx);
 }
 
 /* Output row `row` of [T·H, D] = a·inv, in the call's dtype (D a multiple of VL). */
@@ -279,10 +351,15 @@ static void attend_item(const struct call *c, const struct item *it) {
     vf st[KB][QV];                                  /* scores, then probabilities: [key][rows] */
     vf m[QV], l[QV];
     float row[DMAX] __attribute__((aligned(64)));
-    vf lim[QV]; /* each row's number of keys */
+    vf lim[QV], lo[QV]; /* each row's number of keys, and its first key */
+    int64_t from[QB];
 
-    for (int64_t r = 0; r < QB; r++) lim[r / VL][r % VL] = (float)row_limit(it, g, r);
-    const int64_t first_limit = row_limit(it, g, 0); /* blocks past it need masking */
+    const int64_t last_from = row_froms(c, it, QB, from); /* blocks before it need masking ... */
+    for (int64_t r = 0; r < QB; r++) {
+        lim[r / VL][r % VL] = (float)row_limit(it, g, r);
+        lo[r / VL][r % VL] = (float)from[r];
+    }
+    const int64_t first_limit = row_limit(it, g, 0); /* ... and blocks past this */
     for (int64_t i = 0; i < d; i++)
         for (int v = 0; v < QV; v++) qt[i][v] = (vf){0};
     for (int64_t r = 0; r < nq; r++) {
@@ -298,9 +375,14 @@ static void attend_item(const struct call *c, const struct item *it) {
     }
     seed_rows(c, it, &acc[0][0], DMAX, 0, (float *)m, (float *)l);
     const int64_t rb_end = (nq + RB - 1) / RB * RB;
-    for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
+    for (int64_t k0 = first_block(it, KB); k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
         for (int64_t t = 0; t < nk; t++) {
+            if (k0 + t < it->k_from) { /* seen by none of the rows: not read */
+                memset(kf[t], 0, (size_t)d * sizeof(float));
+                memset(vals[t], 0, (size_t)d * sizeof(float));
+                continue;
+            }
             const int64_t kv_row = slots[k0 + t] * kh + j;
             load_row(k_buf, kv_row, d, is_bf16, kf[t]);
             load_row(v_buf, kv_row, d, is_bf16, vals[t]);
@@ -316,19 +398,24 @@ static void attend_item(const struct call *c, const struct item *it) {
         default: scores(QV, qt, kf, nk, d, st); break;
 #endif
         }
-        if (k0 + nk > first_limit) { /* causal: -inf on the keys past each row's limit */
+        if (c->softcap > 0.0f)
             for (int64_t t = 0; t < nk; t++)
+                for (int v = 0; v < nv; v++) st[t][v] = soft_cap(st[t][v], c->softcap);
+        if (k0 + nk > first_limit || k0 < last_from) { /* -inf on the keys outside each row's */
+            for (int64_t t = 0; t < nk; t++) {
+                const float key = (float)(k0 + t);
                 for (int v = 0; v < nv; v++)
-                    st[t][v] = vsel(lim[v] > (float)(k0 + t), st[t][v], (vf){0} - INFINITY);
+                    st[t][v] = vsel((lim[v] > key) & (lo[v] <= key), st[t][v], (vf){0} - INFINITY);
+            }
         }
         /* online softmax, lane by lane (a lane is a query row) */
         vf alpha[QV];
         for (int v = 0; v < nv; v++) {
-            const vf mx = block_max(st, v, nk, m[v]);
-            alpha[v] = vexpf(m[v] - mx); /* 0 on the first block (m = -inf) */
+            const vf mx = block_max(st, v, nk, m[v]), ref = max_ref(mx);
+            alpha[v] = vexpf(m[v] - ref); /* 0 on a row's first block (m = -inf) */
             vf sum = {0};
             for (int64_t t = 0; t < nk; t++) {
-                st[t][v] = vexpf(st[t][v] - mx);
+                st[t][v] = vexpf(st[t][v] - ref);
                 sum += st[t][v];
             }
             m[v] = mx;
@@ -390,8 +477,8 @@ static inline void transpose16(__m512i r[16]) {
 }
 
 /* A block's keys (nk <= KB) transposed as dim pairs: kt[c][half] lane t holds dims 2c, 2c+1
- * of key half·16 + t (0 past the last key). */
-static inline void key_pairs_transposed(const bf16 *k_buf, const int64_t *slots, int64_t nk,
+ * of key half·16 + t (0 before key `skip`, which are not read, and past the last key). */
+static inline void key_pairs_transposed(const bf16 *k_buf, const int64_t *slots, int64_t skip, int64_t nk,
                                         int halves, int64_t kh, int64_t j, int64_t d,
                                         __m512i (*kt)[2]) {
     for (int half = 0; half < halves; half++) {
@@ -399,8 +486,8 @@ static inline void key_pairs_transposed(const bf16 *k_buf, const int64_t *slots,
             __m512i r16[16];
             for (int t = 0; t < 16; t++) {
                 const int64_t key = half * 16 + t;
-                r16[t] = key < nk ? _mm512_loadu_si512(k_buf + (slots[key] * kh + j) * d + 2 * c0)
-                                  : _mm512_setzero_si512();
+                r16[t] = key >= skip && key < nk ? _mm512_loadu_si512(k_buf + (slots[key] * kh + j) * d + 2 * c0)
+                                                 : _mm512_setzero_si512();
             }
             transpose16(r16);
             for (int c = 0; c < 16; c++) kt[c0 + c][half] = r16[c];
@@ -410,12 +497,13 @@ static inline void key_pairs_transposed(const bf16 *k_buf, const int64_t *slots,
 
 /* A block's values as key pairs: vp[tp][c][0/1] interleaves keys 2tp, 2tp+1 over dims
  * c·32 .. c·32+31 (unpack lo / hi: 128-bit lane L holds dims 8L .. 8L+3 / 8L+4 .. 8L+7).
- * Pairs past the last key are 0 (an odd last key pairs with 0). */
-static inline void value_pairs(const void *v_buf, const int64_t *slots, int64_t nk, int64_t kh,
+ * Keys before `skip` (not read) and past the last key are 0 (an odd last key pairs with 0). */
+static inline void value_pairs(const void *v_buf, const int64_t *slots, int64_t skip, int64_t nk, int64_t kh,
                                int64_t j, int64_t d, __m512i (*vp)[DMAX / 32][2]) {
     for (int64_t tp = 0; tp < KB / 2; tp++) {
-        const bf16 *va = 2 * tp < nk ? (const bf16 *)v_buf + (slots[2 * tp] * kh + j) * d : NULL;
-        const bf16 *vb = 2 * tp + 1 < nk ? (const bf16 *)v_buf + (slots[2 * tp + 1] * kh + j) * d : NULL;
+        const int64_t ta = 2 * tp, tb = 2 * tp + 1;
+        const bf16 *va = ta >= skip && ta < nk ? (const bf16 *)v_buf + (slots[ta] * kh + j) * d : NULL;
+        const bf16 *vb = tb >= skip && tb < nk ? (const bf16 *)v_buf + (slots[tb] * kh + j) * d : NULL;
         for (int64_t c = 0; c < d / 32; c++) {
             const __m512i a = va ? _mm512_loadu_si512(va + 32 * c) : _mm512_setzero_si512();
             const __m512i b = vb ? _mm512_loadu_si512(vb + 32 * c) : _mm512_setzero_si512();
@@ -459,26 +547,35 @@ static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, 
 /* One query row's online-softmax step over a block of 32 scores (s0: keys 0-15, s1: 16-31; -inf
  * on padding): updates its running max *m and sum *l, writes the probabilities as bf16 key
  * pairs (rounded as PyTorch's flash kernel rounds them) and returns the factor by which the
- * row's output so far must be scaled. */
+ * row's output so far must be scaled (0 while the row has seen no key: max_ref). */
 static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *ppair) {
     const float block_max = hmax(vselect(s0 > s1, s0, s1));
-    const float mx = block_max > *m ? block_max : *m;
+    const float mx = block_max > *m ? block_max : *m, ref = mx == -INFINITY ? 0.0f : mx;
     const float alpha = *m == -INFINITY ? 0.0f : expf(*m - mx);
-    const v16 p0 = vexp(s0 - mx), p1 = vexp(s1 - mx);
+    const v16 p0 = vexp(s0 - ref), p1 = vexp(s1 - ref);
     _mm512_store_si512(ppair, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
     *m = mx;
     *l = *l * alpha + hsum(p0 + p1);
     return alpha;
 }
 
+/* 16 scores of a block as the softmax takes them: scaled, soft-capped where the call says,
+ * plus pad (0 on keys, -inf past the last key). */
+static inline v16 block_scores(const struct call *c, __m512 sc, v16 pad) {
+    v16 s = (v16)sc * c->scaling;
+    if (c->softcap > 0.0f) s = soft_cap(s, c->softcap);
+    return s + pad;
+}
+
 /* One step of attend_item_bf16 over a block of keys (k0 .. k0 + nk - 1, in kt and vp) for its
  * query rows r0 .. r0 + rb - 1: scores, the online softmax, acc = acc·alpha + P·V. rb rows give
  * 2·rb independent accumulator chains. */
 static inline __attribute__((always_inline)) void rows_step(
-    const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, int64_t d, int64_t g, float scaling,
-    const struct item *it, const v16 *pad, uint32_t (*qpair)[DMAX / 2], __m512i (*kt)[2],
+    const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, const struct call *c, const struct item *it,
+    const int64_t *from, const v16 *pad, uint32_t (*qpair)[DMAX / 2], __m512i (*kt)[2],
     __m512i (*vp)[DMAX / 32][2], uint32_t (*ppair)[KB / 2], float (*acc)[DMAX], float *m, float *l,
     const char *const *ahead, int64_t n_ahead) {
+    const int64_t d = c->d;
     __m512 sc[RB_WIDE][2];
     float alpha[RB_WIDE];
     for (int rr = 0; rr < rb; rr++) sc[rr][0] = sc[rr][1] = _mm512_setzero_ps();
@@ -494,9 +591,9 @@ static inline __attribute__((always_inline)) void rows_step(
     }
     for (int rr = 0; rr < rb; rr++) {
         const int64_t r = r0 + rr;
-        v16 s0 = (v16)sc[rr][0] * scaling + pad[0];
-        v16 s1 = halves == 2 ? (v16)sc[rr][1] * scaling + pad[1] : pad[1];
-        mask_from(&s0, &s1, row_limit(it, g, r) - k0);
+        v16 s0 = block_scores(c, sc[rr][0], pad[0]);
+        v16 s1 = halves == 2 ? block_scores(c, sc[rr][1], pad[1]) : pad[1];
+        mask_outside(&s0, &s1, from[r] - k0, row_limit(it, c->g, r) - k0);
         alpha[rr] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
     }
     /* per 32 dims: 2·rb chains over key pairs */
@@ -531,9 +628,9 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     const void *v_buf = c->v_buf;
     const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
-    const float scaling = c->scaling;
     const int rb = nq > RB ? RB_WIDE : RB; /* rows per step: more chains where an item has them */
-    const int64_t rows = (nq + rb - 1) / rb * rb;
+    const int64_t rows = (nq + rb - 1) / rb * rb, start = first_block(it, KB);
+    int64_t from[QB];
     uint32_t qpair[QB][DMAX / 2];
     float acc[QB][DMAX] __attribute__((aligned(64)));
     __m512i kt[DMAX / 2][2];
@@ -544,14 +641,15 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     /* K/V are fetched two blocks ahead, a share of the block with each step's rows, spread over
      * its score products */
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
-    prefetch_keys(k_buf, v_buf, slots, 0, 2 * KB, n_keys, kh, j, d);
+    row_froms(c, it, rows, from);
+    prefetch_keys(k_buf, v_buf, slots, start, 2 * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     seed_rows(c, it, &acc[0][0], DMAX, 1, m, l);
-    for (int64_t k0 = 0; k0 < n_keys; k0 += KB) {
-        const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
+    for (int64_t k0 = start; k0 < n_keys; k0 += KB) {
+        const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB, skip = it->k_from - k0;
         const int halves = nk > 16 ? 2 : 1;
-        key_pairs_transposed(k_buf, slots + k0, nk, halves, kh, j, d, kt);
-        value_pairs(v_buf, slots + k0, nk, kh, j, d, vp);
+        key_pairs_transposed(k_buf, slots + k0, skip, nk, halves, kh, j, d, kt);
+        value_pairs(v_buf, slots + k0, skip, nk, kh, j, d, vp);
         v16 pad[2]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < KB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
         for (int64_t r0 = 0; r0 < rows; r0 += rb) {
@@ -559,11 +657,10 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
             const int64_t n_ahead =
                 key_lines(k_buf, v_buf, slots, k0 + 2 * KB + r0 / rb * share, share, n_keys, kh, j, d, ahead);
             if (rb == RB_WIDE)
-                rows_step(RB_WIDE, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l,
-                          ahead, n_ahead);
-            else
-                rows_step(RB, r0, k0, nk, halves, d, g, scaling, it, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
+                rows_step(RB_WIDE, r0, k0, nk, halves, c, it, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
                           n_ahead);
+            else
+                rows_step(RB, r0, k0, nk, halves, c, it, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead, n_ahead);
         }
     }
     unpermute(nq, d, DMAX, acc);
@@ -589,7 +686,6 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     const void *v_buf = c->v_buf;
     const int64_t h = c->h, kh = c->kh, d = c->d, g = c->g, j = it->j, q0 = it->q0, nq = it->nq;
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
-    const float scaling = c->scaling;
     const int64_t mtiles = (nq + 15) / 16;
     /* rows of q and of the output d values apart: rows DMAX apart would crowd a few L1 sets */
     bf16 qb_rows[AMX_QB * DMAX] __attribute__((aligned(64)));
@@ -601,19 +697,21 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     float sc[AMX_QB][AKB] __attribute__((aligned(64)));
     uint32_t ppair[AMX_QB][AKB / 2] __attribute__((aligned(64)));
     float m[AMX_QB] __attribute__((aligned(64))), l[AMX_QB], alpha[AMX_QB] __attribute__((aligned(64)));
+    int64_t from[AMX_QB];
     const v16 ninf = (v16){0} - INFINITY;
 
+    row_froms(c, it, nq, from);
     start_rows(q, members, g, c->q_rows, j, q0, nq, 16 * mtiles, d, d, qb, acc, m, l);
     seed_rows(c, it, acc_rows, d, 1, m, l);
     memset(ppair[nq], 0, sizeof ppair[0] * (size_t)(16 * mtiles - nq)); /* padding rows: P = 0 */
-    for (int64_t k0 = 0; k0 < n_keys; k0 += AKB) {
+    for (int64_t k0 = first_block(it, AKB); k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
         const int blocks = nk > KB ? 2 : 1, quarters = 2 * blocks;
         prefetch_keys(k_buf, v_buf, slots, k0 + AKB, AKB, n_keys, kh, j, d);
         for (int bl = 0; bl < blocks; bl++) {
-            const int64_t from = k0 + KB * bl, nb = nk - KB * bl < KB ? nk - KB * bl : KB;
-            key_pairs_transposed(k_buf, slots + from, nb, 2, kh, j, d, kt[bl]);
-            value_pairs(v_buf, slots + from, nb, kh, j, d, vp[bl]);
+            const int64_t k1 = k0 + KB * bl, nb = nk - KB * bl < KB ? nk - KB * bl : KB;
+            key_pairs_transposed(k_buf, slots + k1, it->k_from - k1, nb, 2, kh, j, d, kt[bl]);
+            value_pairs(v_buf, slots + k1, it->k_from - k1, nb, kh, j, d, vp[bl]);
         }
         v16 pad[4]; /* 0 on keys, -inf past the last key */
         for (int t = 0; t < AKB; t++) pad[t / 16][t % 16] = t < nk ? 0.0f : -INFINITY;
@@ -651,10 +749,10 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
             for (int r = 0; r < real; r++) {
                 v16 sv[4];
                 for (int qt = 0; qt < 4; qt++)
-                    sv[qt] = qt < quarters ? *(v16 *)&sc[r0 + r][16 * qt] * scaling + pad[qt] : ninf;
-                const int64_t left = row_limit(it, g, r0 + r) - k0;
-                mask_from(&sv[0], &sv[1], left);
-                mask_from(&sv[2], &sv[3], left - KB);
+                    sv[qt] = qt < quarters ? block_scores(c, *(__m512 *)&sc[r0 + r][16 * qt], pad[qt]) : ninf;
+                const int64_t left = row_limit(it, g, r0 + r) - k0, first = from[r0 + r] - k0;
+                mask_outside(&sv[0], &sv[1], first, left);
+                mask_outside(&sv[2], &sv[3], first - KB, left - KB);
                 for (int qt = 0; qt < 4; qt++) *(v16 *)&sc[r0 + r][16 * qt] = sv[qt];
                 const v16 a = vselect(sv[0] > sv[1], sv[0], sv[1]), b = vselect(sv[2] > sv[3], sv[2], sv[3]);
                 block_max[r] = hmax(vselect(a > b, a, b));
@@ -664,7 +762,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
             *(v16 *)&alpha[r0] = vselect(m_old == ninf, (v16){0}, vexp(m_old - m_new)); /* 0 at the start */
             *(v16 *)&m[r0] = m_new;
             for (int r = 0; r < real; r++) {
-                const float mx = m_new[r];
+                const float mx = m_new[r] == -INFINITY ? 0.0f : m_new[r]; /* max_ref */
                 v16 sum = {0};
                 for (int half = 0; half < blocks; half++) { /* probabilities as bf16 key pairs */
                     const v16 p0 = vexp(*(v16 *)&sc[r0 + r][32 * half] - mx);
@@ -720,7 +818,8 @@ static struct call call_of(const struct attn_call *c) {
     const struct attention_args *a = &c->a;
     return (struct call){a->q,    c->k_buf, c->v_buf,          a->out,           (int)a->is_bf16,
                          a->h,    a->kh,    a->h / a->kh,      a->d,             a->q_stride / a->d,
-                         (float)a->scaling, a->num_parts, a->part_acc, a->part_m, a->part_l, (int)a->exact};
+                         (float)a->scaling, a->num_parts, a->part_acc, a->part_m, a->part_l, (int)a->exact,
+                         a->window,  a->positions, (float)a->softcap};
 }
 
 /* The phase whose items include segment s's: its part where part 1 continues part 0 (an exact
@@ -751,6 +850,8 @@ static int exact_segments(const struct attn_call *c) {
 int radixrt_attn_prepare(struct attn_call *c) {
     const struct attention_args *a = &c->a;
     if (a->d > DMAX || a->d <= 0 || a->d % 32 != 0 || a->kh <= 0 || a->h % a->kh != 0 || a->q_stride % a->d != 0)
+        return -1;
+    if (a->window < 0 || (a->window > 0 && (!a->seg_key_start || !a->positions)) || !(a->softcap >= 0.0))
         return -1;
     const int64_t g = a->h / a->kh;
 #ifdef HAVE_AMX
@@ -800,11 +901,19 @@ static struct item item_at(const struct attn_call *c, int phase, int64_t item) {
     const int64_t block = causal ? blocks - 1 - item % blocks : item % blocks; /* longest first */
     struct item it = {c->a.slots + seg_slot_start[s], c->a.members + seg_member_start[s],
                       seg_slot_start[s + 1] - seg_slot_start[s], -1, c->a.seg_part[s],
-                      item / blocks, block * qb, 0};
+                      item / blocks, block * qb, 0, c->a.window > 0 ? c->a.seg_key_start[s] : 0, 0};
     it.nq = rows - it.q0 < qb ? rows - it.q0 : qb;
     if (causal) {
         it.causal_from = it.n_keys - rows / g;
         it.n_keys = row_limit(&it, g, it.nq - 1);
+    }
+    if (c->a.window > 0) { /* the least first key of its rows */
+        const struct call call = call_of(c);
+        it.k_from = it.n_keys;
+        for (int64_t r = 0; r < it.nq; r++) {
+            const int64_t from = row_from(&call, &it, r);
+            it.k_from = from < it.k_from ? from : it.k_from;
+        }
     }
     return it;
 }
@@ -893,6 +1002,9 @@ void radixrt_attn_merge(const struct attn_call *c, int64_t id, int64_t threads) 
  * bf16_dots: bf16 items that AMX does not take run on AVX512-BF16 dot products (where the build
  * has them) instead of being widened to float32 for FMA.
  * exact: exact mode (the header): a row's bits depend on its query and keys alone.
+ * window (0: none) and softcap (0: none): a sliding window of that many keys and the scores'
+ * soft cap (the header); with a window, seg_key_start [S] (the position of each segment's key 0
+ * in its members' sequences) and positions [T] (each token's own key's position).
  *
  * The work runs as parts (parts.h): the new rows stored, the work items taken from a shared
  * counter by the threads (in an exact call with two-part tokens: the part-0 items, then the
@@ -905,10 +1017,12 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
                       const int64_t *seg_member_start, const int64_t *seg_part,
                       const int64_t *seg_causal, const int64_t *num_parts, float *part_acc,
                       float *part_m, float *part_l, int num_threads, const void *new_k,
-                      const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new) {
+                      const void *new_v, int64_t new_stride, const int64_t *new_slots, int64_t n_new,
+                      const int64_t *seg_key_start, const int64_t *positions, int64_t window, float softcap) {
     struct attn_call c = {.a = {q, q_stride, out, is_bf16, bf16_dots, exact, t, h, kh, d, scaling, num_segments,
                                 slots, seg_slot_start, members, seg_member_start, seg_part, seg_causal, num_parts,
-                                part_acc, part_m, part_l, new_k, new_v, new_stride, new_slots, n_new},
+                                part_acc, part_m, part_l, new_k, new_v, new_stride, new_slots, n_new,
+                                seg_key_start, positions, window, softcap},
                           .k_buf = k_buf,
                           .v_buf = v_buf};
     if (num_threads < 1) return -1;
@@ -944,11 +1058,14 @@ int radixrt_attention(const void *q, int64_t q_stride, void *k_buf, void *v_buf,
  *
  * table [*, table_stride] holds each request row's slots; request i (of b) is row req_rows[i],
  * lens[i] >= 1 slots. Outputs (sizes: slots sum(lens); slot_start, member_start 2b + 1;
- * members 2b; part 2b; num_parts b); order [b] scratch. Returns the number of segments. */
+ * members 2b; part 2b; num_parts b; key_start 2b: the position of each segment's first slot in
+ * its requests' rows; positions b: each request's lens[i] - 1); order [b] scratch. Returns the
+ * number of segments. */
 int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, const int64_t *req_rows,
                                 const int64_t *lens, int64_t b, int64_t min_prefix, int64_t min_group,
                                 int64_t split_from, int exact, int64_t *slots, int64_t *slot_start, int64_t *members,
-                                int64_t *member_start, int64_t *part, int64_t *num_parts, int64_t *order) {
+                                int64_t *member_start, int64_t *part, int64_t *num_parts, int64_t *key_start,
+                                int64_t *positions, int64_t *order) {
 #define SLOT(i, p) table[req_rows[i] * table_stride + (p)]
     for (int64_t i = 0; i < b; i++) { /* requests by (first slot, index): insertion sort */
         int64_t at = i;
@@ -981,6 +1098,7 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
                 members[n_members++] = order[at];
                 num_parts[order[at]] = c + 1;
             }
+            key_start[segs] = 0;
             part[segs++] = 0;
             slot_start[segs] = n_slots;
             member_start[segs] = n_members;
@@ -988,11 +1106,13 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
         g0 = g1;
     }
     for (int64_t i = 0; i < b; i++) {
+        positions[i] = lens[i] - 1;
         if (!num_parts[i] && !exact && split_from > 0 && lens[i] >= split_from) { /* two halves */
             for (int half = 0; half < 2; half++) {
                 const int64_t p0 = half ? lens[i] / 2 : 0, p1 = half ? lens[i] : lens[i] / 2;
                 for (int64_t p = p0; p < p1; p++) slots[n_slots++] = SLOT(i, p);
                 members[n_members++] = i;
+                key_start[segs] = p0;
                 part[segs++] = half;
                 slot_start[segs] = n_slots;
                 member_start[segs] = n_members;
@@ -1003,6 +1123,7 @@ int64_t radixrt_decode_segments(const int64_t *table, int64_t table_stride, cons
         const int64_t start = num_parts[i] ? num_parts[i] - 1 : 0;
         for (int64_t p = start; p < lens[i]; p++) slots[n_slots++] = SLOT(i, p);
         members[n_members++] = i;
+        key_start[segs] = start;
         part[segs++] = num_parts[i] ? 1 : 0;
         num_parts[i] = num_parts[i] ? 2 : 1;
         slot_start[segs] = n_slots;

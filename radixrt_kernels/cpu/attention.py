@@ -24,11 +24,21 @@ private tail continues its prefix's online softmax instead of being merged with 
 the prefix must end on a multiple of ``EXACT_STEP`` keys (``decode_segments`` rounds
 it down), and no lone request is split between the threads. Segments that break this
 are refused (``ValueError``).
+
+Sliding windows and soft-capping (``attention(..., window=W, softcap=c)``, per call: a model's
+layers differ): a token at position p sees only the keys at positions p - W + 1 .. p, and
+scores (after scaling) become c·tanh(s / c) before the softmax. Positions come with the
+segments (``Segments.key_start``, ``Segments.position``, which ``decode_segments`` and the
+backend's extend segments fill). A windowed call reads no slot before a token's window (a
+slot the window dropped may hold anything) and costs what the window's keys cost, whatever
+the sequence's length; in exact mode a row's bits stay its own (the kernel's header says
+why).
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -55,6 +65,10 @@ class Segments:
     causal: torch.Tensor | None = None  # [S] 1: the members are the segment's last keys, in order,
     # and each sees the keys up to itself (None: no causal segment)
     exact: bool = False  # exact mode (the module's text): a token's part 1 continues its part 0
+    # A window's positions (None: segments for calls without a window):
+    key_start: torch.Tensor | None = None  # [S] the position of each segment's first key in the
+    # sequences of its members
+    position: torch.Tensor | None = None  # [T] each token's own key's position (it sees up to it)
     two_parts: bool = field(init=False)  # some token has two parts (the merge needs scratch)
     _call: tuple | None = field(
         init=False, default=None, repr=False, compare=False
@@ -76,7 +90,7 @@ class Segments:
             self.causal,
             self.num_parts,
         )
-        key = (t, h, d, *map(id, tensors))
+        key = (t, h, d, *map(id, tensors + (self.key_start, self.position)))
         if self._call is None or self._call[0] != key:
             # scratch for merging two parts: acc [T, 2, H, D], then m and l [T, 2, H] each
             scratch = torch.empty(t * 2 * h * (d + 2) if self.two_parts else 0, dtype=torch.float32)
@@ -84,8 +98,20 @@ class Segments:
                 scratch.data_ptr() + 4 * off for off in (0, t * 2 * h * d, t * 2 * h * (d + 1))
             )
             args = (self.part.numel(), *(None if x is None else x.data_ptr() for x in tensors))
-            self._call = (key, scratch, args + merge)
+            window = tuple(
+                None if x is None else x.data_ptr() for x in (self.key_start, self.position)
+            )
+            self._call = (key, scratch, args + merge, window)
         return self._call[2]
+
+    def _window_args(self) -> tuple:
+        """The kernel's window arguments (seg_key_start, positions) after ``_call_args``."""
+        if self.key_start is None or self.position is None:
+            raise ValueError(
+                "attention: a sliding window needs the segments' key_start and position "
+                "(decode_segments and the backend's extend segments fill them)"
+            )
+        return self._call[3]
 
 
 def concat_segments(a: Segments, b: Segments) -> Segments:
@@ -98,6 +124,7 @@ def concat_segments(a: Segments, b: Segments) -> Segments:
     def causal(x: Segments) -> torch.Tensor:
         return x.causal if x.causal is not None else torch.zeros_like(x.part)
 
+    positioned = all(x.key_start is not None and x.position is not None for x in (a, b))
     return Segments(
         slots=torch.cat([a.slots, b.slots]),
         slot_start=torch.cat([a.slot_start, b.slot_start[1:] + a.slot_start[-1]]),
@@ -107,6 +134,8 @@ def concat_segments(a: Segments, b: Segments) -> Segments:
         num_parts=torch.cat([a.num_parts, b.num_parts]),
         causal=None if a.causal is None and b.causal is None else torch.cat([causal(a), causal(b)]),
         exact=a.exact,
+        key_start=torch.cat([a.key_start, b.key_start]) if positioned else None,
+        position=torch.cat([a.position, b.position]) if positioned else None,
     )
 
 
@@ -143,6 +172,8 @@ def attention(
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     bf16_dots: bool = False,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q [T, H, D] (the query tokens; token rows may be strided), k_buf/v_buf [N, KH, D]
     (contiguous, same dtype) → o [T, H, D] (into ``out`` where given: contiguous, q's dtype).
@@ -151,14 +182,53 @@ def attention(
     buffers at those slots first (one call instead of a store and an attention).
     ``bf16_dots``: bf16 work that AMX does not take runs on AVX512-BF16 dot products where the
     build has them (``dots_available``), else it is widened to float32 for FMA.
+    ``window``, ``softcap``: a sliding window of that many keys, and the scores' soft cap (the
+    module's text; None: none).
     ``seg.exact``: exact mode (the module's text)."""
+    check_window(window, softcap)
     if (recorder := cpu_capture.capturing()) is not None:
-        return recorder.attention(q, k_buf, v_buf, scaling, new_kv, bf16_dots, out)
+        return recorder.attention(q, k_buf, v_buf, scaling, new_kv, bf16_dots, out, window, softcap)
     if not (k_buf.is_contiguous() and v_buf.is_contiguous()):
         raise ValueError("attention: k_buf and v_buf must be contiguous")
-    call = AttentionCall(lib, q, k_buf, seg, scaling, new_kv, bf16_dots, out)
+    call = AttentionCall(lib, q, k_buf, seg, scaling, new_kv, bf16_dots, out, window, softcap)
     call(k_buf.data_ptr(), v_buf.data_ptr())
     return call.out
+
+
+def check_window(window: int | None, softcap: float | None) -> None:
+    """A sliding window is None or a positive int, a soft cap None or a positive finite number."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"attention: a sliding window must be a positive int, got {window!r}")
+    if softcap is not None and not (
+        isinstance(softcap, (int, float))
+        and not isinstance(softcap, bool)
+        and 0 < softcap < math.inf
+    ):
+        raise ValueError(f"attention: a soft cap must be a positive finite number, got {softcap!r}")
+
+
+def _new_rows(
+    new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, kh: int, d: int, dtype
+) -> tuple:
+    """(new_k, new_v, new_slots) as the kernel reads them (Nones without new rows)."""
+    if new_kv is None:
+        return None, None, None
+    new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
+    if new_k.shape[0] > 1 and new_k.stride(0) != new_v.stride(0):  # one stride for both
+        new_k, new_v = new_k.contiguous(), new_v.contiguous()
+    if not (
+        new_k.dtype == new_v.dtype == dtype
+        and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
+        and new_slots.dtype == torch.int64
+        and new_slots.is_contiguous()
+    ):
+        raise ValueError(
+            "attention: new k/v must be [n, KH, D] in the buffers' dtype, "
+            "their slots contiguous int64 [n]"
+        )
+    return new_k, new_v, new_slots
 
 
 class AttentionCall:
@@ -178,6 +248,8 @@ class AttentionCall:
         new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
         bf16_dots: bool = False,
         out: torch.Tensor | None = None,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         t, h, d = q.shape
         kh = k_buf.shape[1]
@@ -186,21 +258,8 @@ class AttentionCall:
             out = torch.empty(t, h, d, dtype=q.dtype)
         elif out.shape != (t, h, d) or out.dtype != q.dtype or not out.is_contiguous():
             raise ValueError(f"attention: out must be contiguous {q.dtype} [{t}, {h}, {d}]")
-        new_k = new_v = new_slots = None
-        if new_kv is not None:
-            new_k, new_v, new_slots = (_token_rows(new_kv[0]), _token_rows(new_kv[1]), new_kv[2])
-            if new_k.shape[0] > 1 and new_k.stride(0) != new_v.stride(0):  # one stride for both
-                new_k, new_v = new_k.contiguous(), new_v.contiguous()
-            if not (
-                new_k.dtype == new_v.dtype == k_buf.dtype
-                and new_k.shape == new_v.shape == (new_slots.numel(), kh, d)
-                and new_slots.dtype == torch.int64
-                and new_slots.is_contiguous()
-            ):
-                raise ValueError(
-                    "attention: new k/v must be [n, KH, D] in the buffers' dtype, "
-                    "their slots contiguous int64 [n]"
-                )
+        check_window(window, softcap)
+        new_k, new_v, new_slots = _new_rows(new_kv, kh, d, k_buf.dtype)
         self.lib, self.out, self.shape = lib, out, (h, kh, d)
         self.keep = (q, new_k, new_v, new_slots, seg)  # what the addresses below point into
         self.head = (q.data_ptr(), q.stride(0))
@@ -212,20 +271,27 @@ class AttentionCall:
             0 if new_slots is None else new_slots.numel(),
         )
         flags = (int(q.dtype == torch.bfloat16), int(bf16_dots), int(seg.exact))
-        sizes = (out.data_ptr(), *flags, t, h, kh, d)
-        segments = seg._call_args(t, h, d)
-        self.tail = (*sizes, scaling, *segments, torch.get_num_threads(), *new)
+        self.sizes = (out.data_ptr(), *flags, t, h, kh, d)
+        self.scaling, self.segments, self.new = scaling, seg._call_args(t, h, d), new
+        window_at = seg._window_args() if window is not None else (None, None)
+        self.window = (*window_at, window or 0, softcap or 0.0)
+        self.tail = (
+            *self.sizes,
+            scaling,
+            *self.segments,
+            torch.get_num_threads(),
+            *self.new,
+            *self.window,
+        )
 
     @property
     def fields(self) -> list[int]:
         """The arguments as a decode chain's attention step takes them (cpu/chain.c's struct
-        attention_args): the KV buffers and the thread count left out, scaling as a double's
-        bits, NULL as 0."""
-        t = self.tail  # sizes (8), scaling, segments (11), threads, new rows (5)
-        scaling_bits = struct.unpack("<q", struct.pack("<d", t[8]))[0]
-        return [
-            0 if v is None else v for v in (*self.head, *t[:8], scaling_bits, *t[9:-6], *t[-5:])
-        ]
+        attention_args): the KV buffers and the thread count left out, scaling and the soft cap
+        as doubles' bits, NULL as 0."""
+        *window, cap = self.window
+        values = (*self.head, *self.sizes, _bits(self.scaling), *self.segments, *self.new)
+        return [0 if v is None else v for v in (*values, *window, _bits(cap))]
 
     def __call__(self, k_address: int, v_address: int) -> None:
         rc = self.lib.radixrt_attention(*self.head, k_address, v_address, *self.tail)
@@ -238,6 +304,11 @@ class AttentionCall:
         if rc != 0:
             h, kh, d = self.shape
             raise ValueError(f"attention: unsupported shape (H {h}, KH {kh}, D {d})")
+
+
+def _bits(x: float) -> int:
+    """A double's bits as an int64."""
+    return struct.unpack("<q", struct.pack("<d", x))[0]
 
 
 def decode_segments(
@@ -258,18 +329,19 @@ def decode_segments(
     max_context] (each row's slots), req_rows int64 [B] (the requests' rows), seq_lens [B]
     (each >= 1). ``exact``: segments for exact mode: a group's prefix rounded down to a
     multiple of ``EXACT_STEP`` slots (the rest goes to each tail), and no request split
-    (``split_from``, a way to share one request's keys between threads, is not used)."""
+    (``split_from``, a way to share one request's keys between threads, is not used). The
+    segments carry their positions for windowed calls: slot p of a request's row is at
+    position p."""
     b = len(seq_lens)
     if table.dtype != torch.int64 or table.stride(1) != 1 or req_rows.dtype != torch.int64:
         raise ValueError("decode_segments: table and req_rows must be int64, table rows contiguous")
     req_rows = req_rows.contiguous()
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     slots = torch.empty(int(sum(seq_lens)), dtype=torch.int64)
-    ints = torch.empty(
-        10 * b + 2, dtype=torch.int64
-    )  # slot_start, member_start, members, part, num_parts, order
-    slot_start, member_start, members, part, num_parts, order = ints.split(
-        [2 * b + 1, 2 * b + 1, 2 * b, 2 * b, b, b]
+    # slot_start, member_start, members, part, num_parts, key_start, position, order
+    ints = torch.empty(13 * b + 2, dtype=torch.int64)
+    slot_start, member_start, members, part, num_parts, key_start, position, order = ints.split(
+        [2 * b + 1, 2 * b + 1, 2 * b, 2 * b, b, 2 * b, b, b]
     )
     n = lib.radixrt_decode_segments(
         table.data_ptr(),
@@ -287,6 +359,8 @@ def decode_segments(
         member_start.data_ptr(),
         part.data_ptr(),
         num_parts.data_ptr(),
+        key_start.data_ptr(),
+        position.data_ptr(),
         order.data_ptr(),
     )
     return Segments(
@@ -297,4 +371,6 @@ def decode_segments(
         part=part[:n],
         num_parts=num_parts,
         exact=exact,
+        key_start=key_start[:n],
+        position=position,
     )

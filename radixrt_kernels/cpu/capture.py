@@ -42,7 +42,8 @@ class ChainRefused(Exception):
 
 class Step(NamedTuple):
     kind: str  # a Chain builder: "norm", "linear", "quant_linear", "rope", "silu_mul", "attention"
-    args: tuple  # its arguments (attention: q, k_buf, v_buf, new_k, new_v, out, scaling, dots)
+    args: tuple  # its arguments (attention: q, k_buf, v_buf, new_k, new_v, out, scaling, dots,
+    # window, softcap)
 
 
 def tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -178,7 +179,9 @@ class Recorder(TorchFunctionMode):
         self.steps.append(Step("silu_mul", (x, out)))
         return out
 
-    def attention(self, q, k_buf, v_buf, scaling, new_kv, bf16_dots, out) -> torch.Tensor:
+    def attention(
+        self, q, k_buf, v_buf, scaling, new_kv, bf16_dots, out, window=None, softcap=None
+    ) -> torch.Tensor:
         with self._kernel():
             if new_kv is None or not all(heads_in_place(t) for t in (q, *new_kv[:2])):
                 self.refuse("attention without new K/V, or with q, k or v to copy")
@@ -186,7 +189,7 @@ class Recorder(TorchFunctionMode):
                 self.refuse("attention with k and v rows of different strides")
             if out is None:
                 out = self._new(*q.shape, dtype=q.dtype)
-            args = (q, k_buf, v_buf, new_kv[0], new_kv[1], out, scaling, bf16_dots)
+            args = (q, k_buf, v_buf, new_kv[0], new_kv[1], out, scaling, bf16_dots, window, softcap)
         self.steps.append(Step("attention", args))
         return out
 

@@ -23,7 +23,7 @@
 #define STEP_QUANT 5
 #define STEP_SILU_MUL 6
 #define STEP_FIELDS 21
-#define ATTENTION_FIELDS 27
+#define ATTENTION_FIELDS 31
 
 /* One step (every field 8 bytes: a row of the caller's int64 table).
  * STEP_LINEAR: y = x · Wᵀ (+ bias) by linear_vec.c's `kernel` on W packed as radixrt_linear

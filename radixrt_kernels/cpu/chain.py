@@ -391,6 +391,8 @@ class _Attention(NamedTuple):
     out: torch.Tensor
     scaling: float
     bf16_dots: bool
+    window: int | None
+    softcap: float | None
 
 
 class Replay:
@@ -415,17 +417,23 @@ class Replay:
             else:
                 getattr(self.chain, step.kind)(*step.args)
 
-    def _add_attention(self, q, k_buf, v_buf, new_k, new_v, out, scaling, bf16_dots) -> None:
+    def _add_attention(
+        self, q, k_buf, v_buf, new_k, new_v, out, scaling, bf16_dots, window, softcap
+    ) -> None:
         key = tuple((t.data_ptr(), t.shape, t.stride()) for t in (q, new_k, new_v, out)) + (
             k_buf.shape,
             k_buf.dtype,
             scaling,
             bf16_dots,
+            window,
+            softcap,
         )
         if key not in self.attention:
             fields = self.lib.radixrt_chain_attention_fields()
             args = torch.zeros(fields, dtype=torch.int64)
-            self.attention[key] = _Attention(args, q, k_buf, new_k, new_v, out, scaling, bf16_dots)
+            self.attention[key] = _Attention(
+                args, q, k_buf, new_k, new_v, out, scaling, bf16_dots, window, softcap
+            )
         self.chain.attention(self.attention[key].args, k_buf, v_buf)
 
     def run(self, segments: cpu_attention.Segments | None, slots: torch.Tensor | None) -> None:
@@ -440,6 +448,8 @@ class Replay:
                 (a.new_k, a.new_v, slots),
                 a.bf16_dots,
                 a.out,
+                a.window,
+                a.softcap,
             )
             a.args.copy_(torch.tensor(call.fields, dtype=torch.int64))
         self.chain.run()

@@ -63,6 +63,9 @@ struct attention_args {
     int64_t new_stride;
     const int64_t *new_slots;
     int64_t n_new;
+    const int64_t *seg_key_start, *positions; /* a window's: [S] and [T] (NULL without one) */
+    int64_t window;                           /* a sliding window of this many keys (0: none) */
+    double softcap;                           /* the scores' soft cap (0: none) */
 };
 
 /* An attention call of attention.c: its arguments, then what radixrt_attn_prepare derives. */

@@ -8,6 +8,12 @@ wrappers (decode, extend, and their deterministic twins) share
 ``check_attention_tensors``, ``check_kv_index``, ``check_sm_scale`` and
 ``check_max_len``, and build their launches from ``head_meta``, ``log2_scale``
 and ``row_head_strides``.
+
+Sliding windows and logit soft-capping (every attention wrapper's ``window`` and ``softcap``):
+``check_window`` checks them, ``window_args`` makes the kernels' runtime arguments (window, 0
+for none; the soft cap's inner and outer scales), ``window_meta`` their ``WINDOWED`` and
+``SOFTCAP`` constexprs (a layer without either compiles the code it always did), and the
+kernels turn a block of raw q·k products into log2-unit scores with ``scale_scores``.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import math
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 #: Read once: ``triton.jit`` picks the interpreter at decoration time, so the
 #: environment variable must be set before these modules are imported.
@@ -63,6 +71,49 @@ def head_meta(dtype: torch.dtype, group: int, head_dim: int, exact: bool) -> dic
 def log2_scale(sm_scale: float) -> float:
     """The kernels' ``qk_scale``: scores in log2 units, so that softmax runs on exp2."""
     return sm_scale * math.log2(math.e)
+
+
+def check_window(window: int | None, softcap: float | None) -> None:
+    """A sliding window is None or a positive int; a soft cap None or positive and finite."""
+    if window is not None and (
+        isinstance(window, bool) or not isinstance(window, int) or window < 1
+    ):
+        raise ValueError(f"window must be None or a positive int, got {window!r}")
+    if softcap is not None and not (
+        isinstance(softcap, (int, float))
+        and not isinstance(softcap, bool)
+        and 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap must be None or a positive finite number, got {softcap!r}")
+
+
+def window_args(
+    sm_scale: float, window: int | None, softcap: float | None
+) -> tuple[int, float, float]:
+    """The kernels' ``(window, cap_in, cap_out)`` arguments (window 0: none; with a soft cap c,
+    the log2-unit score of a product x is cap_out·tanh(cap_in·x): cap_in = sm_scale / c,
+    cap_out = c·log2(e))."""
+    check_window(window, softcap)
+    cap = softcap or 1.0
+    return window or 0, sm_scale / cap, cap * math.log2(math.e)
+
+
+def window_meta(window: int | None, softcap: float | None) -> dict[str, bool]:
+    """The attention kernels' ``WINDOWED`` and ``SOFTCAP`` constexprs."""
+    return dict(WINDOWED=window is not None, SOFTCAP=softcap is not None)
+
+
+@triton.jit
+def scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Raw q·k products → scores in log2 units: qk·qk_scale, or soft-capped (``window_args``):
+    cap_out·tanh(cap_in·qk), tanh(y) = (1 - e) / (1 + e) with e = e^(-2|y|) and y's sign."""
+    if SOFTCAP:
+        y = qk * cap_in
+        e = tl.exp2(-2.8853900817779268 * tl.abs(y))  # e^(-2|y|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(y < 0, -t, t) * cap_out
+    else:
+        return qk * qk_scale
 
 
 def row_head_strides(*tensors: torch.Tensor) -> tuple[int, ...]:

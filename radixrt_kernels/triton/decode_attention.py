@@ -16,6 +16,11 @@ scores; ``close_split``), both float32, to ``partial_o [B, H, S, D]`` /
 
 Stage 2, grid ``(B, H)``: ``o = Σ_s e^(lse_s - m) · o_s / Σ_s e^(lse_s - m)``,
 m = max_s lse_s, all S splits loaded as one ``[BLOCK_S, D]`` tile.
+
+With a sliding window W the token (the request's last key) sees only the keys
+``[max(0, seq_len - W), seq_len)``: the splits divide those keys alone, so no slot
+before them is read and the work follows W. A soft cap c turns each score into
+c·tanh(s / c) (``scale_scores``).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ from radixrt_kernels.triton._common import (
     log2_scale,
     next_power_of_2,
     row_head_strides,
+    scale_scores,
+    window_args,
+    window_meta,
 )
 
 MAX_KV_SPLITS = 64
@@ -76,16 +84,27 @@ def default_decode_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) ->
 
 
 def launch_meta(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, config: DecodeConfig | None = None
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    config: DecodeConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, object]:
-    """Stage 1's constexprs and launch options for these shapes (also used by the compile test)."""
+    """Stage 1's constexprs and launch options for these shapes and a layer's window and soft
+    cap (also used by the compile test)."""
     cfg = config or default_decode_config(head_dim, dtype)
     group = heads // kv_heads
-    return head_meta(dtype, group, head_dim, exact=True) | dict(
-        BLOCK_H=group_rows(group),
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    return (
+        head_meta(dtype, group, head_dim, exact=True)
+        | dict(
+            BLOCK_H=group_rows(group),
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        | window_meta(window, softcap)
     )
 
 
@@ -141,6 +160,9 @@ def _decode_stage1(
     Partial_o,
     Partial_lse,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qb,
     stride_qh,
     stride_kbs,
@@ -159,14 +181,19 @@ def _decode_stage1(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     kv_start = tl.load(Kv_indptr + req).to(tl.int64)
     seq_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32)
-    split_len = tl.cdiv(tl.cdiv(seq_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    first = 0  # the first key the token sees
+    if WINDOWED:
+        first = tl.maximum(seq_len - window, 0)
+    split_len = tl.cdiv(tl.cdiv(seq_len - first, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    lo = first + split * split_len
     hi = tl.minimum(seq_len, lo + split_len)
 
     group = tl.arange(0, BLOCK_H)
@@ -199,7 +226,8 @@ def _decode_stage1(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -293,6 +321,8 @@ def decode_attention(
     num_kv_splits: int,
     workspace: DecodeWorkspace | None = None,
     config: DecodeConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write each request's attention over its KV slots into o; return o.
 
@@ -300,9 +330,11 @@ def decode_attention(
     H a multiple of KH; kv_indptr int32/int64 ``[B + 1]``, every segment
     non-empty; kv_indices int32/int64. ``workspace`` (from
     ``DecodeWorkspace.allocate(B, H, D, num_kv_splits, device)``) may be
-    reused across layers; None allocates one.
+    reused across layers; None allocates one. ``window``: only each request's
+    last ``window`` keys are read and attended; ``softcap``: scores soft-capped.
     """
     check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    window_values = window_args(sm_scale, window, softcap)
     if not isinstance(num_kv_splits, int) or not 1 <= num_kv_splits <= MAX_KV_SPLITS:
         raise ValueError(
             f"num_kv_splits must be an int in [1, {MAX_KV_SPLITS}], got {num_kv_splits!r}"
@@ -311,9 +343,12 @@ def decode_attention(
     batch, heads, head_dim = q.shape
     if batch == 0:
         return o
-    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config)
+    meta = launch_meta(q.dtype, heads, k_buffer.shape[1], head_dim, config, window, softcap)
     _decode_stage1[(batch, k_buffer.shape[1], num_kv_splits)](
-        *split_kernel_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws), **meta
+        *split_kernel_args(
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws, window_values
+        ),
+        **meta,
     )
     _decode_stage2[(batch, heads)](
         *ws,
@@ -337,9 +372,11 @@ def split_kernel_args(
     kv_indices: torch.Tensor,
     sm_scale: float,
     ws: DecodeWorkspace,
+    window_values: tuple[int, float, float],
 ) -> tuple[object, ...]:
     """The positional arguments, Q to stride_plh, of a kernel writing one split per program
-    (``_decode_stage1`` here, the deterministic ``_decode_split_kernel`` too)."""
+    (``_decode_stage1`` here, the deterministic ``_decode_split_kernel`` too);
+    ``window_values``: ``window_args``'s first part."""
     return (
         q,
         k_buffer,
@@ -348,6 +385,7 @@ def split_kernel_args(
         kv_indices,
         *ws,
         log2_scale(sm_scale),
+        *window_values,
         *row_head_strides(q, k_buffer, v_buffer),
         *ws.strides(),
     )

@@ -31,6 +31,14 @@ of one query head through the three steps. It reads every key, cached or new, th
 ``kv_indices`` over the whole sequence (prefix then new tokens, whose K/V are stored
 first), so where the cache hit ends is invisible to the arithmetic.
 
+Sliding windows (``window`` W) and soft caps: a row sees only the keys from its position
+- W + 1 on (``row_lo``), masked as keys past ``row_end`` are. The boundaries do not move: a
+program skips the splits before its rows' least window start, and its first split's chunks
+before the chunk that holds it (no slot there is read); a chunk or split wholly before a row's
+window start is, for that row, an exact no-op (an all -inf maximum counts as 0, an empty split
+merges with weight 0), so a row's bits stay its own. A soft cap c turns each score into
+c·tanh(s / c) (``scale_scores``), the same code in both kernels.
+
 Under ``TRITON_INTERPRET=1`` the float32 arithmetic is numpy's, so bit equality there shows
 that the ORDER of the reduction is canonical: the same chunks, splits, merge order and tile
 shapes. On a GPU the same order holds; tl.dot's internal order is the hardware's, which
@@ -57,6 +65,9 @@ from radixrt_kernels.triton._common import (
     head_meta,
     log2_scale,
     row_head_strides,
+    scale_scores,
+    window_args,
+    window_meta,
 )
 from radixrt_kernels.triton.decode_attention import (
     DecodeWorkspace,
@@ -97,17 +108,20 @@ GPU_SPLIT_LEN = 256
 
 
 def default_fixed_split_config(
-    head_dim: int, dtype: torch.dtype = torch.bfloat16
+    head_dim: int, dtype: torch.dtype = torch.bfloat16, masked: bool = False
 ) -> FixedSplitConfig:
     """Untuned GPU tiles with ``GPU_SPLIT_LEN`` keys per split, checked to compile for sm_90
     without register spills at the usual group sizes (fp32 runs exact FMA dots, which want
-    smaller chunks); small tiles under the interpreter."""
+    smaller chunks), ``masked`` (a layer with a sliding window or a soft cap) too: it changes
+    only the pipelining, never a boundary, so the workspace and the bits are as without;
+    small tiles under the interpreter."""
     if INTERPRET:
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
         if head_dim > 128:
             return FixedSplitConfig(GPU_SPLIT_LEN, block_n=16, num_warps=8, num_stages=1)
-        return FixedSplitConfig(GPU_SPLIT_LEN, block_n=32, num_warps=8, num_stages=2)
+        stages = 1 if masked else 2  # a window's masks need the registers a second stage takes
+        return FixedSplitConfig(GPU_SPLIT_LEN, block_n=32, num_warps=8, num_stages=stages)
     if head_dim > 128:
         return FixedSplitConfig(GPU_SPLIT_LEN, block_n=32, num_warps=8, num_stages=2)
     return FixedSplitConfig(GPU_SPLIT_LEN, block_n=64, num_warps=4, num_stages=2)
@@ -124,18 +138,26 @@ def launch_meta(
     kv_heads: int,
     head_dim: int,
     config: FixedSplitConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, object]:
-    """The constexprs and launch options of decode stage 1 and of extend: one dict, so a
-    query row meets the same tile shapes and instructions in both."""
-    cfg = config or default_fixed_split_config(head_dim, dtype)
+    """The constexprs and launch options of decode stage 1 and of extend for a layer's window
+    and soft cap: one dict, so a query row meets the same tile shapes and instructions in
+    both."""
+    masked = window is not None or softcap is not None
+    cfg = config or default_fixed_split_config(head_dim, dtype, masked)
     group = heads // kv_heads
-    return head_meta(dtype, group, head_dim, exact=True) | dict(
-        BLOCK_M=group_rows(group),
-        BLOCK_N=cfg.block_n,
-        SPLIT_LEN=cfg.split_len,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,
+    return (
+        head_meta(dtype, group, head_dim, exact=True)
+        | dict(
+            BLOCK_M=group_rows(group),
+            BLOCK_N=cfg.block_n,
+            SPLIT_LEN=cfg.split_len,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+            enable_fp_fusion=False,
+        )
+        | window_meta(window, softcap)
     )
 
 
@@ -166,8 +188,11 @@ def attend_split(
     kv_head,
     lo,
     hi,
+    row_lo,
     row_end,
     qk_scale,
+    cap_in,
+    cap_out,
     stride_kbs,
     stride_kbh,
     stride_vbs,
@@ -178,19 +203,29 @@ def attend_split(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax of q ``[M, D]`` over the keys lo..hi-1 of one split, row r seeing only
-    keys < row_end[r], in BLOCK_N chunks from lo → (acc [M, D], m [M] in log2 units, l [M]).
-    A row that sees no key gets acc 0, m -inf, l 0."""
+    keys < row_end[r] (WINDOWED: and >= row_lo[r]; the chunks before the one holding the least
+    row_lo skipped, no key before that read), in BLOCK_N chunks from lo → (acc [M, D], m [M]
+    in log2 units, l [M]). A row that sees no key gets acc 0, m -inf, l 0."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     mask_d = dims < HEAD_DIM
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for start in range(lo, hi, BLOCK_N):
+    first = 0  # the least first key of the rows, and the chunk that holds it
+    chunk = lo
+    if WINDOWED:
+        first = tl.min(row_lo, 0)
+        chunk = tl.maximum(lo, first // BLOCK_N * BLOCK_N)
+    for start in range(chunk, hi, BLOCK_N):
         keys = start + cols
         mask_n = keys < hi
+        if WINDOWED:
+            mask_n &= keys >= first
         slots = tl.load(Kv_indices + kv_start + keys, mask=mask_n, other=0).to(tl.int64)
         mask_nd = mask_n[:, None] & mask_d[None, :]
         k = tl.load(
@@ -206,8 +241,12 @@ def attend_split(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        qk = tl.where(keys[None, :] < row_end[:, None], qk, float("-inf"))
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP)
+        seen = keys[None, :] < row_end[:, None]
+        if WINDOWED:
+            seen &= keys[None, :] >= row_lo[:, None]
+        qk = tl.where(seen, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: all 0
         alpha = tl.exp2(m_i - m_ref)
@@ -250,6 +289,9 @@ def _decode_split_kernel(
     Partial_o,
     Partial_lse,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qb,
     stride_qh,
     stride_kbs,
@@ -269,6 +311,8 @@ def _decode_split_kernel(
     SPLIT_LEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     req = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -278,6 +322,11 @@ def _decode_split_kernel(
     lo = split * SPLIT_LEN
     if lo >= seq_len:
         return
+    first = 0  # the first key the token sees
+    if WINDOWED:
+        first = _window_start(seq_len - 1, window)
+        if lo + SPLIT_LEN <= first:  # a split before the window: the merge skips it
+            return
     group = tl.arange(0, BLOCK_M)  # rows: the GROUP query heads of this KV head, padded
     heads = kv_head * GROUP + group
     dims = tl.arange(0, BLOCK_D)
@@ -297,8 +346,11 @@ def _decode_split_kernel(
         kv_head,
         lo,
         tl.minimum(seq_len, lo + SPLIT_LEN),
+        tl.full([BLOCK_M], 0, tl.int32) + first,
         row_end,
         qk_scale,
+        cap_in,
+        cap_out,
         stride_kbs,
         stride_kbh,
         stride_vbs,
@@ -309,6 +361,8 @@ def _decode_split_kernel(
         BLOCK_D,
         UPCAST,
         DOT_PRECISION,
+        WINDOWED,
+        SOFTCAP,
     )
     o, lse = close_split(acc, m, l)
     po = Partial_o + req * stride_pob + heads[:, None] * stride_poh + split * stride_pos
@@ -317,11 +371,18 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _window_start(position, window):
+    """The first key a token at ``position`` sees under ``window`` (0: none)."""
+    return tl.where(window > 0, tl.maximum(position - window + 1, 0), 0)
+
+
+@triton.jit
 def _decode_merge_kernel(
     Partial_o,
     Partial_lse,
     Kv_indptr,
     O,
+    window,
     stride_pob,
     stride_poh,
     stride_pos,
@@ -348,7 +409,8 @@ def _decode_merge_kernel(
     o_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_M], tl.float32)
-    for split in range(0, tl.cdiv(seq_len, SPLIT_LEN)):
+    first_split = _window_start(seq_len - 1, window) // SPLIT_LEN  # earlier ones: not written
+    for split in range(first_split, tl.cdiv(seq_len, SPLIT_LEN)):
         o_s = tl.load(po + split * stride_pos, mask=mask_hd, other=0.0)
         lse_s = tl.load(pl + split, mask=mask_h, other=float("-inf"))
         o_acc, lse_max, w_sum = merge_split(o_acc, lse_max, w_sum, o_s, lse_s)
@@ -368,6 +430,8 @@ def deterministic_decode_attention(
     max_seq_len: int,
     workspace: DecodeWorkspace | None = None,
     config: FixedSplitConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Like ``decode_attention``, reduced over fixed splits; write into o and return it.
 
@@ -375,22 +439,34 @@ def deterministic_decode_attention(
     longer segment would read past the workspace) and sizes the split axis S =
     ``num_fixed_splits(max_seq_len, config)``; any bound gives the same bits. ``workspace``
     is ``[B, H, S, D]`` (``fixed_split_workspace``), reusable across layers; None allocates.
+    ``window`` and ``softcap``: as ``decode_attention``'s.
     """
     check_decode_tensors(q, k_buffer, v_buffer, o, kv_indptr, kv_indices, sm_scale)
+    window_values = window_args(sm_scale, window, softcap)
     check_max_len("max_seq_len", max_seq_len, kv_indptr)
     batch, heads, head_dim = q.shape
     kv_heads = k_buffer.shape[1]
-    cfg = config or default_fixed_split_config(head_dim, q.dtype)
+    masked = window is not None or softcap is not None
+    cfg = config or default_fixed_split_config(head_dim, q.dtype, masked)
     splits = num_fixed_splits(max_seq_len, cfg)
     ws = workspace_for(q, splits, workspace)
     if batch == 0:
         return o
-    meta = launch_meta(q.dtype, heads, kv_heads, head_dim, cfg)
+    meta = launch_meta(q.dtype, heads, kv_heads, head_dim, cfg, window, softcap)
     _decode_split_kernel[(batch, kv_heads, splits)](
-        *split_kernel_args(q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws), **meta
+        *split_kernel_args(
+            q, k_buffer, v_buffer, kv_indptr, kv_indices, sm_scale, ws, window_values
+        ),
+        **meta,
     )
     _decode_merge_kernel[(batch, kv_heads)](
-        *ws, kv_indptr, o, *ws.strides(), *row_head_strides(o), **merge_meta(meta)
+        *ws,
+        kv_indptr,
+        o,
+        window_values[0],
+        *ws.strides(),
+        *row_head_strides(o),
+        **merge_meta(meta),
     )
     return o
 
@@ -408,6 +484,9 @@ def _extend_kernel(
     Kv_indptr,
     Kv_indices,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -424,6 +503,8 @@ def _extend_kernel(
     SPLIT_LEN: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # last blocks (most keys) first
     head = tl.program_id(1)
@@ -436,6 +517,7 @@ def _extend_kernel(
     prefix_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32) - ext_len
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # new-token index i, at key prefix_len + i
     row_end = prefix_len + tl.minimum(rows, ext_len - 1) + 1  # padding rows copy the last
+    row_lo = _window_start(row_end - 1, window)
     block_end = prefix_len + tl.minimum(ext_len, (block_m + 1) * BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     mask_md = (rows < ext_len)[:, None] & (dims < HEAD_DIM)[None, :]
@@ -449,7 +531,10 @@ def _extend_kernel(
     o_acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     w_sum = tl.zeros([BLOCK_M], tl.float32)
-    for split in range(0, tl.cdiv(block_end, SPLIT_LEN)):
+    first_split = 0  # the split of the block's first row's first key
+    if WINDOWED:
+        first_split = _window_start(prefix_len + block_m * BLOCK_M, window) // SPLIT_LEN
+    for split in range(first_split, tl.cdiv(block_end, SPLIT_LEN)):
         lo = split * SPLIT_LEN
         acc, m, l = attend_split(
             q,
@@ -460,8 +545,11 @@ def _extend_kernel(
             head // GROUP,
             lo,
             tl.minimum(block_end, lo + SPLIT_LEN),
+            row_lo,
             row_end,
             qk_scale,
+            cap_in,
+            cap_out,
             stride_kbs,
             stride_kbh,
             stride_vbs,
@@ -472,6 +560,8 @@ def _extend_kernel(
             BLOCK_D,
             UPCAST,
             DOT_PRECISION,
+            WINDOWED,
+            SOFTCAP,
         )
         o_s, lse_s = close_split(acc, m, l)
         o_acc, lse_max, w_sum = merge_split(o_acc, lse_max, w_sum, o_s, lse_s)
@@ -491,6 +581,8 @@ def deterministic_extend_attention(
     sm_scale: float,
     max_extend_len: int | None = None,
     config: FixedSplitConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens, reduced over fixed splits; write into o, return it.
 
@@ -498,16 +590,17 @@ def deterministic_extend_attention(
     new tokens ``qo_indptr[b]:qo_indptr[b+1]`` are the LAST keys of its whole sequence
     ``kv_indices[kv_indptr[b]:kv_indptr[b+1]]`` (cached prefix, then the new tokens, whose
     K/V must already be stored). max_extend_len sizes the grid; None reads it from qo_indptr
-    (a device sync on CUDA).
+    (a device sync on CUDA). ``window`` and ``softcap``: as ``extend_attention``'s.
     """
     check_attention_tensors(q, o, k_buffer, v_buffer)
     check_extend_index(q, qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_extend_len)
     if kv_indptr.device.type == "cpu" and bool((kv_indptr.diff() < qo_indptr.diff()).any()):
         raise ValueError("kv_indptr has a sequence shorter than its new tokens (qo_indptr)")
     check_sm_scale(sm_scale)
+    window_values = window_args(sm_scale, window, softcap)
     if q.shape[0] == 0 or qo_indptr.numel() <= 1:
         return o
-    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config)
+    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config, window, softcap)
     _extend_kernel[extend_grid(q, qo_indptr, max_extend_len, meta["BLOCK_M"])](
         q,
         o,
@@ -517,6 +610,7 @@ def deterministic_extend_attention(
         kv_indptr,
         kv_indices,
         log2_scale(sm_scale),
+        *window_values,
         *row_head_strides(q, o, k_buffer, v_buffer),
         **meta,
     )

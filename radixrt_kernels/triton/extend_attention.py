@@ -16,8 +16,14 @@ close together and share its K/V tiles through L2. Per program: a flash
 attention loop (online softmax in fp32, exp2 with the scale folded in) over
 (1) the prefix in BLOCK_N chunks gathered through kv_indices, (2) the new
 keys wholly below the block's diagonal, unmasked, (3) the diagonal chunks,
-causally masked. Every row sees key 0 of its first chunk, so the running max
-is finite after one chunk and no row is ever all -inf.
+causally masked. A chunk where a row sees no key yet leaves it as it was
+(``_softmax_step``: an all -inf maximum counts as 0).
+
+With a sliding window W, new token i (at key prefix_len + i) sees only the keys from
+prefix_len + i - W + 1 on: each row is masked to its own window, and each phase
+starts at the block's first row's window start (the prefix phase at that key: no
+cached slot before it is read; the new-key phase at the BLOCK_N chunk that holds
+it). A soft cap c turns each score into c·tanh(s / c) (``scale_scores``).
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ from radixrt_kernels.triton._common import (
     head_meta,
     log2_scale,
     row_head_strides,
+    scale_scores,
+    window_args,
+    window_meta,
 )
 
 
@@ -68,10 +77,13 @@ class ExtendConfig:
 INTERPRETER_CONFIG = ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
 
 
-def default_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) -> ExtendConfig:
+def default_extend_config(
+    head_dim: int, dtype: torch.dtype = torch.bfloat16, masked: bool = False
+) -> ExtendConfig:
     """Untuned GPU defaults: checked to compile for sm_90 within 227 KB of shared memory and
-    without register spills for fp16/bf16 (fp32 runs three-pass TF32 dots and spills a little).
-    Small tiles under the interpreter."""
+    without register spills for fp16/bf16 (fp32 runs three-pass TF32 dots and spills a little),
+    ``masked`` (a layer with a sliding window or a soft cap) too. Small tiles under the
+    interpreter."""
     if INTERPRET:
         return INTERPRETER_CONFIG
     if dtype == torch.float32:
@@ -80,24 +92,35 @@ def default_extend_config(head_dim: int, dtype: torch.dtype = torch.bfloat16) ->
         if head_dim <= 128:
             return ExtendConfig(block_m=32, block_n=16, num_warps=4, num_stages=1)
         return ExtendConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        return ExtendConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if head_dim <= 64:  # a window's masks or a soft cap need more registers: 8 warps share them
+        return ExtendConfig(block_m=128, block_n=64, num_warps=8 if masked else 4, num_stages=3)
     if head_dim <= 128:
         return ExtendConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return ExtendConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
 
 
 def launch_meta(
-    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, config: ExtendConfig | None = None
+    dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    config: ExtendConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> dict[str, object]:
-    """The kernel's constexprs and launch options for these shapes (also used by the compile
-    test)."""
-    cfg = config or default_extend_config(head_dim, dtype)
-    return head_meta(dtype, heads // kv_heads, head_dim, exact=False) | dict(
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+    """The kernel's constexprs and launch options for these shapes and a layer's window and
+    soft cap (also used by the compile test)."""
+    masked = window is not None or softcap is not None
+    cfg = config or default_extend_config(head_dim, dtype, masked)
+    return (
+        head_meta(dtype, heads // kv_heads, head_dim, exact=False)
+        | dict(
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages,
+        )
+        | window_meta(window, softcap)
     )
 
 
@@ -110,14 +133,29 @@ def _load(ptrs, mask, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION: tl.constexpr):
-    """Fold one chunk in: qk [M, N] scores in log2 units (-inf where masked), v [N, D]."""
+def _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION: tl.constexpr, WINDOWED: tl.constexpr):
+    """Fold one chunk in: qk [M, N] scores in log2 units (-inf where masked), v [N, D]. Under a
+    window a row with no key yet and none here keeps acc 0, m -inf, l 0 (without one, every
+    row sees a key of its first chunk)."""
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    m_ref = m_new
+    if WINDOWED:
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _in_window(qk, keys, rows, window, WINDOWED: tl.constexpr):
+    """qk [M, N] with -inf where new-key index ``keys[n]`` (negative: a cached key) is before
+    the window of new token ``rows[m]`` (keys[n] <= rows[m] - window); as it is without a
+    window."""
+    if WINDOWED:
+        qk = tl.where(keys[None, :] + window > rows[:, None], qk, float("-inf"))
+    return qk
 
 
 @triton.jit
@@ -132,6 +170,9 @@ def _extend_kernel(
     Kv_indptr,
     Kv_indices,
     qk_scale,
+    window,
+    cap_in,
+    cap_out,
     stride_qt,
     stride_qh,
     stride_knt,
@@ -151,6 +192,8 @@ def _extend_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Last blocks first: under the causal mask they carry the most work.
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -178,7 +221,15 @@ def _extend_kernel(
     # (1) the cached prefix, gathered slot by slot
     kv_start = tl.load(Kv_indptr + req).to(tl.int64)
     prefix_len = (tl.load(Kv_indptr + req + 1) - kv_start).to(tl.int32)
-    for start in range(0, prefix_len, BLOCK_N):
+    # under a window, row i sees new keys j > i - window (cached keys p > prefix_len + i -
+    # window); each phase starts at the block's first row's window
+    diag = block_m * BLOCK_M
+    prefix_start = 0
+    new_start = 0
+    if WINDOWED:
+        prefix_start = tl.maximum(prefix_len + diag - window + 1, 0)
+        new_start = tl.maximum(diag - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start in range(prefix_start, prefix_len, BLOCK_N):
         mask_n = start + cols < prefix_len
         slots = tl.load(Kv_indices + kv_start + start + cols, mask=mask_n, other=0).to(tl.int64)
         kt = _load(
@@ -186,31 +237,34 @@ def _extend_kernel(
             mask_d[:, None] & mask_n[None, :],
             UPCAST,
         )  # [D, N]
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        qk = scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP)
         qk = tl.where(mask_n[None, :], qk, float("-inf"))
+        qk = _in_window(qk, start + cols - prefix_len, rows, window, WINDOWED)
         v = _load(
             V_buf + slots[:, None] * stride_vbs + kv_head * stride_vbh + dims[None, :],
             mask_n[:, None] & mask_d[None, :],
             UPCAST,
         )
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION, WINDOWED)
 
-    # (2) new keys j < block_m·BLOCK_M <= i: visible to every row, all < ext_len
-    diag = block_m * BLOCK_M
-    for start in range(0, diag, BLOCK_N):
+    # (2) new keys j < block_m·BLOCK_M <= i: causally visible to every row, all < ext_len
+    for start in range(new_start, diag, BLOCK_N):
         toks = (q_start + start + cols).to(tl.int64)
         kt = _load(
             K_new + toks[None, :] * stride_knt + kv_head * stride_knh + dims[:, None],
             mask_d[:, None],
             UPCAST,
         )
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        qk = scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP)
+        qk = _in_window(qk, start + cols, rows, window, WINDOWED)
         v = _load(
             V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
             mask_d[None, :],
             UPCAST,
         )
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION, WINDOWED)
 
     # (3) the diagonal chunks: key j visible to query i iff j <= i (and j < ext_len)
     for start in range(diag, tl.minimum(ext_len, diag + BLOCK_M), BLOCK_N):
@@ -221,16 +275,19 @@ def _extend_kernel(
             mask_d[:, None] & mask_n[None, :],
             UPCAST,
         )
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        qk = scale_scores(qk, qk_scale, cap_in, cap_out, SOFTCAP)
         visible = (start + cols[None, :] <= rows[:, None]) & mask_n[None, :]
-        qk = tl.where(visible, qk, float("-inf"))
+        qk = _in_window(tl.where(visible, qk, float("-inf")), start + cols, rows, window, WINDOWED)
         v = _load(
             V_new + toks[:, None] * stride_vnt + kv_head * stride_vnh + dims[None, :],
             mask_n[:, None] & mask_d[None, :],
             UPCAST,
         )
-        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION)
+        acc, m_i, l_i = _softmax_step(acc, m_i, l_i, qk, v, DOT_PRECISION, WINDOWED)
 
+    if WINDOWED:  # a padding row may see no key
+        l_i = tl.where(l_i > 0, l_i, 1.0)
     o = acc / l_i[:, None]
     tl.store(
         O + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -252,6 +309,8 @@ def extend_attention(
     sm_scale: float,
     max_extend_len: int | None = None,
     config: ExtendConfig | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write attention of the new tokens over prefix + themselves (causal) into o; return o.
 
@@ -260,13 +319,16 @@ def extend_attention(
     kv_indptr int32/int64 ``[B + 1]``; kv_indices int32/int64. max_extend_len
     (the longest ``qo_indptr`` segment) sizes the grid; None reads it from
     qo_indptr (a device sync on CUDA). A smaller value leaves rows unwritten.
+    ``window``: each new token sees only its last ``window`` keys (no cached slot
+    before the first token's window is read); ``softcap``: scores soft-capped.
     """
     check_attention_tensors(q, o, k_buffer, v_buffer, {"k_new": k_new, "v_new": v_new})
     check_extend_index(q, qo_indptr, kv_indptr, kv_indices, k_buffer.shape[0], max_extend_len)
     check_sm_scale(sm_scale)
+    window_values = window_args(sm_scale, window, softcap)
     if q.shape[0] == 0 or qo_indptr.numel() <= 1:
         return o
-    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config)
+    meta = launch_meta(q.dtype, q.shape[1], k_buffer.shape[1], q.shape[2], config, window, softcap)
     _extend_kernel[extend_grid(q, qo_indptr, max_extend_len, meta["BLOCK_M"])](
         q,
         k_new,
@@ -278,6 +340,7 @@ def extend_attention(
         kv_indptr,
         kv_indices,
         log2_scale(sm_scale),
+        *window_values,
         *row_head_strides(q, k_new, v_new, o, k_buffer, v_buffer),
         **meta,
     )

@@ -3,6 +3,7 @@
 Sequence lengths include 1 (only the new token), lengths that are not
 multiples of BLOCK_N, and more splits than a short sequence has chunks (empty
 splits must merge as weight 0). The stage-1 workspace is poisoned with NaN too.
+Sliding windows shorter and longer than the sequences, with and without a soft cap.
 """
 
 from __future__ import annotations
@@ -45,6 +46,8 @@ def _run(
     index_dtype=torch.int64,
     q_view=False,
     workspace=True,
+    window=None,
+    softcap=None,
 ):
     kv = paged_kv(gen, lens, kv_heads, head_dim, dtype, index_dtype)
     batch = len(lens)
@@ -52,6 +55,8 @@ def _run(
         q = randn(gen, batch, heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]
     else:
         q = randn(gen, batch, heads, head_dim, dtype=dtype)
+    if softcap is not None:  # scores wide enough for the cap to bite
+        q = q * 4
     ws = None
     if workspace:
         ws = DecodeWorkspace(
@@ -61,9 +66,22 @@ def _run(
     o = poisoned(q.shape, dtype)
     scale = head_dim**-0.5
     decode_attention(
-        q, kv.k_buffer, kv.v_buffer, o, kv.indptr, kv.indices, scale, num_kv_splits, ws, config
+        q,
+        kv.k_buffer,
+        kv.v_buffer,
+        o,
+        kv.indptr,
+        kv.indices,
+        scale,
+        num_kv_splits,
+        ws,
+        config,
+        window,
+        softcap,
     )
-    ref = decode_attention_ref(q, kv.k_buffer, kv.v_buffer, kv.indptr, kv.indices, scale)
+    ref = decode_attention_ref(
+        q, kv.k_buffer, kv.v_buffer, kv.indptr, kv.indices, scale, window, softcap
+    )
     assert_matches(o, ref, seed)
 
 
@@ -123,6 +141,15 @@ def test_decode_block_config(request):
     )
 
 
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [5, 16, 40, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_windowed_decode_matches_reference(dtype, window, softcap, request):
+    """Each request's last ``window`` keys divided between 3 splits (some empty)."""
+    gen, seed = make_generator(request)
+    _run(gen, seed, SEQ_LENS, 4, 2, 32, dtype, 3, window=window, softcap=softcap)
+
+
 def test_choose_num_kv_splits():
     assert choose_num_kv_splits(1, 8, 32768, 132) == MAX_KV_SPLITS  # few programs, long sequences
     assert choose_num_kv_splits(256, 8, 32768, 132) == 1  # the batch fills the device
@@ -160,6 +187,8 @@ BAD_ARGS = [
     ("num_kv_splits_zero", "num_kv_splits", lambda a: 0, "num_kv_splits"),
     ("num_kv_splits_too_many", "num_kv_splits", lambda a: MAX_KV_SPLITS + 1, "num_kv_splits"),
     ("sm_scale_nan", "sm_scale", lambda a: float("nan"), "sm_scale"),
+    ("window_zero", "window", lambda a: 0, "window"),
+    ("softcap_negative", "softcap", lambda a: -1.0, "softcap"),
     (
         "workspace_splits",
         "workspace",

@@ -5,7 +5,8 @@ both kernels against the torch references; argument checks.
 The invariance tests compare with ``torch.equal``. Under the interpreter the float32
 arithmetic is numpy's, so equality there shows that the reduction order is canonical; on a
 GPU the same tests check the hardware's bits. ``SMALL`` puts split and chunk boundaries
-inside the short test sequences on either.
+inside the short test sequences on either. The same under sliding windows (shorter than a
+chunk, than a split, longer than both) and a soft cap.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def make_sequences(gen, lens, heads, kv_heads, head_dim, dtype) -> Sequences:
     return Sequences(k_buffer, v_buffer, slots, q)
 
 
-def decode(seqs: Sequences, tokens, max_seq_len=None, config=SMALL) -> torch.Tensor:
-    """[B, H, D]: token ``pos`` of sequence ``s`` over its keys 0..pos, for each (s, pos)."""
+def decode(seqs: Sequences, tokens, max_seq_len=None, config=SMALL, **window) -> torch.Tensor:
+    """[B, H, D]: token ``pos`` of sequence ``s`` over its keys 0..pos, for each (s, pos);
+    ``window``: the kernel's window and softcap."""
     q = torch.stack([seqs.q[s][pos] for s, pos in tokens])
     kv_indptr = indptr([pos + 1 for _, pos in tokens])
     kv_indices = torch.cat([seqs.slots[s][: pos + 1] for s, pos in tokens])
@@ -73,20 +75,41 @@ def decode(seqs: Sequences, tokens, max_seq_len=None, config=SMALL) -> torch.Ten
     )
     o = poisoned(q.shape, q.dtype)
     return deterministic_decode_attention(
-        q, seqs.k_buffer, seqs.v_buffer, o, kv_indptr, kv_indices, SCALE, max_seq_len, ws, config
+        q,
+        seqs.k_buffer,
+        seqs.v_buffer,
+        o,
+        kv_indptr,
+        kv_indices,
+        SCALE,
+        max_seq_len,
+        ws,
+        config,
+        **window,
     )
 
 
-def extend(seqs: Sequences, requests, config=SMALL) -> torch.Tensor:
+def extend(seqs: Sequences, requests, config=SMALL, **window) -> torch.Tensor:
     """[T, H, D]: tokens prefix..end-1 of sequence ``s`` (keys 0..end-1, the first ``prefix``
-    cached), for each (s, prefix, end), concatenated."""
+    cached), for each (s, prefix, end), concatenated; ``window``: the kernel's window and
+    softcap."""
     q = torch.cat([seqs.q[s][p:e] for s, p, e in requests])
     qo_indptr = indptr([e - p for _, p, e in requests])
     kv_indptr = indptr([e for _, _, e in requests])
     kv_indices = torch.cat([seqs.slots[s][:e] for s, _, e in requests])
     o = poisoned(q.shape, q.dtype)
     return deterministic_extend_attention(
-        q, o, seqs.k_buffer, seqs.v_buffer, qo_indptr, kv_indptr, kv_indices, SCALE, None, config
+        q,
+        o,
+        seqs.k_buffer,
+        seqs.v_buffer,
+        qo_indptr,
+        kv_indptr,
+        kv_indices,
+        SCALE,
+        None,
+        config,
+        **window,
     )
 
 
@@ -201,6 +224,58 @@ def test_default_config_matches_reference(request):
     assert_matches(o, ref, seed)
     ws = fixed_split_workspace(q, 50)
     assert ws.partial_o.shape[:3] == (2, 4, ws.partial_lse.shape[2])
+
+
+# (window, softcap): within a chunk, across chunks of a split, across splits
+WINDOWED = [(5, None), (20, 30.0), (40, 30.0)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("group", [1, 4])
+def test_windowed_extend_equals_decode_for_any_cache_hit(window, softcap, group, request):
+    """Under a window, tokens computed by an extend (any prefix cached, any chunk end: rows of
+    a tile whose windows start in different chunks and splits) have their decode's bits, and
+    the decodes of a batch theirs alone."""
+    gen, seed = make_generator(request)
+    length, kw = 70, dict(window=window, softcap=softcap)
+    seqs = make_sequences(gen, [length], 2 * group, 2, 32, torch.float32)
+    decoded = decode(seqs, [(0, pos) for pos in range(length)], **kw)
+    for pos in (0, 33, 69):
+        assert torch.equal(decode(seqs, [(0, pos)], max_seq_len=100, **kw)[0], decoded[pos])
+    for prefix, end in [(0, 70), (15, 47), (31, 32), (32, 70), (50, 69)]:
+        out = extend(seqs, [(0, prefix, end)], **kw)
+        for i in range(end - prefix):
+            assert torch.equal(out[i], decoded[prefix + i]), (
+                f"seed {seed}: token {prefix + i} of an extend after {prefix} cached keys"
+            )
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_windowed_kernels_match_references(dtype, window, softcap, request):
+    """Both kernels under a window and a soft cap against the torch references."""
+    gen, seed = make_generator(request)
+    lens, kw = [1, 40, 17, 75], dict(window=window, softcap=softcap)
+    seqs = make_sequences(gen, lens, 4, 2, 32, dtype)
+    seqs = seqs._replace(q=[q * 4 for q in seqs.q])  # scores wide enough for the cap to bite
+    tokens = [(s, n - 1) for s, n in enumerate(lens)]
+    q = torch.stack([seqs.q[s][pos] for s, pos in tokens])
+    index = (indptr(lens), torch.cat(seqs.slots))
+    ref = decode_attention_ref(q, seqs.k_buffer, seqs.v_buffer, *index, SCALE, **kw)
+    assert_matches(decode(seqs, tokens, **kw), ref, seed)
+    requests = [(0, 0, 1), (1, 9, 40), (2, 0, 17), (3, 50, 75)]
+    k_new = torch.cat([seqs.k_buffer[seqs.slots[s][p:e]] for s, p, e in requests])
+    v_new = torch.cat([seqs.v_buffer[seqs.slots[s][p:e]] for s, p, e in requests])
+    q = torch.cat([seqs.q[s][p:e] for s, p, e in requests])
+    prefix = (
+        indptr([p for _, p, _ in requests]),
+        torch.cat([seqs.slots[s][:p] for s, p, _ in requests]),
+    )
+    qo_indptr = indptr([e - p for _, p, e in requests])
+    ref = extend_attention_ref(
+        q, k_new, v_new, seqs.k_buffer, seqs.v_buffer, qo_indptr, *prefix, SCALE, **kw
+    )
+    assert_matches(extend(seqs, requests, **kw), ref, seed)
 
 
 def test_config_rejects_misplaced_boundaries():

@@ -2,7 +2,8 @@
 
 Each batch mixes: a request with no prefix, one with a 1-token suffix, lengths
 that are not multiples of the blocks (and span several of them), and, where
-asked, a request with no new tokens at all.
+asked, a request with no new tokens at all. Sliding windows shorter than the
+prefixes and the blocks, and longer than everything, with and without a soft cap.
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def _run(
     index_dtype=torch.int64,
     q_view=False,
     max_extend_len="auto",
+    window=None,
+    softcap=None,
 ):
     prefixes = [p for p, _ in requests]
     extends = [e for _, e in requests]
@@ -53,6 +56,8 @@ def _run(
         q = randn(gen, total, heads, head_dim, dtype=dtype)
         k_new = randn(gen, total, kv_heads, head_dim, dtype=dtype)
         v_new = randn(gen, total, kv_heads, head_dim, dtype=dtype)
+    if softcap is not None:  # scores wide enough for the cap to bite
+        q = q * 4
     qo_indptr = indptr(extends, index_dtype)
     scale = head_dim**-0.5
     o = poisoned(q.shape, dtype)
@@ -70,9 +75,21 @@ def _run(
         scale,
         longest,
         config,
+        window,
+        softcap,
     )
     ref = extend_attention_ref(
-        q, k_new, v_new, kv.k_buffer, kv.v_buffer, qo_indptr, kv.indptr, kv.indices, scale
+        q,
+        k_new,
+        v_new,
+        kv.k_buffer,
+        kv.v_buffer,
+        qo_indptr,
+        kv.indptr,
+        kv.indices,
+        scale,
+        window,
+        softcap,
     )
     assert_matches(o, ref, seed)
 
@@ -83,6 +100,16 @@ def _run(
 def test_extend_matches_reference(dtype, group, head_dim, request):
     gen, seed = make_generator(request)
     _run(gen, seed, RAGGED, 2 * group, 2, head_dim, dtype, SMALL_BLOCKS)
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [5, 16, 40, 1000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_windowed_extend_matches_reference(dtype, window, softcap, request):
+    """Rows of a block whose windows start in different chunks, before and inside the block's
+    diagonal, over prefixes longer than the window."""
+    gen, seed = make_generator(request)
+    _run(gen, seed, RAGGED, 4, 2, 32, dtype, SMALL_BLOCKS, window=window, softcap=softcap)
 
 
 @pytest.mark.parametrize("head_dim", [16, 32, 80, 256])
@@ -176,6 +203,8 @@ BAD_ARGS = [
         "kv_indices",
     ),
     ("sm_scale_negative", "sm_scale", lambda a: -1.0, "sm_scale"),
+    ("window_float", "window", lambda a: 4.0, "window"),
+    ("softcap_inf", "softcap", lambda a: float("inf"), "softcap"),
     ("max_extend_len_float", "max_extend_len", lambda a: 4.0, "max_extend_len"),
 ]
 VALUE_ARGS = [  # index values: checked only on CPU, where it costs no device sync

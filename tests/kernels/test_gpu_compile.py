@@ -77,7 +77,7 @@ def _build(fn, pointers: dict[str, str], meta: dict[str, object]):
         elif p.name in pointers:
             signature[p.name] = "*" + pointers[p.name]
             attrs[(i,)] = [["tt.divisibility", 16]]
-        elif p.name == "qk_scale":
+        elif p.name in ("qk_scale", "cap_in", "cap_out"):
             signature[p.name] = "fp32"
         else:
             signature[p.name] = "i32"
@@ -85,6 +85,11 @@ def _build(fn, pointers: dict[str, str], meta: dict[str, object]):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", SM90, 32), options=options)
+
+
+def _window(windowed: bool) -> tuple[int | None, float | None]:
+    """A layer's (window, softcap): both (a sliding window and a soft cap), or neither."""
+    return (4096, 50.0) if windowed else (None, None)
 
 
 def _spill_bytes(ptx: str) -> int:
@@ -115,24 +120,24 @@ def _spill_bytes(ptx: str) -> int:
     ],
     ids=str,
 )
-def test_extend_compiles_for_sm90(dtype, head_dim):
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "windowed"])
+def test_extend_compiles_for_sm90(dtype, head_dim, windowed):
     t = TYPE[dtype]
     pointers = {n: t for n in ("Q", "K_new", "V_new", "O", "K_buf", "V_buf")}
     pointers |= {n: "i64" for n in ("Qo_indptr", "Kv_indptr", "Kv_indices")}
-    shared, spills = _compile(
-        extend._extend_kernel, pointers, extend.launch_meta(dtype, 32, 8, head_dim)
-    )
+    meta = extend.launch_meta(dtype, 32, 8, head_dim, None, *_window(windowed))
+    shared, spills = _compile(extend._extend_kernel, pointers, meta)
     assert shared <= MAX_SHARED_BYTES
     if dtype != torch.float32:  # fp32 (three-pass TF32 dots) is a correctness path: spills allowed
         assert spills == 0
 
 
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "windowed"])
 @pytest.mark.parametrize("dtype,head_dim,group", DECODE_SHAPES, ids=str)
-def test_decode_compiles_for_sm90(dtype, head_dim, group):
+def test_decode_compiles_for_sm90(dtype, head_dim, group, windowed):
     t = TYPE[dtype]
-    shared, spills = _compile(
-        decode._decode_stage1, _split_pointers(t), decode.launch_meta(dtype, 8 * group, 8, head_dim)
-    )
+    meta = decode.launch_meta(dtype, 8 * group, 8, head_dim, None, *_window(windowed))
+    shared, spills = _compile(decode._decode_stage1, _split_pointers(t), meta)
     assert shared <= MAX_SHARED_BYTES
     assert spills == 0
     merge_meta = dict(NUM_SPLITS=8, HEAD_DIM=head_dim, BLOCK_S=8, BLOCK_D=head_dim, num_warps=4)
@@ -147,10 +152,11 @@ def test_decode_compiles_for_sm90(dtype, head_dim, group):
     DECODE_SHAPES + [(torch.bfloat16, 256, 32), (torch.float16, 128, 32), (torch.float32, 256, 8)],
     ids=str,
 )
-def test_deterministic_kernels_compile_for_sm90(dtype, head_dim, group):
+@pytest.mark.parametrize("windowed", [False, True], ids=["plain", "windowed"])
+def test_deterministic_kernels_compile_for_sm90(dtype, head_dim, group, windowed):
     """Decode's two stages and extend, with the one launch meta they share."""
     t = TYPE[dtype]
-    meta = fixed.launch_meta(dtype, 8 * group, 8, head_dim)
+    meta = fixed.launch_meta(dtype, 8 * group, 8, head_dim, None, *_window(windowed))
     assert meta["enable_fp_fusion"] is False
     merge = {"Partial_o": "fp32", "Partial_lse": "fp32", "Kv_indptr": "i64", "O": t}
     extend_ptrs = {n: t for n in ("Q", "O", "K_buf", "V_buf")}

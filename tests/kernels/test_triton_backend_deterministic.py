@@ -1,6 +1,7 @@
 """TritonAttentionBackend(deterministic=True) through ForwardBatch steps: a token's attention
 output has the same bits whether its request is prefilled in one extend, in chunks after a
-cached prefix, or decoded token by token, alone or beside other requests.
+cached prefix, or decoded token by token, alone or beside other requests; under a sliding
+window and a soft cap too.
 
 One layer; each token's q/k/v are fixed inputs, as a model's would be for the same tokens.
 The backend builds its own metadata from ``req_to_token`` and stores the K/V.
@@ -44,8 +45,9 @@ class Requests:
             pool.req_to_token[self.row[name], : len(slots)] = slots
         return TritonAttentionBackend(pool, deterministic=True)
 
-    def step(self, backend, mode, parts) -> dict[tuple[str, int], torch.Tensor]:
-        """One forward over (request, first token, end) parts → output [H, D] per token."""
+    def step(self, backend, mode, parts, **window) -> dict[tuple[str, int], torch.Tensor]:
+        """One forward over (request, first token, end) parts → output [H, D] per token;
+        ``window``: the layer's window and softcap."""
         q, k, v = (torch.cat([self.qkv[n][i][s:e] for n, s, e in parts]) for i in range(3))
         batch = ForwardBatch(
             mode=mode,
@@ -57,29 +59,31 @@ class Requests:
             extend_lens=[e - s for _, s, e in parts],
         )
         backend.init_forward_metadata(batch)
-        out = backend.forward(q, k, v, 0, batch, HEAD_DIM**-0.5)
+        out = backend.forward(q, k, v, 0, batch, HEAD_DIM**-0.5, **window)
         tokens = [(n, t) for n, s, e in parts for t in range(s, e)]
         return dict(zip(tokens, out))
 
 
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, 30.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_prefill_chunks_and_decode_give_the_same_bits(dtype, request):
+def test_prefill_chunks_and_decode_give_the_same_bits(dtype, window, softcap, request):
     gen, seed = make_generator(request)
     reqs = Requests(gen, dtype)
     extend, decode = ForwardMode.EXTEND, ForwardMode.DECODE
+    kw = dict(window=window, softcap=softcap)
 
     whole = reqs.backend()  # each request prefilled alone, in one extend
     want = {}
     for name, n in LENS.items():
-        want |= reqs.step(whole, extend, [(name, 0, n)])
+        want |= reqs.step(whole, extend, [(name, 0, n)], **kw)
 
     chunked = reqs.backend()  # "a" in chunks beside others; "c" prefilled, then decoded
-    got = reqs.step(chunked, extend, [("b", 0, 17), ("a", 0, 33), ("c", 0, 5)])
-    got |= reqs.step(chunked, extend, [("a", 33, 40), ("b", 17, 40)])
-    got |= reqs.step(chunked, extend, [("a", 40, 70)])
+    got = reqs.step(chunked, extend, [("b", 0, 17), ("a", 0, 33), ("c", 0, 5)], **kw)
+    got |= reqs.step(chunked, extend, [("a", 33, 40), ("b", 17, 40)], **kw)
+    got |= reqs.step(chunked, extend, [("a", 40, 70)], **kw)
     for pos in range(70, 75):
         parts = [("a", pos, pos + 1)] + ([("c", pos - 65, pos - 64)] if pos < 74 else [])
-        got |= reqs.step(chunked, decode, parts)
+        got |= reqs.step(chunked, decode, parts, **kw)
 
     assert set(got) == set(want)
     differ = [t for t in want if not torch.equal(got[t], want[t])]

@@ -3,7 +3,9 @@ query token's output has the same bits alone (its request decoded by itself) as 
 batch around it (groups sharing a prefix of any length with it or among themselves, a split
 asked for), and as the j-th new token of an extend after any number of cached keys, in a batch
 of extends. float32 and bf16 on each bf16 path: AMX where the native build has it, and a build
-without AMX for AVX512-BF16 dot products and float32 FMA. Bits compared with torch.equal."""
+without AMX for AVX512-BF16 dot products and float32 FMA. Bits compared with torch.equal. The
+same under a sliding window (and a soft cap): a token alone, in any decode batch, in an extend
+chunked any way, and with its window's dropped slots full of NaN."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from radixrt.attention.cpu_backend import (
 from radixrt.cache.kv_pool import KVPool
 from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import attention as cpu_attention
+from radixrt_kernels.cpu import capture as cpu_capture
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import library as cpu_library
 
@@ -85,8 +88,11 @@ def _table(reqs: list[list[int]]) -> torch.Tensor:
     return table
 
 
-def decode(lib, w: World, reqs, dots: bool, exact: bool = True, split_from: int = 0):
-    """reqs: per request (its slots, its token's q [H, D]) → (out [B, H, D], segments)."""
+def decode(
+    lib, w: World, reqs, dots: bool, exact: bool = True, split_from: int = 0, **window
+) -> tuple[torch.Tensor, cpu_attention.Segments]:
+    """reqs: per request (its slots, its token's q [H, D]) → (out [B, H, D], segments);
+    ``window``: the call's window and softcap."""
     lens = [len(s) for s, _ in reqs]
     seg = cpu_attention.decode_segments(
         lib,
@@ -99,12 +105,13 @@ def decode(lib, w: World, reqs, dots: bool, exact: bool = True, split_from: int 
         exact=exact,
     )
     q = torch.stack([q for _, q in reqs])
-    return cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots), seg
+    out = cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots, **window)
+    return out, seg
 
 
-def extend(lib, w: World, reqs, dots: bool) -> torch.Tensor:
+def extend(lib, w: World, reqs, dots: bool, **window) -> torch.Tensor:
     """reqs: per request (its slots, q [n, H, D] of its last n tokens, the new ones) → out
-    [sum n, H, D]."""
+    [sum n, H, D]; ``window``: the call's window and softcap."""
     seg = extend_segments(
         _table([s for s, _ in reqs]),
         torch.arange(len(reqs)),
@@ -113,7 +120,7 @@ def extend(lib, w: World, reqs, dots: bool) -> torch.Tensor:
         exact=True,
     )
     q = torch.cat([q for _, q in reqs])
-    return cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots)
+    return cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots, **window)
 
 
 def batch_around(w: World, target: list[int], b: int) -> tuple[list[list[int]], int]:
@@ -300,3 +307,138 @@ def test_the_backend_builds_exact_segments() -> None:
         k, v = w.k_buf[loc], w.v_buf[loc]  # the K/V the slots hold already
         outs.append(backend.forward(q[10 - n :], k, v, 0, batch, SCALING))
     assert torch.equal(outs[0][-1], outs[1][0])
+
+
+# (window, softcap): windows shorter than most sequences, one not a multiple of a block, one
+# longer than a block step; a soft cap with each
+WINDOWED = [(5, None), (16, 30.0), (33, None), (100, 30.0)]
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("dtype,dots", PATHS)
+def test_a_windowed_decode_token_has_the_same_bits_in_any_batch(
+    lib, dtype, dots, window, softcap
+) -> None:
+    """As test_a_decode_token_has_the_same_bits_in_any_batch, under a window: the token alone,
+    then among others that share a prefix with it or not (its window may start in the shared
+    prefix or in its tail; a group's rows have windows of their own)."""
+    w = World(dtype, seed=21)
+    kw = dict(window=window, softcap=softcap)
+    continued = 0
+    for b in range(1, 41, 3):
+        target = w.slots(w.randint(1, 400))
+        q = w.q() * 4
+        want, _ = decode(lib, w, [(target, q)], dots, **kw)
+        reqs, at = batch_around(w, target, b)
+        qs = [q if i == at else w.q() * 4 for i in range(b)]
+        got, seg = decode(lib, w, list(zip(reqs, qs)), dots, split_from=1, **kw)
+        assert torch.equal(got[at], want[0]), f"batch of {b}, target at {at}"
+        continued += int(seg.num_parts[at]) == 2
+    assert continued >= 3
+
+
+def _chunks(w: World, n: int) -> list[int]:
+    """n split into random chunks."""
+    sizes = []
+    while n:
+        sizes.append(w.randint(1, n))
+        n -= sizes[-1]
+    return sizes
+
+
+@pytest.mark.parametrize("window,softcap", WINDOWED)
+@pytest.mark.parametrize("dtype,dots", PATHS)
+def test_a_windowed_extend_token_has_its_decode_bits_however_chunked(
+    lib, dtype, dots, window, softcap
+) -> None:
+    """Token j of n new ones after c cached keys, under a window: in a batch of extends, in an
+    extend chunked another way (each chunk after the ones before it, cached), and decoded
+    alone, the same bits."""
+    w = World(dtype, seed=23)
+    kw = dict(window=window, softcap=softcap)
+    shapes = [(0, 70), (1, 5), (63, 2), (64, 37), (130, 20), (200, 64)]
+    shapes += [(w.randint(0, 300), w.randint(1, 70)) for _ in range(3)]
+    reqs = [(w.slots(c + n), w.q(n) * 4) for c, n in shapes]
+    got = extend(lib, w, reqs, dots, **kw)
+    row = 0
+    for (c, n), (slots, q) in zip(shapes, reqs):
+        done, chunked = c, []
+        for size in _chunks(w, n):
+            chunked.append(
+                extend(lib, w, [(slots[: done + size], q[done - c :][:size])], dots, **kw)
+            )
+            done += size
+        assert torch.equal(torch.cat(chunked), got[row : row + n]), f"{c} cached, {n} new"
+        for j in (0, n // 2, n - 1):
+            alone, _ = decode(lib, w, [(slots[: c + j + 1], q[j])], dots, **kw)
+            assert torch.equal(got[row + j], alone[0]), f"{c} cached, token {j} of {n}"
+        row += n
+
+
+@pytest.mark.parametrize("dtype,dots", PATHS)
+def test_a_windowed_mixed_step_ignores_dropped_slots(lib, dtype, dots) -> None:
+    """A mixed step under a window of 40 with NaN in every slot no token's window holds:
+    finite, and each decode row's bits are its decode alone (on slots that hold values)."""
+    w = World(dtype, seed=25)
+    kw = dict(window=40, softcap=30.0)
+    target = w.slots(300)
+    decodes, _ = batch_around(w, target, 12)
+    decodes = [(slots, w.q()) for slots in decodes]
+    extends = [(w.slots(c + n), w.q(n)) for c, n in ((0, 33), (200, 7), (64, 1))]
+    want = [decode(lib, w, [one], dots, **kw)[0][0] for one in decodes]
+    seen = {s for slots, _ in decodes for s in slots[-40:]}
+    seen |= {s for slots, q in extends for s in slots[max(0, len(slots) - q.shape[0] - 39) :]}
+    dropped = torch.tensor(sorted({s for slots, _ in decodes + extends for s in slots} - seen))
+    w.k_buf[dropped] = float("nan")
+    w.v_buf[dropped] = float("nan")
+    seg = cpu_attention.concat_segments(
+        decode(lib, w, decodes, dots)[1],
+        extend_segments(
+            _table([s for s, _ in extends]),
+            torch.arange(len(extends)),
+            [len(s) for s, _ in extends],
+            [q.shape[0] for _, q in extends],
+            exact=True,
+        ),
+    )
+    q = torch.cat([torch.stack([q for _, q in decodes]), *[q for _, q in extends]])
+    got = cpu_attention.attention(lib, q, w.k_buf, w.v_buf, seg, SCALING, bf16_dots=dots, **kw)
+    assert torch.isfinite(got).all() and seg.two_parts
+    for i in range(len(decodes)):
+        assert torch.equal(got[i], want[i]), f"decode row {i}"
+
+
+def test_a_windowed_chain_step_gives_the_calls_bits() -> None:
+    """A decode chain's attention step carries the window and the soft cap."""
+    lib = cpu_library.load(cache_dir())
+    w = World(torch.bfloat16, seed=26)
+    shared = w.slots(200)
+    reqs = [(shared + w.slots(w.randint(1, 30)), w.q()) for _ in range(5)] + [(w.slots(90), w.q())]
+    want, seg = decode(lib, w, reqs, True, window=33, softcap=30.0)
+    plain, _ = decode(lib, w, reqs, True)
+    assert not torch.equal(want, plain)
+    q = torch.stack([q for _, q in reqs])
+    out = torch.empty_like(q)
+    call = cpu_attention.AttentionCall(lib, q, w.k_buf, seg, SCALING, None, True, out, 33, 30.0)
+    chain = cpu_chain.Chain(lib)
+    chain.attention(torch.tensor(call.fields, dtype=torch.int64), w.k_buf, w.v_buf)
+    chain.run()
+    assert torch.equal(out, want)
+
+
+def test_a_captured_windowed_attention_replays_with_its_window() -> None:
+    """A capture records the call's window and soft cap, and its replay runs them."""
+    lib = cpu_library.load(cache_dir())
+    w = World(torch.bfloat16, seed=27)
+    reqs = [(w.slots(w.randint(50, 200)), w.q()) for _ in range(4)]
+    want, seg = decode(lib, w, reqs, True, window=16, softcap=30.0)
+    q = torch.stack([q for _, q in reqs])
+    slots = torch.tensor([s[-1] for s, _ in reqs])
+    new_kv = (w.k_buf[slots].clone(), w.v_buf[slots].clone(), slots)
+    with cpu_capture.capture() as recorder:
+        out = cpu_attention.attention(
+            lib, q, w.k_buf, w.v_buf, None, SCALING, new_kv, True, window=16, softcap=30.0
+        )
+    plan = cpu_chain.replay(lib, recorder, (out,))
+    plan.run(seg, slots)
+    assert torch.equal(plan.outputs[0], want)

@@ -1,7 +1,10 @@
 """The C attention kernel (radixrt_kernels.cpu.attention) through the cpu backend, against a
 float64 per-request reference. Decode: shared prefixes read once per group, private tails,
 requests in no group, row blocks over 32 rows. Extend: causal segments over cached prefixes and
-new tokens, with row blocks that end inside a key block. GQA ratios, head dims, fp32 and bf16."""
+new tokens, with row blocks that end inside a key block. GQA ratios, head dims, fp32 and bf16.
+Sliding windows (shorter than the cached prefixes, longer than the sequences) and logit
+soft-capping on every path, and a window's dropped slots never read (NaN there changes
+nothing)."""
 
 from __future__ import annotations
 
@@ -58,13 +61,45 @@ def _backend(pool: KVPool, use_kernel: bool | None, dots: bool | None = None):
     return CpuAttentionBackend(pool, bf16_dots=dots) if use_kernel else TorchAttentionBackend(pool)
 
 
+def _reference(
+    pool: KVPool,
+    row: int,
+    n: int,
+    q: torch.Tensor,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Float64 attention of q [e, H, D], the last e tokens of request ``row`` (of n keys),
+    causal, within ``window`` keys of each token, scores soft-capped at ``softcap`` → [e, H, D].
+    Reads the pool after the forward stored the new K/V."""
+    d, e, g = pool.head_dim, q.shape[0], q.shape[1] // pool.kv_heads
+    slots = pool.req_to_token[row, :n]
+    kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
+    vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
+    s = (q.double().transpose(0, 1) @ kk.transpose(1, 2)) * d**-0.5  # [H, e, L]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    keys, pos = torch.arange(n)[None, :], torch.arange(n - e, n)[:, None]
+    seen = (keys <= pos) & (keys > pos - (window or n))
+    return (s.masked_fill(~seen, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+
+
 def _decode(
-    pool: KVPool, seq_lens: list[int], h: int, use_kernel: bool, dots: bool | None = None
+    pool: KVPool,
+    seq_lens: list[int],
+    h: int,
+    use_kernel: bool,
+    dots: bool | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_scale: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
+    """One decode step (``window``, ``softcap``: the layer's; ``q_scale``: q's spread) → (out,
+    the float64 reference, the step's attention metadata)."""
     b, d = len(seq_lens), pool.head_dim
     rows = torch.arange(b)
     out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
-    q = torch.randn(b, h, d, dtype=pool.dtype)
+    q = (torch.randn(b, h, d) * q_scale).to(pool.dtype)
     k, v = (torch.randn(b, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
     batch = ForwardBatch(
         ForwardMode.DECODE,
@@ -77,16 +112,9 @@ def _decode(
     )
     backend = _backend(pool, use_kernel, dots)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, d**-0.5)
-    ref = []
-    g = h // pool.kv_heads
-    for i, n in enumerate(seq_lens):  # after forward: the new K/V is in the pool
-        slots = pool.req_to_token[i, :n]
-        kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
-        vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
-        s = (q[i].double()[:, None, :] @ kk.transpose(1, 2)) * d**-0.5  # [H, 1, L]
-        ref.append((s.softmax(-1) @ vv)[:, 0])
-    return out, torch.stack(ref), batch.attn_metadata
+    out = backend.forward(q, k, v, 0, batch, d**-0.5, window, softcap)
+    ref = [_reference(pool, i, n, q[i : i + 1], window, softcap) for i, n in enumerate(seq_lens)]
+    return out, torch.cat(ref), batch.attn_metadata
 
 
 def _extend(
@@ -96,14 +124,18 @@ def _extend(
     h: int,
     use_kernel: bool,
     dots: bool | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    q_scale: float = 1.0,
 ) -> tuple[torch.Tensor, ...]:
-    """Each request's last ext_lens tokens are new; the rest is its cached prefix."""
+    """Each request's last ext_lens tokens are new; the rest is its cached prefix (the other
+    arguments: as ``_decode``'s)."""
     d, t = pool.head_dim, sum(ext_lens)
     rows = torch.arange(len(seq_lens))
     out_loc = torch.cat(
         [pool.req_to_token[i, n - e : n] for i, (n, e) in enumerate(zip(seq_lens, ext_lens))]
     )
-    q = torch.randn(t, h, d, dtype=pool.dtype)
+    q = (torch.randn(t, h, d) * q_scale).to(pool.dtype)
     k, v = (torch.randn(t, pool.kv_heads, d, dtype=pool.dtype) for _ in range(2))
     batch = ForwardBatch(
         ForwardMode.EXTEND,
@@ -116,18 +148,12 @@ def _extend(
     )
     backend = _backend(pool, use_kernel, dots)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, d**-0.5)
-    ref, pos, g = [], 0, h // pool.kv_heads
-    for i, (n, e) in enumerate(
-        zip(seq_lens, ext_lens)
-    ):  # after forward: the new K/V is in the pool
-        slots = pool.req_to_token[i, :n]
-        kk = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
-        vv = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
-        s = (q[pos : pos + e].double().transpose(0, 1) @ kk.transpose(1, 2)) * d**-0.5  # [H, e, L]
-        s.masked_fill_(torch.arange(n)[None, :] > torch.arange(n - e, n)[:, None], float("-inf"))
-        ref.append((s.softmax(-1) @ vv).transpose(0, 1))  # [e, H, D]
-        pos += e
+    out = backend.forward(q, k, v, 0, batch, d**-0.5, window, softcap)
+    starts = [0, *torch.tensor(ext_lens).cumsum(0).tolist()]
+    ref = [
+        _reference(pool, i, n, q[starts[i] : starts[i + 1]], window, softcap)
+        for i, n in enumerate(seq_lens)
+    ]
     return out, torch.cat(ref), batch.attn_metadata
 
 
@@ -356,6 +382,150 @@ def test_kernel_reads_q_k_v_as_views_of_a_fused_qkv(dtype: torch.dtype) -> None:
         assert torch.equal(got, want)
 
 
+# Sliding windows: shorter than every cached prefix (and than the 40-key shared prefixes), and
+# longer than every sequence; soft caps: none and 30 (q drawn 8 times wider, so it bites).
+WINDOWS = [None, 5, 16, 33, 1000]
+SOFTCAPS = [None, 30.0]
+LONG = [(300, None), (57, 0), (45, 1), (41, 0), (90, 1), (73, 0), (41, 1)]  # decode, with groups
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
+def test_windowed_decode_matches_reference(dtype, tol, dots, window, softcap) -> None:
+    """Decode rows in groups sharing a prefix (AMX takes a group's rows in bf16 here) and alone,
+    under a window and a soft cap: the reference's results."""
+    pool = _pool(2, 64, LONG, dtype)
+    out, ref, meta = _decode(pool, [s for s, _ in LONG], 6, True, dots, window, softcap, 8.0)
+    assert meta.two_parts  # shared prefixes: a window starts in a prefix or in a tail
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("softcap", SOFTCAPS)
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
+def test_windowed_extend_matches_reference(dtype, tol, dots, window, softcap) -> None:
+    """Extends after cached prefixes longer than the window, in row blocks (32 rows; 64 with
+    AMX) whose rows' windows start in different key blocks."""
+    pool = _pool(3, 64, EXTEND, dtype)
+    seq_lens = [s for s, _ in EXTEND]
+    out, ref, _ = _extend(pool, seq_lens, EXTEND_LENS, 9, True, dots, window, softcap, 8.0)
+    torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+
+
+def test_the_window_and_the_soft_cap_change_the_reference() -> None:
+    """The cases above can fail: the reference with a window or a soft cap is not without."""
+    pool = _pool(2, 64, LONG, torch.float32)
+    lens = [s for s, _ in LONG]
+    runs = {}
+    for window, softcap in ((None, None), (16, None), (None, 30.0)):
+        torch.manual_seed(5)
+        runs[window, softcap] = _decode(pool, lens, 6, True, None, window, softcap, 8.0)[1]
+    base = runs[None, None]
+    assert (runs[16, None] - base).abs().max() > 0.1
+    assert (runs[None, 30.0] - base).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("window", [16, 200])
+@pytest.mark.parametrize("dtype,tol,dots", PATHS)
+def test_a_windowed_lone_request_split_between_the_threads(dtype, tol, dots, window) -> None:
+    """A lone long request's keys in two halves (two parts, merged): a window inside the second
+    half leaves the first without a visible key; a longer one spans both."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        n = SPLIT_MIN_KEYS + 45
+        pool = _pool(2, 64, [(n, None)], dtype)
+        out, ref, meta = _decode(pool, [n], 6, True, dots, window, 30.0, 8.0)
+        assert meta.num_parts.tolist() == [2] and meta.key_start.tolist() == [0, n // 2]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _dropped_slots(pool: KVPool, seq_lens: list[int], ext_lens: list[int], window: int) -> list:
+    """The slots of the batch's requests that no token of the step sees under the window (a
+    slot shared by several requests only where none sees it)."""
+    seen, held = set(), set()
+    for row, (n, e) in enumerate(zip(seq_lens, ext_lens)):
+        slots = pool.req_to_token[row, :n].tolist()
+        held.update(slots)
+        seen.update(slots[max(0, n - e + 1 - window) :])
+    return sorted(held - seen)
+
+
+def _step(backend, pool, seq_lens, ext_lens, q, kv, window):
+    """One step (extend, or decode when every extend_len is 1) with the given q and new k, v."""
+    rows = torch.arange(len(seq_lens))
+    mode = ForwardMode.DECODE if set(ext_lens) == {1} else ForwardMode.EXTEND
+    out_loc = torch.cat(
+        [pool.req_to_token[i, n - e : n] for i, (n, e) in enumerate(zip(seq_lens, ext_lens))]
+    )
+    t = out_loc.numel()
+    zeros = torch.zeros(t, dtype=torch.int64)
+    batch = ForwardBatch(mode, zeros, zeros, out_loc, rows, seq_lens, ext_lens)
+    backend.init_forward_metadata(batch)
+    return backend.forward(q, *kv, 0, batch, 0.125, window, 30.0)
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize(
+    "dtype,dots", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)]
+)
+def test_a_windows_dropped_slots_are_never_read(dtype, dots, exact) -> None:
+    """NaN in the K/V of every slot outside the step's windows (as a sliding-window cache may
+    leave a dropped slot: reused, or garbage) leaves every output finite and its bits as they
+    were: decode with shared prefixes, extends after long cached prefixes."""
+    window = 16
+    for spec, ext_lens in ((LONG, [1] * len(LONG)), (EXTEND, EXTEND_LENS)):
+        pool = _pool(3, 64, spec, dtype)
+        seq_lens = [s for s, _ in spec]
+        backend = CpuAttentionBackend(pool, num_heads=9, bf16_dots=dots, exact=exact)
+        torch.manual_seed(6)
+        t = sum(ext_lens)
+        q = torch.randn(t, 9, 64).to(dtype)
+        kv = [torch.randn(t, 3, 64).to(dtype) for _ in range(2)]
+        want = _step(backend, pool, seq_lens, ext_lens, q, kv, window)
+        dropped = torch.tensor(_dropped_slots(pool, seq_lens, ext_lens, window))
+        assert dropped.numel() > 30
+        pool.k_buffers[0][dropped] = float("nan")
+        pool.v_buffers[0][dropped] = float("nan")
+        got = _step(backend, pool, seq_lens, ext_lens, q, kv, window)
+        assert torch.isfinite(got).all()
+        assert torch.equal(got, want)
+
+
+def test_a_windowed_layers_cost_follows_the_window() -> None:
+    """A decode over 32768 keys with a window of 128 reads 128 keys, not the sequence: it
+    takes a fraction of the whole sequence's time (best of 5 each)."""
+    import time
+
+    n = 32768
+    pool = KVPool(n + 8, 1, 2, 64, torch.bfloat16, 1, n)
+    pool.req_to_token[0, :n] = torch.randperm(n) + 1
+    backend = CpuAttentionBackend(pool, num_heads=6)
+    q, k, v = torch.randn(1, 6, 64).bfloat16(), *torch.randn(2, 1, 2, 64).bfloat16()
+    loc = pool.req_to_token[0, n - 1 : n]
+    batch = ForwardBatch(ForwardMode.DECODE, loc * 0, loc, loc, torch.zeros(1).long(), [n], [1])
+    backend.init_forward_metadata(batch)
+    best = {}
+    for window in (None, 128):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            backend.forward(q, k, v, 0, batch, 0.125, window)
+            times.append(time.perf_counter() - t0)
+        best[window] = min(times)
+    assert best[128] < best[None] / 4, best
+
+
+def test_window_and_softcap_arguments_are_checked() -> None:
+    pool = _pool(2, 64, SPEC, torch.float32)
+    for window, softcap in ((0, None), (-3, None), (2.5, None), (None, 0.0), (None, float("inf"))):
+        with pytest.raises(ValueError, match="attention: a (sliding window|soft cap)"):
+            _decode(pool, [s for s, _ in SPEC], 6, True, None, window, softcap)
+
+
 def _shared_groups(
     rows: torch.Tensor, lens: torch.Tensor
 ) -> tuple[list[torch.Tensor], torch.Tensor]:
@@ -427,6 +597,10 @@ def test_decode_segments_group_as_specified(seed: int) -> None:
     ]
     assert got == want
     assert seg.num_parts.tolist() == num_parts and seg.two_parts == (2 in num_parts)
+    assert seg.key_start.tolist() == [  # a tail starts where its group's prefix ends
+        0 if part == 0 else seq_lens[members[0]] - len(slots) for slots, members, part in want
+    ]
+    assert seg.position.tolist() == [n - 1 for n in seq_lens]
     assert any(part == 0 and {0, 1, 2} <= set(members) for _, members, part in got)
 
 

@@ -1,6 +1,7 @@
 """The reference backend (TorchAttentionBackend: gather + SDPA) vs a naive float64 per-request
 reference: decode and extend, over shared and private prefixes, GQA ratios 1 and 3, float32 and
-bf16. The C kernel's backend has its own tests (test_cpu_attention_kernel.py)."""
+bf16, with and without a sliding window and a logit soft cap (and NaN in the slots a window
+dropped). The C kernel's backend has its own tests (test_cpu_attention_kernel.py)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,27 @@ SCALE = D**-0.5
 PREFIX = 40  # length of every shared prefix
 
 
-def _reference(q: torch.Tensor, pool: KVPool, row: int, seq_len: int) -> torch.Tensor:
-    """q [n, H, D]: the request's last n tokens → [n, H, D] float64, causal."""
+def _reference(
+    q: torch.Tensor,
+    pool: KVPool,
+    row: int,
+    seq_len: int,
+    window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """q [n, H, D]: the request's last n tokens → [n, H, D] float64, causal, each token within
+    ``window`` keys of itself, scores soft-capped at ``softcap``."""
     slots = pool.req_to_token[row, :seq_len]
     g = q.shape[1] // pool.kv_heads
     k = pool.k_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)  # [H, L, D]
     v = pool.v_buffers[0][slots].double().repeat_interleave(g, 1).transpose(0, 1)
     s = q.double().transpose(0, 1) @ k.transpose(1, 2) * SCALE  # [H, n, L]
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     n = q.shape[0]
-    causal = torch.arange(seq_len)[None, :] <= torch.arange(n)[:, None] + seq_len - n
-    return (s.masked_fill(~causal, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+    keys, pos = torch.arange(seq_len)[None, :], torch.arange(n)[:, None] + seq_len - n
+    seen = (keys <= pos) & (keys > pos - (window or seq_len))
+    return (s.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(0, 1)
 
 
 def _setup(
@@ -57,10 +69,19 @@ def _setup(
     return pool, torch.arange(len(spec))
 
 
-def _run_decode(pool: KVPool, rows: torch.Tensor, seq_lens: list[int], h: int, tol: float = 1e-5):
+def _run_decode(
+    pool: KVPool,
+    rows: torch.Tensor,
+    seq_lens: list[int],
+    h: int,
+    tol: float = 1e-5,
+    window: int | None = None,
+    softcap: float | None = None,
+):
+    """One decode step against the reference (q drawn 4 times wider under a soft cap)."""
     b, dtype = len(seq_lens), pool.dtype
     out_loc = pool.req_to_token[rows, torch.tensor(seq_lens) - 1]
-    q = torch.randn(b, h, D, dtype=dtype)
+    q = (torch.randn(b, h, D) * (4 if softcap else 1)).to(dtype)
     k, v = (torch.randn(b, pool.kv_heads, D, dtype=dtype) for _ in range(2))
     batch = ForwardBatch(
         ForwardMode.DECODE,
@@ -73,9 +94,12 @@ def _run_decode(pool: KVPool, rows: torch.Tensor, seq_lens: list[int], h: int, t
     )
     backend = TorchAttentionBackend(pool)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, SCALE)
+    out = backend.forward(q, k, v, 0, batch, SCALE, window, softcap)
     ref = torch.cat(
-        [_reference(q[i : i + 1], pool, int(rows[i]), s) for i, s in enumerate(seq_lens)]
+        [
+            _reference(q[i : i + 1], pool, int(rows[i]), s, window, softcap)
+            for i, s in enumerate(seq_lens)
+        ]
     )
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
@@ -93,8 +117,15 @@ def test_decode_matches_reference(kh: int, h: int, dtype: torch.dtype, tol: floa
 
 
 def _run_extend(
-    pool: KVPool, seq_lens: list[int], extend_lens: list[int], h: int, tol: float = 1e-5
+    pool: KVPool,
+    seq_lens: list[int],
+    extend_lens: list[int],
+    h: int,
+    tol: float = 1e-5,
+    window: int | None = None,
+    softcap: float | None = None,
 ):
+    """One extend step against the reference (q drawn 4 times wider under a soft cap)."""
     rows = torch.arange(len(seq_lens))
     out_loc = torch.cat(
         [
@@ -103,7 +134,7 @@ def _run_extend(
         ]
     )
     t, dtype = len(out_loc), pool.dtype
-    q = torch.randn(t, h, D, dtype=dtype)
+    q = (torch.randn(t, h, D) * (4 if softcap else 1)).to(dtype)
     k, v = (torch.randn(t, pool.kv_heads, D, dtype=dtype) for _ in range(2))
     batch = ForwardBatch(
         ForwardMode.EXTEND,
@@ -116,11 +147,11 @@ def _run_extend(
     )
     backend = TorchAttentionBackend(pool)
     backend.init_forward_metadata(batch)
-    out = backend.forward(q, k, v, 0, batch, SCALE)
+    out = backend.forward(q, k, v, 0, batch, SCALE, window, softcap)
     starts = torch.tensor([0] + extend_lens).cumsum(0).tolist()
     ref = torch.cat(
         [
-            _reference(q[s : s + e], pool, r, n)
+            _reference(q[s : s + e], pool, r, n, window, softcap)
             for s, e, r, n in zip(starts, extend_lens, range(len(seq_lens)), seq_lens)
         ]
     )
@@ -149,6 +180,51 @@ def test_extend_over_shared_and_private_prefixes(dtype: torch.dtype, tol: float)
     ]
     pool, _ = _setup(2, spec, dtype, consecutive=(1,))
     _run_extend(pool, [s for s, _ in spec], [5, 5, 5, 5, 12, 1], 6, tol)
+
+
+DECODE_SPEC = [(57, 0), (45, 1), (33, None), (41, 0), (90, 1), (50, 2), (73, 0), (1, None)]
+EXTEND_SPEC = [(PREFIX + 5, 0), (PREFIX + 30, 0), (PREFIX + 8, 1), (12, None), (PREFIX + 1, 0)]
+EXTEND_LENS = [5, 25, 8, 12, 1]
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("window", [None, 5, 16, 33, 1000])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_windowed_steps_match_reference(dtype, tol, window, softcap) -> None:
+    """Decode and extend under windows shorter than the cached prefixes and longer than the
+    sequences, with and without a soft cap."""
+    pool, rows = _setup(2, DECODE_SPEC, dtype)
+    _run_decode(pool, rows, [s for s, _ in DECODE_SPEC], 6, tol, window, softcap)
+    pool, _ = _setup(2, EXTEND_SPEC, dtype)
+    _run_extend(pool, [s for s, _ in EXTEND_SPEC], EXTEND_LENS, 6, tol, window, softcap)
+
+
+def test_a_windows_dropped_slots_do_not_reach_the_output() -> None:
+    """NaN in the K/V of every slot no token of the step sees under its window: the outputs
+    are finite and as they were."""
+    pool, rows = _setup(2, EXTEND_SPEC)
+    seq_lens = [s for s, _ in EXTEND_SPEC]
+    out_loc = torch.cat(
+        [pool.req_to_token[r, s - e : s] for r, (s, e) in enumerate(zip(seq_lens, EXTEND_LENS))]
+    )
+    t = out_loc.numel()
+    q, k, v = torch.randn(t, 6, D), torch.randn(t, 2, D), torch.randn(t, 2, D)
+    zeros = torch.zeros(t, dtype=torch.int64)
+    batch = ForwardBatch(ForwardMode.EXTEND, zeros, zeros, out_loc, rows, seq_lens, EXTEND_LENS)
+    backend = TorchAttentionBackend(pool)
+    backend.init_forward_metadata(batch)
+    want = backend.forward(q, k, v, 0, batch, SCALE, 6, 30.0)
+    seen, held = set(), set()
+    for r, (n, e) in enumerate(zip(seq_lens, EXTEND_LENS)):
+        slots = pool.req_to_token[r, :n].tolist()
+        held.update(slots)
+        seen.update(slots[max(0, n - e - 5) :])
+    dropped = torch.tensor(sorted(held - seen))
+    assert dropped.numel() > 20
+    pool.k_buffers[0][dropped] = float("nan")
+    pool.v_buffers[0][dropped] = float("nan")
+    got = backend.forward(q, k, v, 0, batch, SCALE, 6, 30.0)
+    assert torch.isfinite(got).all() and torch.equal(got, want)
 
 
 def test_attention_op_needs_a_forward_context():
