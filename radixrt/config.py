@@ -99,6 +99,14 @@ class EngineConfig:
     disable_radix_cache: bool = setting(
         False, "turn the prefix cache off: every prompt is prefilled in full"
     )
+    disable_hybrid_swa_memory: bool = setting(
+        False,
+        "keep every token's KV in sliding-window layers too (by default they hold only the "
+        "window's, in a pool of their own)",
+    )
+    swa_full_tokens_ratio: float = setting(
+        0.8, "the sliding-window layers' KV slots as a fraction of the full layers'"
+    )
     chunked_prefill_size: int | None = setting(
         None, "tokens per prefill chunk of a long prompt", unset="no chunking"
     )
@@ -229,6 +237,9 @@ class EngineConfig:
             raise ValueError(f"hicache_size must be >= 0 GB, got {self.hicache_size!r}")
         if self.hicache_storage_dir is not None and not self.enable_hierarchical_cache:
             raise ValueError("hicache_storage_dir needs enable_hierarchical_cache")
+        ratio = self.swa_full_tokens_ratio
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
 
     @property
     def prefill_budget(self) -> int:

@@ -43,6 +43,10 @@ class ForwardBatch:
     decode_rows: int = 0
     attn_backend: AttentionBackend | None = field(default=None, repr=False)  # set by the runner
     attn_metadata: Any = field(default=None, repr=False)  # set by the backend
+    # A pool with sliding-window layers (SWAKVPool): the same, over those layers' own slots,
+    # and the new tokens' slots there (set by the backend).
+    swa_metadata: Any = field(default=None, repr=False)
+    swa_out_cache_loc: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def batch_size(self) -> int:
@@ -89,6 +93,19 @@ class AttentionBackend(ABC):
         None: every key); ``softcap``: scores (after ``scaling``) become softcap·tanh(s/softcap)
         before the softmax (None: as they are). A backend that does not implement one refuses
         it (``unsupported``)."""
+
+    def layer_view(self, layer_id: int, batch: ForwardBatch) -> tuple[Any, torch.Tensor]:
+        """(the step's metadata, the new tokens' slots) for ``layer_id``: a sliding-window
+        layer of an ``SWAKVPool`` reads and writes its own slots (``swa_metadata``)."""
+        sliding = getattr(self.pool, "sliding", None)
+        if sliding is not None and sliding[layer_id]:
+            if batch.swa_metadata is None:
+                raise RuntimeError(
+                    "a sliding-window layer's KV slots are not known: the pool's full_to_swa "
+                    "is attached by the scheduler's KV bookkeeping (SWAKVManager)"
+                )
+            return batch.swa_metadata, batch.swa_out_cache_loc
+        return batch.attn_metadata, batch.out_cache_loc
 
     def unsupported(self, window: int | None, softcap: float | None) -> None:
         """Refuses a sliding window or a logit soft-cap, naming it, for a backend without them."""

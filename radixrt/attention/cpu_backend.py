@@ -32,6 +32,8 @@ too.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
@@ -97,6 +99,7 @@ class CpuAttentionBackend(AttentionBackend):
         if batch.mode is ForwardMode.DECODE:
             few = len(batch.seq_lens) * self.pool.kv_heads < 2 * torch.get_num_threads()
             batch.attn_metadata = self._decode_segments(batch.req_rows, batch.seq_lens, few)
+            self._swa_view(batch)
             return
         d, table = batch.decode_rows, self.pool.req_to_token
         extend = extend_segments(
@@ -106,6 +109,17 @@ class CpuAttentionBackend(AttentionBackend):
             decode = self._decode_segments(batch.req_rows[:d], batch.seq_lens[:d], few=False)
             extend = cpu_attention.concat_segments(decode, extend)
         batch.attn_metadata = extend
+        self._swa_view(batch)
+
+    def _swa_view(self, batch: ForwardBatch) -> None:
+        """For a pool with sliding-window layers: the segments over their slots (positions
+        behind a window map to slot 0, which the kernel never reads there)."""
+        to_swa = getattr(self.pool, "full_to_swa", None)
+        if to_swa is None:
+            return
+        meta = batch.attn_metadata
+        batch.swa_metadata = dataclasses.replace(meta, slots=to_swa[meta.slots])
+        batch.swa_out_cache_loc = to_swa[batch.out_cache_loc]
 
     def _decode_segments(
         self, req_rows: torch.Tensor, seq_lens: list[int], few: bool
@@ -139,14 +153,15 @@ class CpuAttentionBackend(AttentionBackend):
         dt, out_dtype = k_buf.dtype, q.dtype
         if not q.dtype == k.dtype == v.dtype == dt:
             q, k, v = q.to(dt), k.to(dt), v.to(dt)
+        segments, new_slots = self.layer_view(layer_id, batch)
         o = cpu_attention.attention(
             self.lib,
             q,
             k_buf,
             v_buf,
-            batch.attn_metadata,
+            segments,
             scaling,
-            (k, v, batch.out_cache_loc),
+            (k, v, new_slots),
             bf16_dots=self.bf16_dots,
             window=window,
             softcap=softcap,

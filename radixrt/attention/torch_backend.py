@@ -18,6 +18,7 @@ before the mask and the softmax (SDPA has no soft cap).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,10 @@ class TorchAttentionBackend(AttentionBackend):
         batch.attn_metadata = _Meta(
             slots, q_rows, q_valid, keys[None, None, :], last_key[:, :, None], in_seq[:, None, :]
         )
+        to_swa = getattr(self.pool, "full_to_swa", None)
+        if to_swa is not None:  # sliding-window layers' own slots (behind a window: slot 0)
+            batch.swa_metadata = dataclasses.replace(batch.attn_metadata, slots=to_swa[slots])
+            batch.swa_out_cache_loc = to_swa[batch.out_cache_loc]
 
     def forward(
         self,
@@ -78,8 +83,8 @@ class TorchAttentionBackend(AttentionBackend):
         softcap: float | None = None,
     ) -> torch.Tensor:
         """q [T, H, D], the new k/v [T, KH, D] → [T, H, D] in q's dtype."""
-        self.pool.store_kv(layer_id, batch.out_cache_loc, k, v)
-        meta: _Meta = batch.attn_metadata
+        meta, new_slots = self.layer_view(layer_id, batch)
+        self.pool.store_kv(layer_id, new_slots, k, v)
         mask, seen = meta.mask(window)
         (b, nq), (_, h, d) = meta.q_rows.shape, q.shape
         qq = q.index_select(0, meta.q_rows.reshape(-1)).view(b, nq, h, d).transpose(1, 2)

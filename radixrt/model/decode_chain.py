@@ -39,6 +39,8 @@ def unavailable_reason(model, backend, lib) -> str | None:
         return "the model runs under torch.compile"
     if not isinstance(backend, CpuAttentionBackend):
         return "attention is not the CPU kernel's"
+    if getattr(backend.pool, "sliding", None) is not None:
+        return "sliding-window layers keep their own KV slots (a chain replays one slot table)"
     return None
 
 

@@ -13,6 +13,7 @@ import torch
 
 from radixrt.attention.base import AttentionBackend, ForwardBatch, ForwardMode
 from radixrt.cache.kv_pool import KVPool
+from radixrt.cache.swa_pool import SWAKVPool
 from radixrt.config import EngineConfig
 from radixrt.memory import (
     HeapCollapser,
@@ -84,6 +85,22 @@ def make_attention_backend(
     raise ValueError(f"unknown attention_backend {name!r}")
 
 
+def hybrid_swa_refused(config: EngineConfig, model_cfg: ModelConfig, device) -> str | None:
+    """Why a model's sliding-window layers cannot keep only their window's KV here (None: they
+    can): the model has none, or a setting keeps every token's."""
+    if model_cfg.sliding_window is None:
+        return "the model has no sliding-window layer"
+    if config.disable_hybrid_swa_memory:
+        return "disable_hybrid_swa_memory"
+    if config.page_size != 1:
+        return f"page_size {config.page_size} (the window's KV is released token by token)"
+    if device.type != "cpu" or config.attention_backend not in ("auto", "cpu", "torch"):
+        return f"the {config.attention_backend} attention backend on {device.type}"
+    if config.enable_hierarchical_cache:
+        return "enable_hierarchical_cache (the host and storage tiers hold every layer's KV)"
+    return None
+
+
 def served_context(model_cfg: ModelConfig) -> int:
     """The longest sequence served: the model's ``max_context``, logged with its reason where
     that is below max_position_embeddings."""
@@ -114,17 +131,7 @@ class ModelRunner:
         self.model = self._load_model(model_path, self.kernels)
         logger.info("kernels: %s", self.kernels.describe())
         self.weights_info = self._describe_weights(config, model_path, lib)
-        num_slots = self._num_slots(config)
-        self.pool = KVPool(
-            num_slots,
-            model_cfg.num_layers,
-            self.model.model.layers[0].self_attn.num_kv_heads,
-            model_cfg.head_dim,
-            self.dtype,
-            config.running_limit,
-            self.max_context + config.page_size,
-            self.device,
-        )
+        self.pool = self._make_pool(config)
         self.attn_backend = make_attention_backend(
             config.attention_backend, self.pool, model_cfg.num_heads, exact=wanted
         )
@@ -207,6 +214,41 @@ class ModelRunner:
             weights = quantized_weights(weights, self.quantization)
         model.load_weights(weights)  # each linear's weight laid out for its method
         return model.eval()
+
+    def _make_pool(self, config: EngineConfig) -> KVPool | SWAKVPool:
+        """The KV pool: an ``SWAKVPool`` where some layers slide a window (their KV kept for
+        the window only) unless ``hybrid_swa_refused`` says why not, else one ``KVPool``."""
+        cfg = self.model_cfg
+        shape = (cfg.num_kv_heads, cfg.head_dim, self.dtype, config.running_limit)
+        rows = self.max_context + config.page_size
+        why = hybrid_swa_refused(config, cfg, self.device)
+        if why is not None:
+            if cfg.sliding_window is not None:
+                logger.info("sliding-window layers keep every token's KV: %s", why)
+            return KVPool(self._num_slots(config), cfg.num_layers, *shape, rows, self.device)
+        sliding = [w is not None for w in cfg.layer_windows]
+        full, swa = self._swa_slots(config, sum(sliding))
+        logger.info(
+            "KV: %d full slots (%d layers), %d slots for the %d sliding-window layers (window %d)",
+            full,
+            len(sliding) - sum(sliding),
+            swa,
+            sum(sliding),
+            cfg.sliding_window,
+        )
+        return SWAKVPool(full, swa, sliding, *shape, rows, self.device, window=cfg.sliding_window)
+
+    def _swa_slots(self, config: EngineConfig, n_swa: int) -> tuple[int, int]:
+        """(full slots, SWA slots): the SWA pool ``swa_full_tokens_ratio`` of the full one,
+        the two sized together from ``max_total_tokens`` (the full pool) or the KV budget."""
+        cfg, ratio = self.model_cfg, config.swa_full_tokens_ratio
+        if config.max_total_tokens is not None:
+            full = config.max_total_tokens
+        else:
+            per = KVPool.bytes_per_slot(1, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            per_full_slot = per * ((cfg.num_layers - n_swa) + ratio * n_swa)
+            full = min(int(CPU_KV_BUDGET_BYTES // per_full_slot), MAX_AUTO_SLOTS)
+        return full + 1, max(int(full * ratio), 4) + 1  # + slot 0 of each (padding)
 
     def _num_slots(self, config: EngineConfig) -> int:
         """KV slots including the reserved first page, a multiple of page_size."""
