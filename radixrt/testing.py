@@ -292,17 +292,18 @@ def _moe_config(arch: str, head_dim: int, common: dict, options: dict) -> Pretra
     from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     width = common["intermediate_size"] // 4
-    experts = dict(num_experts_per_tok=2, **options)
     if arch == "mixtral":
-        return MixtralConfig(**common, head_dim=head_dim, num_local_experts=8, **experts)
-    common = {**common, "intermediate_size": width} if arch == "olmoe" else common
+        experts = {"num_local_experts": 8, "num_experts_per_tok": 2, **options}
+        return MixtralConfig(**common, head_dim=head_dim, **experts)
     if arch == "olmoe":
-        return OlmoeConfig(**common, num_experts=8, **experts)
-    qwen = dict(num_experts=8, moe_intermediate_size=width, norm_topk_prob=True)
+        common = {**common, "intermediate_size": width}
+        return OlmoeConfig(**common, **{"num_experts": 8, "num_experts_per_tok": 2, **options})
+    qwen = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=width)
+    qwen["norm_topk_prob"] = True
     if arch == "qwen2_moe":
         qwen.update(shared_expert_intermediate_size=width, use_sliding_window=False)
-        return Qwen2MoeConfig(**common, **qwen, **experts)
-    return Qwen3MoeConfig(**common, head_dim=head_dim, **qwen, **experts)
+        return Qwen2MoeConfig(**common, **{**qwen, **options})
+    return Qwen3MoeConfig(**common, head_dim=head_dim, **{**qwen, **options})
 
 
 def _family_config(arch: str, head_dim: int, common: dict, options: dict) -> PretrainedConfig:
