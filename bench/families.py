@@ -7,10 +7,10 @@ against the dense model of the same active size (issue 35), on tiny-but-not-toy 
    out), all at once, through the Engine, twice: with the sliding layers in a pool of their own
    (the default: each request holds its window's KV there) and with
    ``--disable-hybrid-swa-memory`` (they keep every token's, as the full layers do). While the
-   batch decodes, the sliding layers' slots held for the running requests (private, plus what
-   their locks protect in the tree) per request (with every token kept, the shared prefixes
-   count once for their group); the hit rate of the whole run; the outputs (the same bits
-   either way, or the run says so). Target: the hybrid's per-request sliding KV ≤ W / L of a
+   batch runs, the most the sliding layers' slots held for the running requests (private,
+   plus what their locks protect in the tree) came to per running request (with every token
+   kept, the shared prefixes count once for their group); the hit rate of the whole run; the
+   outputs (the same bits either way, or the run says so). Target: the hybrid's per-request sliding KV ≤ W / L of a
    request's dense KV (L slots: its sequence), hit rates equal.
 2. ``moe``: a qwen3_moe model (``--experts`` experts of width ``--expert-width``, top
    ``--top-k``) and the qwen3 model of the same active size (MLP width top-k × expert width),
@@ -88,11 +88,10 @@ def run_swa(path: str, prompts, args, hybrid: bool) -> dict:
         while not all(r.finished for r in reqs):
             eng.step()
             s = eng.stats()
-            decoding = sum(1 for r in reqs if r.output_ids and not r.finished)
-            if decoding == len(reqs):
+            if s["running"]:  # requests holding KV, prefilling or decoding
                 capacity = eng.scheduler.kv.allocator.capacity
                 s["request_slots"] = capacity - s["free_slots"] - s["cache_tokens"]
-                held.append(sliding_held(s, hybrid) / decoding)
+                held.append(sliding_held(s, hybrid) / s["running"])
         wall = time.perf_counter() - t0
         eng.check_memory()
         stats = eng.stats()
@@ -212,7 +211,7 @@ def main() -> None:
         print("|---|---|---|---|")
         for name, r in (("own pool (window)", h), ("every token", d)):
             print(
-                f"| {name} | {r['sliding_slots_per_request']:.0f} | {r['hit_rate']:.3f} | "
+                f"| {name} | {r['sliding_slots_per_request']:.0f} | {r['hit_rate']:.6f} | "
                 f"{r['wall_s']:.2f} |"
             )
         print(
