@@ -10,8 +10,8 @@ against the dense model of the same active size (issue 35), on tiny-but-not-toy 
    batch runs, the most the sliding layers' slots held for the running requests (private,
    plus what their locks protect in the tree) came to per running request (with every token
    kept, the shared prefixes count once for their group); the hit rate of the whole run; the
-   outputs (the same bits either way, or the run says so). Target: the hybrid's per-request sliding KV ≤ W / L of a
-   request's dense KV (L slots: its sequence), hit rates equal.
+   outputs (the same bits either way, or the run says so). Target: the hybrid's per-request
+   sliding KV ≤ W / L of a request's dense KV (L slots: its sequence), hit rates equal.
 2. ``moe``: a qwen3_moe model (``--experts`` experts of width ``--expert-width``, top
    ``--top-k``) and the qwen3 model of the same active size (MLP width top-k × expert width),
    decode tokens/s for ``--batch`` requests of ``--moe-prompt`` tokens, ``--moe-out`` tokens
