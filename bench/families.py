@@ -7,11 +7,11 @@ against the dense model of the same active size (issue 35), on tiny-but-not-toy 
    out), all at once, through the Engine, twice: with the sliding layers in a pool of their own
    (the default: each request holds its window's KV there) and with
    ``--disable-hybrid-swa-memory`` (they keep every token's, as the full layers do). While the
-   batch runs, the most the sliding layers' slots held for the running requests (private,
-   plus what their locks protect in the tree) came to per running request (with every token
-   kept, the shared prefixes count once for their group); the hit rate of the whole run; the
-   outputs (the same bits either way, or the run says so). Target: the hybrid's per-request
-   sliding KV ≤ W / L of a request's dense KV (L slots: its sequence), hit rates equal.
+   batch runs, the most sliding-layer slots a decoding request holds (its private SWA slots
+   and the window its lock protects in the tree; with every token kept: its sequence); the hit
+   rate of the whole run; the outputs (the same bits either way, or the run says so). Target:
+   the hybrid's per-request sliding KV ≤ W / L of a request's dense KV (L slots: its
+   sequence), hit rates equal.
 2. ``moe``: a qwen3_moe model (``--experts`` experts of width ``--expert-width``, top
    ``--top-k``) and the qwen3 model of the same active size (MLP width top-k × expert width),
    decode tokens/s for ``--batch`` requests of ``--moe-prompt`` tokens, ``--moe-out`` tokens
@@ -64,12 +64,15 @@ def swa_workload(args) -> list[list[int]]:
     return prompts
 
 
-def sliding_held(stats: dict, hybrid: bool) -> float:
-    """Slots of the sliding layers held for running requests: private plus protected."""
-    if hybrid:
-        protected = stats["swa_tree"] - stats["swa_evictable"]
-        return stats["swa_requests"] + protected
-    return stats["request_slots"] + stats["protected_tokens"]
+def sliding_held(kv, req, hybrid: bool) -> int:
+    """The sliding layers' slots ``req`` holds: its private SWA slots and the window it locks in
+    the tree (with every token kept: its whole sequence)."""
+    if not hybrid:
+        return req.kv_len
+    row = kv.pool.req_to_token[req.row]
+    private = int((kv.allocator.translate(row[req.prefix_len : req.kv_len]) != 0).sum())
+    locked = min(kv.window, req.prefix_len) if req.swa_released < req.prefix_len else 0
+    return private + locked
 
 
 def run_swa(path: str, prompts, args, hybrid: bool) -> dict:
@@ -79,6 +82,7 @@ def run_swa(path: str, prompts, args, hybrid: bool) -> dict:
         dtype=args.dtype,
         max_total_tokens=args.slots,
         disable_hybrid_swa_memory=not hybrid,
+        max_prefill_step_ms=0,  # token budgets only: the same steps in both runs
     ) as eng:
         eng.generate(input_ids=[prompts[0][:16]], sampling_params=sp)  # warm-up
         eng.flush_cache()
@@ -87,11 +91,8 @@ def run_swa(path: str, prompts, args, hybrid: bool) -> dict:
         held = []
         while not all(r.finished for r in reqs):
             eng.step()
-            s = eng.stats()
-            if s["running"]:  # requests holding KV, prefilling or decoding
-                capacity = eng.scheduler.kv.allocator.capacity
-                s["request_slots"] = capacity - s["free_slots"] - s["cache_tokens"]
-                held.append(sliding_held(s, hybrid) / s["running"])
+            kv = eng.scheduler.kv
+            held += [sliding_held(kv, r, hybrid) for r in kv.running.values() if r.output_ids]
         wall = time.perf_counter() - t0
         eng.check_memory()
         stats = eng.stats()
@@ -101,7 +102,7 @@ def run_swa(path: str, prompts, args, hybrid: bool) -> dict:
         "hybrid": hybrid,
         "wall_s": wall,
         "hit_rate": stats["hit_rate"],
-        "sliding_slots_per_request": max(held) if held else float("nan"),
+        "sliding_slots_per_request": max(held),
         "pool_bytes": pool.kv_bytes() if hasattr(pool, "kv_bytes") else None,
         "outputs": outs,
     }
