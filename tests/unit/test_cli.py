@@ -32,6 +32,8 @@ FLAG_VALUES = {
     "page_size": (["--page-size", "16"], 16),
     "schedule_policy": (["--schedule-policy", "fcfs"], "fcfs"),
     "disable_radix_cache": (["--disable-radix-cache"], True),
+    "disable_hybrid_swa_memory": (["--disable-hybrid-swa-memory"], True),
+    "swa_full_tokens_ratio": (["--swa-full-tokens-ratio", "0.5"], 0.5),
     "chunked_prefill_size": (["--chunked-prefill-size", "512"], 512),
     "max_running_requests": (["--max-running-requests", "8"], 8),
     "attention_backend": (["--attention-backend", "torch"], "torch"),

@@ -117,3 +117,9 @@ def test_front_and_detokenizer_args():
     assert DetokenizerArgs(**common, model_path="/m").addrs.kv_events == ()
     with pytest.raises(ValueError, match="model_path"):
         DetokenizerArgs(**common, model_path="")
+
+
+@pytest.mark.parametrize("ratio", [0, -0.5, 1.5, True, "half"])
+def test_the_swa_pool_ratio_is_checked(ratio):
+    with pytest.raises(ValueError, match="swa_full_tokens_ratio"):
+        EngineConfig(swa_full_tokens_ratio=ratio)
