@@ -71,7 +71,8 @@ def sliding_held(kv, req, hybrid: bool) -> int:
         return req.kv_len
     row = kv.pool.req_to_token[req.row]
     private = int((kv.allocator.translate(row[req.prefix_len : req.kv_len]) != 0).sum())
-    locked = min(kv.window, req.prefix_len) if req.swa_released < req.prefix_len else 0
+    start = max(req.swa_released, req.prefix_len - kv.window)  # where its window lock begins
+    locked = max(0, req.prefix_len - start)
     return private + locked
 
 

@@ -156,21 +156,39 @@ class SWARadixCache(RadixCache):
         super().lock(node)
         self._add_window_ref(nodes, 1)
 
-    def unlock(self, node: TreeNode, window: bool = True) -> None:
-        """Drop the full lock and, unless ``window`` is False (dropped already by
-        ``unlock_window``), the window lock."""
+    def unlock(self, node: TreeNode, window: bool = True, released: int | None = None) -> None:
+        """Drop the full lock and, unless ``window`` is False (dropped already), the window
+        lock: node's last min(W, depth) tokens, or those from ``released`` on where
+        ``release_behind`` has slid it (``released``: its last return)."""
         if window:
-            self.unlock_window(node)
+            self.unlock_window(node, released)
         super().unlock(node)
 
-    def unlock_window(self, node: TreeNode) -> None:
-        """Drop node's window lock alone (its tokens stay cached and become SWA-evictable)."""
+    def unlock_window(self, node: TreeNode, released: int | None = None) -> None:
+        """Drop node's window lock alone (its tokens stay cached and become SWA-evictable): the
+        tokens from ``released`` (None: ``window_start(depth)``) to node's end."""
         if not node._key:
             return
-        nodes = self._window_nodes(node, min(self.window, node.depth))
+        nodes = self._window_nodes(node, node.depth - self._lock_start(node, released))
         if any(n.swa_lock_ref <= 0 for n in nodes):
             raise RuntimeError(f"window unlock of {node!r}, whose window is not locked")
         self._add_window_ref(nodes, -1)
+
+    def _lock_start(self, node: TreeNode, released: int | None) -> int:
+        """Where the window lock at node begins: W tokens before its end, later where it has
+        slid (``released``)."""
+        start = self.window_start(node.depth)
+        return start if released is None else max(start, released)
+
+    def _slide_window(self, node: TreeNode, old: int, new: int) -> None:
+        """Move the start of node's window lock from position ``old`` to ``new`` (old < new <
+        depth): the tokens between them lose the lock (splitting the node where ``new``
+        falls), so a request past part of its window protects only what it still reads."""
+        depth = node.depth
+        kept = self._window_nodes(node, depth - new, align=True)
+        held = self._window_nodes(node, depth - old)
+        self._add_window_ref(kept, 1)
+        self._add_window_ref(held, -1)
 
     def window_start(self, prefix_len: int) -> int:
         """Where a request's SWA needs begin once it holds a lock at ``prefix_len`` tokens: the
@@ -186,15 +204,18 @@ class SWARadixCache(RadixCache):
         ``node``/``prefix_len``: its lock and the tokens the tree holds for it; ``slots``: its
         ``req_to_token`` row; ``released``: the value the previous call returned (or
         ``window_start(prefix_len)`` after a lock). Its private tokens' SWA slots are freed;
-        once the window passes ``prefix_len`` its window lock is dropped (the tree's tokens
-        stay, SWA-evictable). The window lock is held while ``released < prefix_len``.
-        Returns the new ``released``.
+        its window lock slides with it (the tree's tokens it passes stay, SWA-evictable) and
+        is dropped once the window passes ``prefix_len``. The window lock covers positions
+        ``released .. prefix_len`` while ``released < prefix_len``. Returns the new
+        ``released``.
         """
         target = kv_len - self.window
         if target <= released:
             return released
         if released < prefix_len <= target:
-            self.unlock_window(node)
+            self.unlock_window(node, released)
+        elif released < prefix_len:
+            self._slide_window(node, max(released, self.window_start(prefix_len)), target)
         lo = max(released, prefix_len)
         if target > lo:
             self.allocator.free_swa(slots[lo:target])
@@ -452,15 +473,19 @@ def check_swa_partition(
     """Assert every slot of both pools is in exactly one place: the free list, one tree node,
     or one running request's private slots (``private``, one tensor of full slots per
     request). With ``window`` (after each request's ``release_behind``), also that each
-    request holds at most ``window`` private SWA slots and the tree's window locks at most
-    ``window`` per request."""
+    request holds at most ``window`` private SWA slots, and that those and the tree's window
+    locks come to at most ``window`` per request."""
     check_slot_partition(allocator, cache, private)
     allocator.check_integrity()
     if window is None:
         return
+    total = 0
     for slots in private:
         held = int((allocator.translate(slots) != 0).sum())
         assert held <= window, f"a request holds {held} SWA slots behind a window of {window}"
-    assert cache.swa_protected_size <= window * len(private), (
-        f"{cache.swa_protected_size} tokens window-locked by {len(private)} requests"
+        total += held
+    # a request's window lock covers only what its private slots do not: W per request in all
+    assert cache.swa_protected_size + total <= window * len(private), (
+        f"{cache.swa_protected_size} tokens window-locked and {total} private SWA slots for "
+        f"{len(private)} requests"
     )

@@ -64,7 +64,8 @@ class SWAKVManager(KVManager):
         req.swa_released = self.tree.window_start(prefix_len)
 
     def _unlock(self, req: Req) -> None:
-        self.tree.unlock(req.last_node, window=req.swa_released < req.prefix_len)
+        window = req.swa_released < req.prefix_len
+        self.tree.unlock(req.last_node, window=window, released=req.swa_released)
 
     def advanced(self, req: Req) -> None:
         row = self.pool.req_to_token[req.row].cpu()

@@ -35,7 +35,7 @@ def run(alloc, cache, tokens, salt=None):
     ins = cache.insert_prefix(tokens, row, salt)
     alloc.free(row[m.hit_len : ins.cached_len])
     cache.lock(ins.last_node)
-    cache.unlock(m.last_node, window=released < m.hit_len)
+    cache.unlock(m.last_node, window=released < m.hit_len, released=released)
     cache.unlock(ins.last_node)
     return ins.kv_indices.clone()
 
@@ -282,10 +282,10 @@ def test_release_behind_frees_the_private_tail_and_then_the_window_lock():
         held = (alloc.translate(row) != 0).tolist()
         assert held[kv_len - 3 :] == [True] * 3  # the next token's window
         assert sum(held[5:]) <= 3
-        assert cache.swa_protected_size == (3 if kv_len - 3 < 5 else 0)
+        assert cache.swa_protected_size == max(0, 5 - max(2, kv_len - 3))  # it slides
         check_swa_partition(alloc, cache, [row[5:]], window=3)
     alloc.free(row[5:])
-    cache.unlock(m.last_node, window=released < 5)
+    cache.unlock(m.last_node, window=released < 5, released=released)
     check_swa_partition(alloc, cache, [])
 
 
@@ -507,7 +507,7 @@ class SWAServingTrace(RuleBasedStateMachine):
         self.alloc.free(req.row[req.prefix_len : ins.cached_len])
         req.row = ins.kv_indices.clone()
         self.cache.lock(ins.last_node)
-        self.cache.unlock(req.node, window=req.released < req.prefix_len)
+        self.cache.unlock(req.node, window=req.released < req.prefix_len, released=req.released)
         req.node, req.prefix_len = ins.last_node, n
         req.released = self.cache.window_start(n)
 
@@ -575,7 +575,7 @@ class SWAServingTrace(RuleBasedStateMachine):
         """Leave without caching: every private slot (and what SWA it still holds) is freed."""
         req = self.live.pop(data.draw(st.integers(0, len(self.live) - 1), label="idx"))
         self.alloc.free(req.row[req.prefix_len :])
-        self.cache.unlock(req.node, window=req.released < req.prefix_len)
+        self.cache.unlock(req.node, window=req.released < req.prefix_len, released=req.released)
 
     @rule(n=st.integers(0, 30))
     def evict(self, n):
