@@ -15,8 +15,8 @@ against the dense model of the same active size (issue 35), on tiny-but-not-toy 
    sequence), hit rates equal.
 2. ``moe``: a qwen3_moe model (``--experts`` experts of width ``--expert-width``, top
    ``--top-k``) and the qwen3 model of the same active size (MLP width top-k × expert width),
-   decode tokens/s for ``--batch`` requests of ``--moe-prompt`` tokens, ``--moe-out`` tokens
-   out. Target: the MoE model ≥ 0.8× the dense one.
+   decode tokens/s for each ``--batch`` count of requests of ``--moe-prompt`` tokens,
+   ``--moe-out`` tokens out. Target: the MoE model ≥ 0.8× the dense one.
 
 Models are random (``radixrt.testing.make_tiny_model``, written once under
 ``$RADIXRT_CACHE_DIR/bench-families``), bf16 by default. Prints a table, writes
@@ -142,9 +142,9 @@ def swa_part(args) -> dict:
     }
 
 
-def decode_rate(path: str, args) -> float:
+def decode_rate(path: str, args, batch: int) -> float:
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 2048) for _ in range(args.moe_prompt)] for _ in range(args.batch)]
+    prompts = [[rng.randrange(3, 2048) for _ in range(args.moe_prompt)] for _ in range(batch)]
     sp = SamplingParams(max_new_tokens=args.moe_out, temperature=0, ignore_eos=True)
     with Engine(model=path, dtype=args.dtype, max_total_tokens=args.slots) as eng:
         eng.generate(input_ids=prompts[:1], sampling_params=sp)  # warm-up
@@ -179,9 +179,15 @@ def moe_part(args) -> dict:
         intermediate_size=args.top_k * args.expert_width,
         **common,
     )
-    rates = {"moe": decode_rate(moe, args), "dense_same_active": decode_rate(dense, args)}
-    rates["ratio"] = rates["moe"] / rates["dense_same_active"]
-    rates["pass"] = rates["ratio"] >= 0.8
+    rates = {}
+    for batch in args.batch:
+        r = {
+            "moe": decode_rate(moe, args, batch),
+            "dense_same_active": decode_rate(dense, args, batch),
+        }
+        r["ratio"] = r["moe"] / r["dense_same_active"]
+        r["pass"] = r["ratio"] >= 0.8
+        rates[batch] = r
     return rates
 
 
@@ -202,9 +208,9 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--expert-width", type=int, default=512)
-    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--batch", type=int, nargs="*", default=[1, 16], help="requests decoding")
     p.add_argument("--moe-prompt", type=int, default=128)
-    p.add_argument("--moe-out", type=int, default=64)
+    p.add_argument("--moe-out", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     args = p.parse_args()
     parts = args.parts.split(",")
@@ -226,12 +232,13 @@ def main() -> None:
             f"same outputs: {swa['same_outputs']}"
         )
     if "moe" in parts:
-        result["moe"] = moe = moe_part(args)
-        print(
-            f"MoE decode {moe['moe']:.1f} tok/s, dense of the same active size "
-            f"{moe['dense_same_active']:.1f} tok/s: {moe['ratio']:.2f}x (target >= 0.8): "
-            f"{'PASS' if moe['pass'] else 'FAIL'}"
-        )
+        result["moe"] = moe_part(args)
+        for batch, moe in result["moe"].items():
+            print(
+                f"{batch} decoding: MoE {moe['moe']:.1f} tok/s, dense of the same active size "
+                f"{moe['dense_same_active']:.1f} tok/s: {moe['ratio']:.2f}x (target >= 0.8): "
+                f"{'PASS' if moe['pass'] else 'FAIL'}"
+            )
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "families.json").write_text(json.dumps(result, indent=1, default=str))
     print(f"wrote {RESULTS / 'families.json'}")

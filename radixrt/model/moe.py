@@ -296,6 +296,9 @@ class ExpertList(nn.ModuleList):
         (t, k), hidden = routing.experts.shape, x.shape[1]
         if t == 0:
             return x.new_empty(0, hidden)
+        if t == 1:  # one token (a single stream's decode): its experts in rank order, no grouping
+            outputs = torch.stack([self[e](x) for e in routing.experts[0].tolist()], dim=1)
+            return weighted_sum(outputs, routing.weights, x.dtype)
         groups = group_by_expert(routing.experts, len(self))
         xs = x.index_select(0, groups.order // k)  # each pair's token, the pairs by expert
         ys, start = [], 0
