@@ -149,6 +149,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = _norm(cfg, cfg.hidden_size, kernels)
         self.post_attention_layernorm = _norm(cfg, cfg.hidden_size, kernels)
 
+    def _input_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_layernorm of the hidden state, the residual stream): the first layer's h is
+        the stream; later ones add the previous layer's output into it in the norm."""
+        if residual is None:
+            return self.input_layernorm(h), h
+        return self.input_layernorm(h, residual)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -158,10 +167,7 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it): their sum is the hidden state
         after this layer, formed by the next norm (the add fused into it)."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
+        h, residual = self._input_norm(h, residual)
         h = self.self_attn(positions, h, batch)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -188,10 +194,7 @@ class GemmaDecoderLayer(LlamaDecoderLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As ``LlamaDecoderLayer.forward``: (output, residual before it), summed by the next
         norm."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
+        h, residual = self._input_norm(h, residual)
         h = self.post_attention_layernorm(self.self_attn(positions, h, batch))
         h, residual = self.pre_feedforward_layernorm(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual
