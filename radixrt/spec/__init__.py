@@ -1,0 +1,1 @@
+"""Speculative decoding drafted from the radix tree (``speculative_algorithm="NGRAM"``)."""
