@@ -18,7 +18,7 @@ Contract:
   ``ErrorCode`` constants; an error about a frame that could not be decoded
   has ``req_id == ""``.
 - Each scheduler replica may publish its radix tree's changes as numbered
-  ``KVEventBatch``es (``KVStored``/``KVSplit``/``KVRemoved``/``KVCleared``) and
+  ``KVEventBatch``es (``KVStored``/``KVSplit``/``KVRemoved``/``KVWindow``/``KVCleared``) and
   answer a resync with a ``KVSnapshot``; ``radixrt.cache.mirror`` rebuilds the
   tree from them.
 """
@@ -300,6 +300,7 @@ class KVStored(_KVEvent, tag="stored"):
     parent: int
     token_ids: list[int]
     cache_salt: str | None = None
+    window_dropped: bool = False  # a snapshot's tombstone: as if followed by KVWindow(held=False)
 
 
 class KVSplit(_KVEvent, tag="split"):
@@ -318,11 +319,20 @@ class KVRemoved(_KVEvent, tag="removed"):
     nodes: list[int]
 
 
+class KVWindow(_KVEvent, tag="window"):
+    """A model with sliding-window layers: the sliding layers' KV of these nodes' tokens was
+    dropped (``held`` False: the nodes are tombstones, their full KV stays) or is held again.
+    A prefix is a hit only where its last ``window`` tokens are held (``SWARadixCache``)."""
+
+    nodes: list[int]
+    held: bool
+
+
 class KVCleared(_KVEvent, tag="cleared"):
     """The whole tree emptied (reset / flush_cache); node ids restart (the root stays 0)."""
 
 
-KVEvent = KVStored | KVSplit | KVRemoved | KVCleared
+KVEvent = KVStored | KVSplit | KVRemoved | KVWindow | KVCleared
 
 
 class KVEventBatch(_Msg, tag="kv_events"):
@@ -336,6 +346,7 @@ class KVEventBatch(_Msg, tag="kv_events"):
     seq: int
     events: list[KVEvent]
     page_size: int = 1
+    window: int = 0  # the sliding window whose KV a hit needs (0: no sliding-window layers)
 
 
 class KVSnapshot(_Msg, tag="kv_snapshot"):
@@ -346,6 +357,7 @@ class KVSnapshot(_Msg, tag="kv_snapshot"):
     seq: int
     events: list[KVStored]
     page_size: int = 1
+    window: int = 0
 
 
 Message = (

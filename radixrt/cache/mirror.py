@@ -6,9 +6,13 @@ Contract:
   0. Applying every event the cache recorded, in order, makes it exact:
   ``cached_sequences()`` equals the cache's and ``match(tokens, salt)`` equals
   the cache's ``peek_prefix(tokens, salt).hit_len`` (page-aligned; 0 under a
-  salt with nothing cached). An event that does not fit the tree (an unknown
-  node id, a run that is not whole pages, a removal of a node with children)
-  raises ``MirrorError``; the tree may then be partly changed.
+  salt with nothing cached). With ``window`` W (a model with sliding-window
+  layers, ``SWARadixCache``), ``KVWindow`` events mark nodes whose sliding
+  layers' KV is dropped, and a match is the longest prefix whose last
+  min(W, L) tokens are in nodes that hold it, as the cache's is. An event
+  that does not fit the tree (an unknown node id, a run that is not whole
+  pages, a removal of a node with children) raises ``MirrorError``; the tree
+  may then be partly changed.
 - ``ReplicaMirror`` is the subscriber side for one replica: it applies
   ``KVEventBatch``es in ``seq`` order (1, 2, 3, ... per publisher process)
   and ignores duplicates. On a gap (or an event that does not fit) it asks
@@ -37,6 +41,7 @@ from radixrt.protocol import (
     KVSnapshot,
     KVSplit,
     KVStored,
+    KVWindow,
 )
 
 ROOT_ID = 0
@@ -47,9 +52,10 @@ class MirrorError(ValueError):
 
 
 class _Node:
-    __slots__ = ("id", "key", "head", "parent", "children")
+    __slots__ = ("id", "key", "head", "parent", "children", "dropped")
 
     def __init__(self, node_id: int, key: bytes, head: bytes | str, parent: _Node | None) -> None:
+        self.dropped = False  # its sliding-window layers' KV is not held (KVWindow)
         self.id = node_id
         self.key = key  # packed int64 token ids; b"" for the root and namespace nodes
         self.head = head  # its key in parent.children: the first page's bytes, or the salt
@@ -60,15 +66,18 @@ class _Node:
 class MirrorTree:
     """The token runs and shape of a replica's radix tree, rebuilt from KV events."""
 
-    def __init__(self, page_size: int = 1) -> None:
+    def __init__(self, page_size: int = 1, window: int = 0) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
-        self.page_size = page_size
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        self.page_size, self.window = page_size, window
         self._page_bytes = page_size * _TOKEN_BYTES
         self._apply = {
             KVStored: self._stored,
             KVSplit: self._split,
             KVRemoved: self._removed,
+            KVWindow: self._window,
             KVCleared: self._cleared,
         }
         self.clear()
@@ -105,7 +114,7 @@ class MirrorTree:
         if node is None or not n:
             return 0
         packed, page = _pack(tokens, 0, n), self._page_bytes
-        pos, end = 0, len(packed)  # in bytes
+        pos, end, path = 0, len(packed), []  # pos in bytes; path: (node, its hit's end)
         while pos < end:
             child = node.children.get(packed[pos : pos + page])
             if child is None:
@@ -114,11 +123,26 @@ class MirrorTree:
             if packed.startswith(edge, pos):
                 pos += len(edge)
                 node = child
+                path.append((child, pos))
                 continue
             hit = common_prefix_len(edge, packed[pos : pos + len(edge)])
             pos += hit - hit % page  # >= one page: the head matched
+            path.append((child, pos))
             break
-        return pos // _TOKEN_BYTES
+        return self._usable(path) // _TOKEN_BYTES if self.window else pos // _TOKEN_BYTES
+
+    def _usable(self, path: list[tuple[_Node, int]]) -> int:
+        """Bytes of the longest prefix along ``path`` whose last min(W, L) tokens are held."""
+        best, run, begin, window = 0, 0, 0, self.window * _TOKEN_BYTES
+        for node, end in path:  # run: where the held stretch being walked began, or None
+            if node.dropped:
+                run = None
+            else:
+                run = begin if run is None else run
+                if run == 0 or end - run >= window:
+                    best = end
+            begin = end
+        return best
 
     def cached_sequences(self) -> set[tuple[str | None, tuple[int, ...]]]:
         """Every (cache_salt, token ids from its root to a leaf), as
@@ -164,7 +188,9 @@ class MirrorTree:
         if not n or n % self.page_size:
             raise MirrorError(f"{n} tokens are not whole pages of {self.page_size}: {event!r}")
         key = _pack(event.token_ids, 0, n)
-        self._add(_Node(event.node, key, key[: self._page_bytes], parent), event)
+        node = _Node(event.node, key, key[: self._page_bytes], parent)
+        node.dropped = event.window_dropped
+        self._add(node, event)
         self.num_tokens += n
 
     def _cleared(self, event: KVCleared) -> None:
@@ -180,6 +206,7 @@ class MirrorTree:
             raise MirrorError(f"node {event.upper} already exists: {event!r}")
         parent = child.parent
         upper = _Node(event.upper, child.key[:cut], child.head, parent)
+        upper.dropped = child.dropped
         parent.children[upper.head] = upper  # replaces child there
         self._nodes[upper.id] = upper
         child.key = child.key[cut:]
@@ -195,6 +222,13 @@ class MirrorTree:
             del node.parent.children[node.head]
             del self._nodes[node_id]
             self.num_tokens -= len(node.key) // _TOKEN_BYTES
+
+    def _window(self, event: KVWindow) -> None:
+        for node_id in event.nodes:
+            node = self._node(node_id, event)
+            if not node.key:
+                raise MirrorError(f"node {node_id} holds no tokens: {event!r}")
+            node.dropped = not event.held
 
 
 class ReplicaMirror:
@@ -246,7 +280,7 @@ class ReplicaMirror:
         if snap.seq < self.seq:
             return False
         self.resyncing = False  # the request is answered; a new need asks again
-        tree = MirrorTree(snap.page_size)
+        tree = MirrorTree(snap.page_size, snap.window)
         try:
             tree.apply_all(snap.events)
         except MirrorError:
@@ -263,10 +297,10 @@ class ReplicaMirror:
 
     def _apply(self, batch: KVEventBatch) -> bool:
         """Apply a batch in sequence; False if it did not fit the tree (a resync is due)."""
-        if batch.page_size != self.tree.page_size:
+        if (batch.page_size, batch.window) != (self.tree.page_size, self.tree.window):
             if self.tree.num_nodes:
                 return False
-            self.tree = MirrorTree(batch.page_size)  # the first batch sets the page size
+            self.tree = MirrorTree(batch.page_size, batch.window)  # the first batch sets them
         try:
             self.tree.apply_all(batch.events)
         except MirrorError:

@@ -226,6 +226,8 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 class RadixCache:
     """Prefix tree over token ids; values are KV slot indices."""
 
+    window = 0  # the sliding window a hit's KV must cover (``SWARadixCache``); 0: none
+
     def __init__(
         self,
         allocator: KVSlotAllocator,

@@ -28,9 +28,14 @@ Contract (beyond ``RadixCache``'s, whose API and invariants it keeps):
   match can end in one), then least recently used, and frees their full and SWA slots.
   ``evict_swa`` tombstones live nodes without a window lock, at any depth, least recently
   used first (under either eviction policy) and ancestors before descendants on a tie,
-  and frees only their SWA slots; it records no KV event (the tree's tokens and shape
-  stay). ``swa_evictable_size`` / ``swa_protected_size`` count live tokens without / with
-  a window lock (as ``evictable_size`` / ``protected_size`` do for the full lock).
+  and frees only their SWA slots. ``swa_evictable_size`` / ``swa_protected_size`` count
+  live tokens without / with a window lock (as ``evictable_size`` / ``protected_size`` do
+  for the full lock).
+- Events (``record_events=True``): ``RadixCache``'s, plus one ``KVWindow`` per node that
+  turns tombstone (``held`` False: ``evict_swa``, an insert's tokens without SWA slots) or
+  live again (an insert that revives it); a new node is live, a split's parts keep their
+  state, and ``snapshot_events`` marks tombstones (``KVStored.window_dropped``). A
+  ``MirrorTree`` of ``window`` W replaying them matches as ``peek_prefix`` does.
 - A running request gives back the SWA KV behind its window with ``release_behind``: what
   it holds in the sliding layers stays O(W) (plus the tokens of the step it computes).
 - Page size 1 only, and no hierarchical tiers (``on_evict``): the allocator refuses other
@@ -56,6 +61,7 @@ from radixrt.cache.radix_cache import (
     _as_tokens,
 )
 from radixrt.cache.swa_allocator import SWASlotAllocator, _slots_np
+from radixrt.protocol import KVStored, KVWindow
 
 _EMPTY = torch.empty(0, dtype=torch.int64)
 
@@ -380,6 +386,8 @@ class SWARadixCache(RadixCache):
             self.swa_evictable_size -= node.num_tokens
         if in_full_set:
             self._add_evictable(node)
+        if self._events is not None:
+            self._events.append(KVWindow(nodes=[node.id], held=live))
 
     def _window_nodes(
         self, node: SWATreeNode, window: int, align: bool = False
@@ -414,6 +422,12 @@ class SWARadixCache(RadixCache):
         self._swa_detach(leaf)
         if not leaf.swa_tombstone:
             self.swa_evictable_size -= leaf.num_tokens
+
+    def _stored_event(self, node: TreeNode) -> KVStored:
+        event = super()._stored_event(node)
+        if isinstance(node, SWATreeNode) and node.swa_tombstone:  # not a namespace node
+            event.window_dropped = True
+        return event
 
     def _new_node(self, key, head, value, parent) -> SWATreeNode:
         depth = len(key) // _TOKEN_BYTES + (

@@ -311,7 +311,7 @@ class EventPublisher:
 
     def __init__(self, ctx: zmq.Context, addr: str | None, replica: int, scheduler) -> None:
         self.replica, self.tree, self.seq = replica, scheduler.kv.tree, 0
-        self.page_size = self.tree.page_size
+        self.page_size, self.window = self.tree.page_size, self.tree.window
         self.sock = None
         if addr is not None:
             self.sock = ctx.socket(zmq.PUB)
@@ -327,7 +327,11 @@ class EventPublisher:
         if events:
             self.seq += 1
             batch = KVEventBatch(
-                replica=self.replica, seq=self.seq, events=events, page_size=self.page_size
+                replica=self.replica,
+                seq=self.seq,
+                events=events,
+                page_size=self.page_size,
+                window=self.window,
             )
             self.sock.send(encode(batch))
 
@@ -339,6 +343,7 @@ class EventPublisher:
             seq=self.seq,
             events=self.tree.snapshot_events(),
             page_size=self.page_size,
+            window=self.window,
         )
 
 

@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from radixrt.cache import KVSlotAllocator, MirrorError, MirrorTree, RadixCache, ReplicaMirror
+from radixrt.cache.swa_allocator import SWASlotAllocator
+from radixrt.cache.swa_cache import SWARadixCache
 from radixrt.protocol import (
     KVCleared,
     KVEventBatch,
@@ -18,6 +20,7 @@ from radixrt.protocol import (
     KVSnapshot,
     KVSplit,
     KVStored,
+    KVWindow,
     decode,
     encode,
 )
@@ -503,3 +506,33 @@ EventTrace.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestEventTrace = EventTrace.TestCase
+
+
+def test_sliding_window_batches_and_snapshots_carry_the_window():
+    """A replica with sliding-window layers: its batches set the mirror's window, ``KVWindow``
+    events go over the wire, and the mirror's hits (live and from a snapshot) are the
+    cache's, short of a dropped window."""
+    alloc = SWASlotAllocator(64, 32)
+    cache = SWARadixCache(alloc, window=2, record_events=True)
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 7]):
+        slots = alloc.alloc(len(tokens))
+        cached = cache.insert(tokens, slots)
+        alloc.free(slots[:cached])
+    cache.evict_swa(3)  # tombstones the least recent live stretch
+    events = cache.take_events()
+    assert any(isinstance(e, KVWindow) and not e.held for e in events)
+    batch = decode(encode(KVEventBatch(replica=0, seq=1, events=events, window=cache.window)))
+    mirror = ReplicaMirror(0)
+    assert mirror.on_batch(batch) is False and mirror.tree.window == 2
+    snap = decode(
+        encode(KVSnapshot(replica=0, seq=1, events=cache.snapshot_events(), window=cache.window))
+    )
+    from_snapshot = ReplicaMirror(0)
+    from_snapshot.on_snapshot(snap)
+    hits = []
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 7], [1, 2, 3, 4], [1, 2]):
+        hit = cache.peek_prefix(tokens).hit_len
+        assert mirror.match(tokens) == from_snapshot.match(tokens) == hit
+        hits.append(hit)
+    assert hits != [6, 4, 4, 2], "nothing was tombstoned: the test shows nothing"
+    assert MirrorTree().apply_all(events) is None  # a window-less mirror still takes them

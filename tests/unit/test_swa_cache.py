@@ -467,7 +467,8 @@ class SWAServingTrace(RuleBasedStateMachine):
     def setup(self, window, num_slots, num_swa, policy):
         self.w = window
         self.alloc = SWASlotAllocator(num_slots, num_swa)
-        self.cache = SWARadixCache(self.alloc, window, eviction_policy=policy)
+        self.cache = SWARadixCache(self.alloc, window, eviction_policy=policy, record_events=True)
+        self.mirror = MirrorTree(window=window)  # what a DP router sees, from the events
         self.live: list[Request] = []
         self.seen: list[list[int]] = []
         self.meaning: dict[int, tuple] = {}
@@ -614,6 +615,20 @@ class SWAServingTrace(RuleBasedStateMachine):
             self._check_window(r.row, len(r.tokens))
         held = self.cache.total_size() + sum(p.numel() for p in private)
         assert self.alloc.available + held == self.alloc.capacity
+
+    @invariant()
+    def mirrored(self):
+        """The events' and the snapshot's mirrors match every seen prefix as the cache does."""
+        self.mirror.apply_all(self.cache.take_events())
+        snapshot = MirrorTree(window=self.w)
+        snapshot.apply_all(self.cache.snapshot_events())
+        assert self.mirror.cached_sequences() == self.cache.cached_sequences()
+        for tokens in self.seen[-8:]:
+            for salt in (None, "a"):
+                for cut in {1, len(tokens) // 2, len(tokens)}:
+                    hit = self.cache.peek_prefix(tokens[:cut], salt).hit_len
+                    assert self.mirror.match(tokens[:cut], salt) == hit
+                    assert snapshot.match(tokens[:cut], salt) == hit
 
     def teardown(self):
         if not hasattr(self, "cache"):
