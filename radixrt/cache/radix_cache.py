@@ -46,6 +46,10 @@ Contract:
   ``take_events()`` onto a ``MirrorTree`` (``radixrt.cache.mirror``) rebuilds
   this tree's content and shape with its node ids; ``snapshot_events()`` is
   the current tree as ``KVStored`` events, recording on or off.
+- Observer: ``observer`` (a ``TreeObserver``, None by default) is told each change to the
+  tree's token runs as it happens, with the nodes themselves: a new leaf, a split, a leaf
+  ``evict`` is about to drop (still in the tree), a reset; namespace nodes are not reported.
+  It must change nothing the tree owns. With none set, a change costs one ``is None`` test.
 
 Keys are compared as runs, never token by token in Python: a lookup packs
 the request's tokens once, in C (only as far as the edges it follows reach),
@@ -63,7 +67,7 @@ from __future__ import annotations
 import functools
 import struct
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -144,6 +148,22 @@ class NamespaceNode(TreeNode):
 
     def __repr__(self) -> str:
         return f"NamespaceNode(id={self.id}, salt={self.salt!r}, children={len(self.children)})"
+
+
+class TreeObserver(Protocol):
+    """What ``RadixCache.observer`` is told, in the order the tree changes."""
+
+    def on_stored(self, leaf: TreeNode) -> None:
+        """A new leaf hangs under ``leaf.parent`` (a root, a namespace or a token node)."""
+
+    def on_split(self, upper: TreeNode, child: TreeNode) -> None:
+        """``child``'s edge was split: ``upper`` (new) holds its first tokens and is its parent."""
+
+    def on_removed(self, leaf: TreeNode) -> None:
+        """``evict`` is about to drop ``leaf``, still in the tree with its key and parent."""
+
+    def on_cleared(self) -> None:
+        """``reset`` emptied the tree."""
 
 
 class MatchResult(NamedTuple):
@@ -249,6 +269,7 @@ class RadixCache:
         self._head_struct = struct.Struct(f"{page_size}q")  # a node's first page
         self._events: list[KVEvent] | None = [] if record_events else None
         self.on_evict = on_evict
+        self.observer: TreeObserver | None = None  # told every change (see the module docstring)
         self._init_tree()
 
     def _init_tree(self) -> None:
@@ -380,6 +401,8 @@ class RadixCache:
             node.entry = None
             if self.on_evict is not None:
                 self.on_evict(node)
+            if self.observer is not None:
+                self.observer.on_removed(node)
             slots.append(node._np)
             freed += len(node._key) // _TOKEN_BYTES
             parent = node.parent
@@ -422,6 +445,8 @@ class RadixCache:
         self._init_tree()
         if self._events is not None:
             self._events.append(KVCleared())
+        if self.observer is not None:
+            self.observer.on_cleared()
 
     def start_recording(self) -> None:
         """From now on, keep the KV events of every change (as ``record_events=True``); the
@@ -655,6 +680,8 @@ class RadixCache:
         upper.children[child.head] = child
         if self._events is not None:
             self._events.append(KVSplit(node=child.id, upper=upper.id, at=n))
+        if self.observer is not None:
+            self.observer.on_split(upper, child)
         return upper
 
     def _unpack_head(self, key: bytes) -> int | tuple[int, ...]:
@@ -688,6 +715,8 @@ class RadixCache:
             self._add_evictable(leaf)
             if self._events is not None:
                 self._events.append(self._stored_event(leaf))
+            if self.observer is not None:
+                self.observer.on_stored(leaf)
         else:
             leaf = node
             if leaf.entry is not None:
