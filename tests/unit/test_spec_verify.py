@@ -458,20 +458,21 @@ class SpecTrace(RuleBasedStateMachine):
     retracted from a small pool: the KV invariant after every step, and every request that
     finishes has decoding's tokens."""
 
-    @initialize(slots=st.sampled_from([96, 160, 4096]), mixed=st.booleans())
+    @initialize(slots=st.sampled_from([48, 96, 4096]), mixed=st.booleans())
     def setup(self, slots, mixed):
         self.sched = make(
             num_slots=slots,
             proposer=Oracle("right"),
             max_running=6,
             disable_mixed_chunk=not mixed,
+            new_token_ratio=0.0,  # admit without reserving: decoding runs out and retracts
         )
         self.reqs: list[Req] = []
         self.count = 0
 
     @rule(
-        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40),
-        new=st.integers(1, 24),
+        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24),
+        new=st.integers(1, 16),
         shared=st.booleans(),
     )
     def add(self, prompt, new, shared):
@@ -481,6 +482,12 @@ class SpecTrace(RuleBasedStateMachine):
         self.count += 1
         self.reqs.append(req)
         self.sched.add_request(req)
+
+    @rule(seed=st.integers(0, 99))
+    def crowd(self, seed):
+        """Three long requests at once: a small pool runs out while they decode."""
+        for p in prompts(3, seed):
+            self.add((p * 8)[:20], 16, shared=False)
 
     @rule(mode=st.sampled_from(["right", "partly", "wrong", "tree"]), k=st.integers(1, 8))
     def change_drafts(self, mode, k):
