@@ -77,8 +77,6 @@ class Speculator:
             branches = self._propose(req)
             if branches:
                 proposed.append((req, branches))
-            else:
-                req.spec_backoff.record(0, 0)
         drafts = {}
         for req, branches in self._affordable(proposed, reqs):
             draft = self._allocate(req, branches, reserved_rows)

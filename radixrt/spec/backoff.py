@@ -3,10 +3,12 @@
 Contract (``Backoff``, one per request):
 - ``take_turn()``: whether the request drafts this step; False while it waits out a pause
   (each call spends one step of it).
-- ``record(drafted, accepted)``: a round's outcome (``drafted`` 0: the proposer found
-  nothing). A round is low when it accepts fewer than ``max(1, LOW_ACCEPTANCE * drafted)``
-  tokens; after ``LOW_ROUNDS`` low rounds in a row the request pauses for ``2**level`` steps
-  and ``level`` grows (up to ``MAX_LEVEL``); a round that is not low resets both.
+- ``record(drafted, accepted)``: a verified round's outcome. A round is low when it accepts
+  fewer than ``max(1, LOW_ACCEPTANCE * drafted)`` tokens; after ``LOW_ROUNDS`` low rounds in
+  a row the request pauses for ``2**level`` steps and ``level`` grows (up to ``MAX_LEVEL``);
+  a round that is not low resets both. A step whose proposer found nothing is no round: it
+  verified nothing and cost only the look-up, so the request asks again next step (text
+  that starts repeating is drafted at once).
 - ``expected``: the accepted draft tokens a round of this request is expected to give, an
   exponential moving average of its rounds (``PRIOR`` before any), for the scheduler's
   cost rule (``radixrt.scheduler.speculative``).
@@ -37,8 +39,7 @@ class Backoff:
         return True
 
     def record(self, drafted: int, accepted: int) -> None:
-        if drafted:
-            self.expected = (1 - EMA) * self.expected + EMA * accepted
+        self.expected = (1 - EMA) * self.expected + EMA * accepted
         if accepted >= max(1.0, LOW_ACCEPTANCE * drafted):
             self.low = self.level = 0
             return

@@ -203,7 +203,8 @@ def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
     assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
     b.record(8, 4)
     assert (b.level, b.low, b.wait) == (0, 0, 0) and b.expected > 0
-    b.record(0, 0)  # nothing proposed: a low round too
+    b.record(2, 1)  # one of two: not low
+    b.record(8, 1)
     assert b.low == 1
 
 
