@@ -43,14 +43,12 @@ from radixrt.spec.proposer import Proposer, make_proposer
 class NoSpeculation:
     """Speculation off: no request drafts."""
 
-    enabled = False
-
     def plan(self, reqs: list[Req], reserved_rows: int = 0) -> dict[str, DraftRows]:
         return {}
 
 
 class Speculator:
-    enabled = True
+    """Drafts for running requests (``plan``) and what their verification keeps (``settle``)."""
 
     def __init__(
         self,

@@ -290,7 +290,10 @@ def test_a_sampled_request_needs_its_generator():
 
 
 @pytest.mark.parametrize("mode", ["right", "partly", "wrong", "tree"])
-@pytest.mark.parametrize("cfg", [{}, {"disable_mixed_chunk": True}, {"chunked_prefill_size": 8}])
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"disable_mixed_chunk": True}, {"chunked_prefill_size": 8}, {"disable_radix_cache": True}],
+)
 def test_greedy_outputs_equal_decoding(mode, cfg):
     ps = prompts(6)
     oracle = Oracle(mode)
