@@ -98,8 +98,8 @@ def same(want, got) -> None:
 
 @pytest.mark.parametrize("mode", ["right", "partly", "wrong", "tree"])
 def test_greedy_outputs_and_logprobs_are_decodings(engines, mode):
-    sp = SamplingParams(max_new_tokens=40, temperature=0, logprobs=True, top_logprobs=3)
-    for ids in (prompts(1, 1), prompts(5)):
+    sp = SamplingParams(max_new_tokens=24, temperature=0, logprobs=True, top_logprobs=3)
+    for ids in (prompts(1, 1), prompts(4)):
         want, got = both(engines, ids, sp, mode)
         same(want, got)
         assert all(o.spec_verify_ct > 0 for o in got)
