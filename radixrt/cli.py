@@ -11,7 +11,9 @@ streams the completion from a running server instead.
 starts the server (see ``radixrt.server``). Its flags are generated from the
 fields of ``radixrt.config.EngineConfig`` and ``ServerConfig`` (SGLang's names);
 a TOML file may set any field, the environment some (``RADIXRT_API_KEY``), and
-flags override both (``radixrt.config.load_config``).
+flags override both (``radixrt.config.load_config``). ``--speculative-algorithm NGRAM``
+(with ``--speculative-num-draft-tokens N`` and the ``--speculative-ngram-*`` settings)
+turns on speculative decoding (``radixrt.scheduler.speculative``).
 
     radixrt curve-keygen FOLDER
 

@@ -36,6 +36,9 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_PREFILL_STEP_MS = 200.0
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+DEFAULT_DRAFT_TOKENS = 8
+MAX_DRAFT_TOKENS = 64
 
 
 def setting(
@@ -200,6 +203,33 @@ class EngineConfig:
         "JSON-schema outputs are compact (', ' and ': ' between elements) instead of allowing "
         "any whitespace there",
     )
+    speculative_algorithm: str | None = setting(
+        None,
+        "speculative decoding: NGRAM drafts a running request's next tokens from earlier "
+        "occurrences of its latest tokens and verifies them in one forward (greedy outputs "
+        "and logprobs unchanged, sampling's distribution unchanged)",
+        unset="off",
+    )
+    speculative_num_draft_tokens: int | None = setting(
+        None,
+        f"draft tokens verified per request and step, 1 to {MAX_DRAFT_TOKENS}",
+        unset=f"{DEFAULT_DRAFT_TOKENS} with --speculative-algorithm",
+    )
+    speculative_ngram_min_match_window_size: int = setting(
+        1, "NGRAM: the fewest latest tokens a match must cover"
+    )
+    speculative_ngram_max_match_window_size: int = setting(
+        12, "NGRAM: the most latest tokens a match is looked up with"
+    )
+    speculative_ngram_min_bfs_breadth: int = setting(
+        1, "NGRAM: the fewest branches a draft tree from the cache is given"
+    )
+    speculative_ngram_max_bfs_breadth: int = setting(
+        10, "NGRAM: the most branches a draft tree from the cache is given"
+    )
+    speculative_ngram_branch_length: int = setting(
+        18, "NGRAM: the tokens after a match the cache's index keeps"
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -220,6 +250,7 @@ class EngineConfig:
         if not 0.0 <= self.new_token_ratio <= 1.0:
             raise ValueError(f"new_token_ratio must be in [0, 1], got {self.new_token_ratio}")
         self._check_hierarchical_cache()
+        self._check_speculative()
         if self.enable_deterministic_inference and self.disable_deterministic_inference:
             raise ValueError(
                 "enable_deterministic_inference and disable_deterministic_inference are both set"
@@ -240,6 +271,49 @@ class EngineConfig:
         ratio = self.swa_full_tokens_ratio
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
             raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], got {ratio!r}")
+
+    def _check_speculative(self) -> None:
+        """The speculative settings, and the combinations speculation does not implement."""
+        algo, n = self.speculative_algorithm, self.speculative_num_draft_tokens
+        if algo is not None and algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm {algo!r} is not implemented (one of "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)}, or None)"
+            )
+        if n is not None and (isinstance(n, bool) or not 1 <= n <= MAX_DRAFT_TOKENS):
+            raise ValueError(
+                f"speculative_num_draft_tokens must be an integer in [1, {MAX_DRAFT_TOKENS}], "
+                f"got {n!r}"
+            )
+        if n is not None and algo is None:
+            raise ValueError("speculative_num_draft_tokens needs speculative_algorithm")
+        for kind in ("match_window_size", "bfs_breadth"):
+            low = getattr(self, f"speculative_ngram_min_{kind}")
+            high = getattr(self, f"speculative_ngram_max_{kind}")
+            _check_positive(f"speculative_ngram_min_{kind}", low)
+            if high < low:
+                raise ValueError(
+                    f"speculative_ngram_max_{kind} ({high}) is below "
+                    f"speculative_ngram_min_{kind} ({low})"
+                )
+        _check_positive("speculative_ngram_branch_length", self.speculative_ngram_branch_length)
+        if algo is not None and self.page_size != 1:
+            raise ValueError(
+                f"speculative_algorithm {algo} with page_size {self.page_size}: speculative "
+                "decoding needs page_size 1"
+            )
+        if algo is not None and self.device.startswith("cuda"):
+            raise ValueError(
+                f"speculative_algorithm {algo} on {self.device}: speculative decoding runs on the "
+                "CPU only (untested on GPUs)"
+            )
+
+    @property
+    def draft_tokens(self) -> int:
+        """Draft tokens per request and step (0: speculation off)."""
+        if self.speculative_algorithm is None:
+            return 0
+        return self.speculative_num_draft_tokens or DEFAULT_DRAFT_TOKENS
 
     @property
     def prefill_budget(self) -> int:

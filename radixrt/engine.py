@@ -29,6 +29,11 @@ class Engine:
     keyword that is no ``EngineConfig`` field is a TypeError naming it, raised before any
     model is loaded.
 
+    ``Engine(speculative_algorithm="NGRAM")`` decodes speculatively
+    (``radixrt.scheduler.speculative``): the outputs are those of decoding without it (greedy
+    and seeded requests bit for bit), and each ``GenerateOutput`` counts its verifications
+    (``spec_verify_ct``, ``spec_draft_tokens``, ``spec_accepted_tokens``).
+
     A request the scheduler failed (a forward pass of its batch raised, or its
     own step did; see ``radixrt.scheduler.scheduler``) finishes with
     finish_reason "error" and the message in ``Req.error``. ``generate`` and

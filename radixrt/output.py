@@ -12,7 +12,9 @@ Contract:
   token and a scoring request's prompt logprobs (its prompt is all computed by then);
   only a finished request's delta has a finish reason. Every delta carries the prompt's
   length, its cached tokens and how many of them were loaded from below the device
-  (``cached_below``; ``cached_tokens_details`` makes the dict outputs give).
+  (``cached_below``; ``cached_tokens_details`` makes the dict outputs give), and its
+  speculative decoding counters so far (``spec_verify_ct``, ``spec_draft_tokens``,
+  ``spec_accepted_tokens``; 0 without speculation).
 - ``OutputTracker`` knows, per tracked request, how many output tokens were sent. A
   streamed request has a delta due whenever it has new tokens; an unstreamed one has a
   single delta, holding everything, when it finishes. A finished request's delta is its
@@ -59,6 +61,9 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None,
+        spec_verify_ct=req.spec_verify_ct,
+        spec_draft_tokens=req.spec_draft_tokens,
+        spec_accepted_tokens=req.spec_accepted_tokens,
     )
 
 
@@ -81,6 +86,9 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
         prompt_logprobs=d.prompt_logprobs,
         top_logprobs=d.top_logprobs,
         prompt_top_logprobs=d.prompt_top_logprobs,
+        spec_verify_ct=d.spec_verify_ct,
+        spec_draft_tokens=d.spec_draft_tokens,
+        spec_accepted_tokens=d.spec_accepted_tokens,
     )
 
 
@@ -225,6 +233,9 @@ class Detokenizer:
             top_logprobs=item.top_logprobs,
             prompt_top_logprobs=item.prompt_top_logprobs,
             first_token_at=item.first_token_at,
+            spec_verify_ct=item.spec_verify_ct,
+            spec_draft_tokens=item.spec_draft_tokens,
+            spec_accepted_tokens=item.spec_accepted_tokens,
         )
 
     def decode(self, ids: list[int]) -> str:

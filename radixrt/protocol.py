@@ -73,6 +73,12 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     # With logprob_start_len and top_logprobs: the same for each position of prompt_logprobs.
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    # Speculative decoding (SGLang's meta_info names): forwards that verified a draft of the
+    # request, the draft tokens they verified and how many of those it accepted (every
+    # verification also emits one token of its own).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
@@ -206,6 +212,10 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None  # like prompt_logprobs
     first_token_at: float = 0.0  # on the first delta: time.monotonic() of the first token (0: none)
+    # The request's speculative counters so far (as GenerateOutput's).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class BatchTokenOut(_Msg, tag="batch_tokens"):
@@ -228,6 +238,9 @@ class TextDelta(msgspec.Struct, kw_only=True):
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
     prompt_top_logprobs: list[tuple[list[int], list[float]]] | None = None
     first_token_at: float = 0.0
+    spec_verify_ct: int = 0  # the speculative counters, as TokenDelta's
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class BatchTextOut(_Msg, tag="batch_text"):

@@ -18,6 +18,7 @@ import torch
 from radixrt.cache.radix_cache import TreeNode
 from radixrt.grammar import Matcher
 from radixrt.sampling import SamplingParams
+from radixrt.spec.backoff import Backoff
 
 
 class ReqState(enum.Enum):
@@ -66,6 +67,12 @@ class Req:
         self.admitted = False
         self.prefetched = False  # its blocks in storage were asked to be read ahead
         self.num_retractions = 0
+        # Speculative decoding: steps that verified a draft of this request, the draft tokens
+        # they verified, and how many of those were accepted (each step also emits one more).
+        self.spec_verify_ct = 0
+        self.spec_draft_tokens = 0
+        self.spec_accepted_tokens = 0
+        self.spec_backoff = Backoff()
         self.reset_kv()
 
     def reset_kv(self) -> None:

@@ -52,12 +52,14 @@ from radixrt.cache.radix_cache import common_prefix_len
 from radixrt.config import EngineConfig
 from radixrt.grammar import GrammarCompiler, mask_logits
 from radixrt.sampling import Sampler, topk_logprobs
-from radixrt.scheduler.batch import ScheduledBatch
+from radixrt.scheduler.batch import DraftRows, ScheduledBatch
 from radixrt.scheduler.grammar_wait import GrammarWait
 from radixrt.scheduler.policy import order_waiting
 from radixrt.scheduler.req import Req, ReqState
+from radixrt.scheduler.speculative import make_speculator
 from radixrt.scheduler.step_cost import StepCost, attention_pairs, for_runner
 from radixrt.scheduler.swa_kv import kv_manager
+from radixrt.spec.verify import Verdict, verify
 
 # A waiting request sharing at least this many more tokens with a request admitted
 # in the same round than it hits in the tree waits one round (in-batch prefix caching).
@@ -88,6 +90,7 @@ class Scheduler:
         self.max_context = max_context
         self.kv = kv_manager(runner.pool, config, hicache)
         self.cost = step_cost or for_runner(runner, config, max_context)
+        self.spec = make_speculator(config, self.kv, self.cost, runner.pool, max_context)
         self.sampler = Sampler(config.seed)
         self.waiting: list[Req] = []
         self.compiling = GrammarWait(grammars)  # constrained requests until their grammar is ready
@@ -157,9 +160,7 @@ class Scheduler:
             return failed + self._fail_batch(batch, e)
         elapsed = time.perf_counter() - start
         self.stats["forward_s"] += elapsed
-        self.stats[
-            "decode_forward_s" if batch.mode is ForwardMode.DECODE else "prefill_forward_s"
-        ] += elapsed
+        self.stats["prefill_forward_s" if batch.prefilling else "decode_forward_s"] += elapsed
         self.forward_failures = 0
         finished = self.process_output(batch, logits)
         self.cost.observe(time.perf_counter() - start, *work)
@@ -182,6 +183,7 @@ class Scheduler:
             decode.reqs + prefill.reqs,
             decode.extend_lens + prefill.extend_lens,
             decode_rows=len(decode.reqs),
+            drafts=decode.drafts,
         )
 
     def _prefetch_waiting(self) -> None:
@@ -202,10 +204,11 @@ class Scheduler:
         return [self._fail(req, why) for req, why in failed]
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token."""
+        """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token, or with
+        ``batch.layout`` its rows (prompt scores collected)."""
         logits = self.runner.forward(batch.to_forward_batch(self.runner.pool))
         if batch.layout is not None:
-            logits = self._collect_prompt_logprobs(batch, logits)
+            self._collect_prompt_logprobs(batch, logits)
         return logits
 
     def schedule_prefill(self, decode: ScheduledBatch | None = None) -> ScheduledBatch | None:
@@ -335,7 +338,18 @@ class Scheduler:
                 self._finish(req, "length")
         if not self.decoding:
             return None
-        return ScheduledBatch(ForwardMode.DECODE, list(self.decoding), [1] * len(self.decoding))
+        drafts = self.spec.plan(self.decoding, reserved_rows=len(self.waiting))
+        if not drafts:
+            return ScheduledBatch(ForwardMode.DECODE, list(self.decoding), [1] * len(self.decoding))
+        plain = [r for r in self.decoding if r.rid not in drafts]
+        drafted = [r for r in self.decoding if r.rid in drafts]
+        return ScheduledBatch(
+            ForwardMode.EXTEND,
+            plain + drafted,
+            [1] * len(self.decoding),
+            decode_rows=len(self.decoding),
+            drafts={len(plain) + j: drafts[r.rid] for j, r in enumerate(drafted)},
+        )
 
     def _make_room_for_decode(self) -> None:
         """Evict, then retract (fewest generated tokens first) until every decoder gets a slot."""
@@ -360,10 +374,9 @@ class Scheduler:
 
     # -------------------------------------------------------------- output
 
-    def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> torch.Tensor:
-        """Append scored prompt tokens' logprobs (and top logprobs) to their requests; return
-        the last-token rows."""
-        last_rows, spans, _ = batch.layout
+    def _collect_prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> None:
+        """Append scored prompt tokens' logprobs (and top logprobs) to their requests."""
+        spans = batch.layout.spans
         for req, (start, targets) in zip(batch.reqs, spans):
             if targets:
                 rows = logits[start : start + len(targets)]
@@ -373,11 +386,12 @@ class Scheduler:
                 top = topk_logprobs(logp, req.params.top_logprobs)
                 if top is not None:
                     req.prompt_top_logprobs.extend(zip(top[0].tolist(), top[1].tolist()))
-        return logits[torch.tensor(last_rows, dtype=torch.int64, device=logits.device)]
 
     def process_output(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
         rows, to_sample, finished = [], [], []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if i in batch.drafts:
+                continue  # its KV grows by what verification accepts
             req.kv_len += n
             if batch.prefills(i):
                 self.stats["prefill_tokens"] += n
@@ -388,35 +402,40 @@ class Scheduler:
                     finished.append(self._finish(req, "length"))
                     continue
                 rows.append(i), to_sample.append(req)
-        self.stats["decode_steps" if batch.mode is ForwardMode.DECODE else "prefill_steps"] += 1
-        if not to_sample:
-            return finished
+        self.stats["prefill_steps" if batch.prefilling else "decode_steps"] += 1
+        finished += self._sample(batch, logits, rows, to_sample)
+        return finished + self._verify_drafts(batch, logits)
+
+    def _sample(
+        self, batch: ScheduledBatch, logits: torch.Tensor, rows: list[int], reqs: list[Req]
+    ) -> list[Req]:
+        """Sample the next token of each of ``reqs`` (batch.reqs[rows[j]] is reqs[j]) and book
+        it; the requests that finished."""
+        if not reqs:
+            return []
         try:
-            every = len(rows) == logits.shape[0]  # a decode step: no copy of [B, vocab] logits
-            logits = logits if every else logits[rows]
-            self._mask_constrained(to_sample, logits)
-            out = self.sampler.sample(
-                logits, [r.params for r in to_sample], [r.generator for r in to_sample]
-            )
+            at = rows if batch.layout is None else [batch.layout.last_rows[i] for i in rows]
+            # a decode step: no copy of [B, vocab] logits
+            logits = logits if at == list(range(logits.shape[0])) else logits[at]
+            self._mask_constrained(reqs, logits)
+            out = self.sampler.sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
         except Exception as e:  # their KV is computed and good; only this step's tokens are lost
-            return finished + [self._fail(r, f"sampling failed: {e!r}") for r in to_sample]
+            return [self._fail(r, f"sampling failed: {e!r}") for r in reqs]
         token_ids = out.token_ids.tolist()
         logprobs = out.logprobs.tolist() if out.logprobs is not None else None
         top = [t.tolist() for t in out.top_logprobs] if out.top_logprobs is not None else None
-        now = time.monotonic()
-        for j, req in enumerate(to_sample):
+        now, finished = time.monotonic(), []
+        for j, req in enumerate(reqs):
             if not req.output_ids:
                 req.first_token_at = now
-            req.output_ids.append(token_ids[j])
-            if logprobs is not None:
-                req.output_logprobs.append(logprobs[j])
-            if k := req.params.top_logprobs:
-                req.output_top_logprobs.append((top[0][j][:k], top[1][j][:k]))
-            self.stats["output_tokens"] += 1
+            k = req.params.top_logprobs
             try:
-                if req.matcher is not None and not req.matcher.accept(token_ids[j]):
-                    raise RuntimeError(f"its grammar does not take token {token_ids[j]}")
-                reason = self._finish_reason(req)
+                reason = self._book(
+                    req,
+                    token_ids[j],
+                    logprobs[j] if logprobs is not None else None,
+                    (top[0][j][:k], top[1][j][:k]) if k else None,
+                )
             except Exception as e:  # this request's fault only
                 finished.append(self._fail(req, f"finishing a step failed: {e!r}"))
                 continue
@@ -425,6 +444,69 @@ class Scheduler:
             elif batch.prefills(rows[j]):
                 self.decoding.append(req)
         return finished
+
+    def _book(
+        self, req: Req, token: int, logprob: float | None, top: tuple[list, list] | None
+    ) -> str | None:
+        """Append a sampled token (and its logprob, top logprobs) to req; its finish reason
+        (None: it goes on). Raises if its grammar refuses the token or the check fails."""
+        req.output_ids.append(token)
+        if logprob is not None:
+            req.output_logprobs.append(logprob)
+        if top is not None:
+            req.output_top_logprobs.append(top)
+        self.stats["output_tokens"] += 1
+        if req.matcher is not None and not req.matcher.accept(token):
+            raise RuntimeError(f"its grammar does not take token {token}")
+        return self._finish_reason(req)
+
+    def _verify_drafts(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
+        """Accept what each drafted request's rows confirm (``radixrt.spec.verify``), book the
+        tokens one by one as decoding would, stopping where the request finishes, and settle
+        its KV; the requests that finished."""
+        finished = []
+        for i, draft in batch.drafts.items():
+            req, start = batch.reqs[i], batch.layout.draft_rows[i]
+            rows = logits[start : start + sum(draft.lens())]
+            try:
+                gen = None if req.params.greedy else self.spec.generator(req)
+                verdict = verify(self.sampler, rows, draft.tokens, req.params, gen)
+            except Exception as e:  # the last token's KV is computed and good
+                self.spec.settle(req, draft, 0, 1)
+                finished.append(self._fail(req, f"sampling failed: {e!r}"))
+                continue
+            m, reason, error = self._book_verdict(req, verdict)
+            self.spec.settle(req, draft, verdict.branch, m)
+            self.kv.advanced(req)
+            self._count_verified(req, draft, len(verdict.tokens) - 1, m)
+            if error is not None:
+                finished.append(self._fail(req, f"finishing a step failed: {error!r}"))
+            elif reason is not None:
+                finished.append(self._finish(req, reason))
+        return finished
+
+    def _book_verdict(self, req: Req, verdict: Verdict) -> tuple[int, str | None, Exception | None]:
+        """Book the verdict's tokens until req finishes: (tokens booked, finish reason, the
+        exception that failed it)."""
+        lp, top = verdict.logprobs, verdict.top_logprobs
+        for t, token in enumerate(verdict.tokens):
+            try:
+                reason = self._book(req, token, lp[t] if lp else None, top[t] if top else None)
+            except Exception as e:  # this request's fault only
+                return t + 1, None, e
+            if reason is not None:
+                return t + 1, reason, None
+        return len(verdict.tokens), None, None
+
+    def _count_verified(self, req: Req, draft: DraftRows, accepted: int, booked: int) -> None:
+        drafted = sum(len(t) for t in draft.tokens)
+        req.spec_backoff.record(max(len(t) for t in draft.tokens), accepted)
+        req.spec_verify_ct += 1
+        req.spec_draft_tokens += drafted
+        req.spec_accepted_tokens += min(accepted, booked)
+        self.stats["spec_verify_ct"] += 1
+        self.stats["spec_draft_tokens"] += drafted
+        self.stats["spec_accepted_tokens"] += min(accepted, booked)
 
     def _mask_constrained(self, reqs: list[Req], logits: torch.Tensor) -> None:
         """Mask the tokens each constrained request's grammar does not allow next (logits
@@ -476,8 +558,10 @@ class Scheduler:
         self.stats["forward_failures"] += 1
         failed = []
         for i, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            if i in batch.drafts:
+                self.spec.discard(req, batch.drafts[i])
             self.kv.free_uncomputed(req, n)
-            if batch.mode is ForwardMode.EXTEND and not batch.prefills(i):
+            if batch.prefilling and not batch.prefills(i):
                 continue  # a running request's row of a mixed step: it retries next step
             failed.append(self._fail(req, f"forward pass failed: {self.last_forward_error}"))
         return failed

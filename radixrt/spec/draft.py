@@ -46,3 +46,19 @@ class DraftTree:
     def chain(cls, tokens: list[int]) -> DraftTree:
         """One branch: each token follows the one before it."""
         return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def pruned(self, max_tokens: int, max_depth: int) -> DraftTree:
+        """The tree cut to its first ``max_tokens`` tokens of depth at most ``max_depth`` (a
+        token following the request's last token has depth 1); parents stay before children."""
+        depth: list[int] = []
+        keep: dict[int, int] = {}  # old index -> new index
+        tokens, parents = [], []
+        for i, (token, p) in enumerate(zip(self.tokens, self.parents)):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            if len(tokens) == max_tokens:
+                break
+            if depth[i] <= max_depth and (p < 0 or p in keep):
+                keep[i] = len(tokens)
+                tokens.append(token)
+                parents.append(-1 if p < 0 else keep[p])
+        return DraftTree(tokens, parents)

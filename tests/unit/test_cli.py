@@ -62,6 +62,22 @@ FLAG_VALUES = {
         ["--constrained-json-disable-any-whitespace"],
         True,
     ),
+    "speculative_algorithm": (["--speculative-algorithm", "NGRAM"], "NGRAM"),
+    "speculative_num_draft_tokens": (
+        ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],
+        4,
+    ),
+    "speculative_ngram_min_match_window_size": (
+        ["--speculative-ngram-min-match-window-size", "2"],
+        2,
+    ),
+    "speculative_ngram_max_match_window_size": (
+        ["--speculative-ngram-max-match-window-size", "6"],
+        6,
+    ),
+    "speculative_ngram_min_bfs_breadth": (["--speculative-ngram-min-bfs-breadth", "2"], 2),
+    "speculative_ngram_max_bfs_breadth": (["--speculative-ngram-max-bfs-breadth", "4"], 4),
+    "speculative_ngram_branch_length": (["--speculative-ngram-branch-length", "9"], 9),
     "host": (["--host", "0.0.0.0"], "0.0.0.0"),
     "port": (["--port", "1234"], 1234),
     "http_port": (["--http-port", "0"], 0),
@@ -145,8 +161,14 @@ def test_no_flags_give_the_dataclass_defaults():
 
 def test_each_flag_sets_its_field():
     assert set(FLAG_VALUES) == {f.name for _, f in launch_fields() if f.metadata["cli"]}
-    together = {k: v for k, v in FLAG_VALUES.items() if k != "enable_deterministic_inference"}
-    argv = [arg for args, _ in together.values() for arg in args]  # (it excludes disable)
+    # enable_deterministic_inference excludes disable; speculation needs page_size 1.
+    apart = (
+        "enable_deterministic_inference",
+        "speculative_algorithm",
+        "speculative_num_draft_tokens",
+    )
+    together = {k: v for k, v in FLAG_VALUES.items() if k not in apart}
+    argv = [arg for args, _ in together.values() for arg in args]
     engine, server = parse(*argv)
     for name, (_, want) in together.items():
         got = getattr(engine if hasattr(engine, name) else server, name)
@@ -268,6 +290,10 @@ def test_a_bad_toml_value_names_its_field(tmp_path):
         ("device", "cpu:0"),
         ("enable_torch_compile", "yes"),
         ("chunked_prefill_size", 2.0),
+        ("speculative_algorithm", "EAGLE"),
+        ("speculative_num_draft_tokens", 4),
+        ("speculative_ngram_min_match_window_size", 0),
+        ("speculative_ngram_branch_length", -1),
     ],
 )
 def test_an_invalid_value_names_its_field(name, value):
@@ -287,6 +313,8 @@ def test_cross_field_checks():
 def test_the_command_line_reports_a_bad_setting(capsys):
     assert main(["launch", "--port", "0"]) == 2
     assert "radixrt: error: port must be a port number" in capsys.readouterr().err
+    assert main(["launch", "--speculative-algorithm", "NGRAM", "--page-size", "4"]) == 2
+    assert "speculative decoding needs page_size 1" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ ServerConfig

@@ -1,0 +1,594 @@
+"""Speculative decoding without a model: the draft tree's pruning, the own-tokens proposer, the
+back-off, acceptance (``radixrt.spec.verify``) and the scheduler's verification steps.
+
+The fake runner writes each token id into K at its slot and predicts every position from the
+ids read back through the row's slots, so a branch row with a wrong prefix copy, a slot freed
+while in use or kept by the wrong branch changes the outputs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from radixrt.attention.base import ForwardBatch
+from radixrt.cache import KVPool
+from radixrt.config import EngineConfig
+from radixrt.sampling import Sampler, SamplingParams, make_generator
+from radixrt.scheduler.req import Req
+from radixrt.scheduler.scheduler import Scheduler
+from radixrt.scheduler.speculative import NoSpeculation, make_speculator
+from radixrt.scheduler.step_cost import StepCost
+from radixrt.spec import backoff
+from radixrt.spec.backoff import Backoff
+from radixrt.spec.draft import DraftTree
+from radixrt.spec.proposer import FirstProposal, OwnTokensProposer
+from radixrt.spec.verify import verify
+
+VOCAB = 97
+# The sampled fake model's next-token distribution, whatever came before.
+PROBS = [0.45, 0.3, 0.15, 0.1]
+
+
+def next_token(ids: list[int]) -> int:
+    h = 0
+    for t in ids:
+        h = (h * 31 + t + 7) % 1_000_003
+    return h % VOCAB
+
+
+def copy_token(ids: list[int]) -> int:
+    """An induction head: what followed the latest earlier occurrence of the last token."""
+    for j in range(len(ids) - 2, -1, -1):
+        if ids[j] == ids[-1]:
+            return ids[j + 1]
+    return next_token(ids)
+
+
+def reference(prompt: list[int], n: int, rule=next_token) -> list[int]:
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(rule(ids))
+    return ids[len(prompt) :]
+
+
+class FakeRunner:
+    """Logits for every position ``logits_indices`` asks for (default: each row's last):
+    one-hot at ``rule`` of the ids read through the row's slots, or (``sampled``)
+    ``log(PROBS)`` on tokens 0..3 whatever the ids."""
+
+    def __init__(
+        self, num_slots: int, max_running: int = 32, sampled: bool = False, rule=next_token
+    ) -> None:
+        self.pool = KVPool(num_slots, 1, 1, 1, torch.float32, max_running, 512)
+        self.sampled, self.rule = sampled, rule
+
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        k = batch.input_ids.to(torch.float32).view(-1, 1, 1)
+        self.pool.store_kv(0, batch.out_cache_loc, k, k)
+        table, kbuf = self.pool.req_to_token, self.pool.k_buffers[0]
+        seqs = []  # per token of the batch: the ids up to and including it
+        for row, seq_len, n in zip(batch.req_rows.tolist(), batch.seq_lens, batch.extend_lens):
+            ids = kbuf[table[row, :seq_len], 0, 0].long().tolist()
+            seqs += [ids[: seq_len - n + t + 1] for t in range(n)]
+        at = batch.logits_indices
+        at = at.tolist() if at is not None else (torch.tensor(batch.extend_lens).cumsum(0) - 1)
+        return torch.stack([self.logits(seqs[int(i)]) for i in at])
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        out = torch.full((VOCAB,), -40.0)
+        if self.sampled:
+            out[: len(PROBS)] = torch.tensor(PROBS).log()
+        else:
+            out[self.rule(ids)] = 1.0
+        return out
+
+
+class Oracle:
+    """Drafts from what decoding will give: ``right``, ``partly`` right (the third token off),
+    ``wrong``, or a ``tree`` whose first branch goes wrong after one token and whose second is
+    right."""
+
+    def __init__(self, mode: str, k: int = 5) -> None:
+        self.mode, self.k = mode, k
+        self.calls = 0
+
+    def propose(self, tokens, salt) -> DraftTree:
+        self.calls += 1
+        right = reference(list(tokens), self.k)
+        bad = [(t + 1) % VOCAB for t in right]
+        if self.mode == "partly" and len(right) > 2:
+            right[2] = bad[2]
+        if self.mode == "wrong":
+            return DraftTree.chain(bad)
+        if self.mode == "tree" and len(right) >= 3:
+            return DraftTree([right[0], bad[1], right[1], right[2]], [-1, 0, 0, 2])
+        return DraftTree.chain(right)
+
+
+class Unlearned(StepCost):
+    """A step cost that stays as given (the fake runner's times would teach it nonsense)."""
+
+    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+        pass
+
+
+def make(
+    num_slots=4096, proposer=None, sampled=False, max_running=32, rule=next_token, **cfg
+) -> Scheduler:
+    cfg.setdefault("speculative_algorithm", "NGRAM")
+    sched = Scheduler(
+        EngineConfig(**cfg),
+        FakeRunner(num_slots, max_running, sampled, rule),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=512,
+        step_cost=Unlearned(0.0),
+    )
+    if proposer is not None:
+        sched.spec.proposer = proposer
+    return sched
+
+
+def run(sched: Scheduler, reqs: list[Req]) -> list[Req]:
+    for r in reqs:
+        sched.add_request(r)
+    while not all(r.finished for r in reqs):
+        sched.step()
+        sched.check_memory()
+    return reqs
+
+
+def greedy(n: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True, **kw)
+
+
+def prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))] for _ in range(count)]
+
+
+# ------------------------------------------------------------------ drafts and proposers
+
+
+def test_pruning_keeps_parents_before_children():
+    tree = DraftTree([1, 2, 3, 4, 5], [-1, 0, 1, 0, -1])
+    assert tree.branches() == [[0, 1, 2], [0, 3], [4]]
+    assert tree.pruned(5, 2) == DraftTree([1, 2, 4, 5], [-1, 0, 0, -1])
+    assert tree.pruned(2, 9) == DraftTree([1, 2], [-1, 0])
+    assert tree.pruned(0, 9) == DraftTree()
+    assert len(DraftTree.chain([7, 8, 9]).pruned(8, 1)) == 1
+
+
+def test_own_tokens_proposer_takes_the_longest_latest_match():
+    p = OwnTokensProposer(max_tokens=4, min_window=1, max_window=4)
+    # "3 4" occurs twice before the end; "2 3 4" only at 1..3: the longest wins.
+    assert p.propose([2, 3, 4, 9, 1, 3, 4, 7, 2, 3, 4], None).tokens == [9, 1, 3, 4]
+    # Equal matches: the latest occurrence.
+    assert p.propose([5, 6, 1, 5, 6, 2, 5, 6], None).tokens == [2, 5, 6, 2]
+    # A continuation reaching the end repeats as it predicts itself.
+    assert p.propose([1, 2, 1, 2], None).tokens == [1, 2, 1, 2]
+    assert p.propose([7, 7], None).tokens == [7, 7, 7, 7]
+    assert len(p.propose([1, 2, 3], None)) == 0 and len(p.propose([1], None)) == 0
+    assert len(OwnTokensProposer(4, min_window=3).propose([1, 2, 9, 2], None)) == 0
+    assert OwnTokensProposer(2, min_window=2).propose([1, 2, 9, 1, 2], None).tokens == [9, 1]
+    tree = p.propose([1, 2, 3, 1, 2], None)
+    assert tree.parents == [-1, 0, 1, 2] and tree.branches() == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="min_window <= max_window"):
+        OwnTokensProposer(4, min_window=3, max_window=2)
+
+
+def test_first_proposal_asks_in_order():
+    empty = OwnTokensProposer(4, min_window=9)
+    own = OwnTokensProposer(4)
+    assert FirstProposal([empty, own]).propose([1, 2, 1], None).tokens == [2, 1, 2, 1]
+    assert len(FirstProposal([empty]).propose([1, 2, 1], None)) == 0
+
+
+def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
+    b = Backoff()
+    pauses = []
+    for _ in range(8):
+        for _ in range(backoff.LOW_ROUNDS):
+            assert b.take_turn()
+            b.record(8, 0)
+        wait = 0
+        while not b.take_turn():
+            wait += 1
+        pauses.append(wait)
+    assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
+    b.record(8, 4)
+    assert (b.level, b.low, b.wait) == (0, 0, 0) and b.expected > 0
+    b.record(2, 1)  # one of two: not low
+    b.record(8, 1)
+    assert b.low == 1
+
+
+# ------------------------------------------------------------------ acceptance
+
+
+def test_greedy_verification_takes_the_longest_branch_and_its_bonus():
+    # Rows: branch [5, 6] (root, after 5, after 6), then branch [5, 7].
+    argmax = [5, 6, 3, 5, 7, 8]
+    logits = torch.full((6, 10), -1.0)
+    logits[torch.arange(6), argmax] = 1.0
+    sp = SamplingParams(temperature=0, logprobs=True, top_logprobs=2)
+    v = verify(Sampler(0), logits, [[5, 6], [5, 7]], sp, None)
+    assert (v.branch, v.tokens) == (0, [5, 6, 3])
+    v = verify(Sampler(0), logits, [[5, 9], [5, 7]], sp, None)
+    assert (v.branch, v.tokens) == (1, [5, 7, 8])
+    want = torch.log_softmax(logits[3:], -1)
+    assert v.logprobs == want.gather(1, torch.tensor([[5], [7], [8]]))[:, 0].tolist()
+    assert v.top_logprobs[0][0][0] == 5 and len(v.top_logprobs[0][0]) == 2
+    v = verify(Sampler(0), logits, [[4], [1]], sp, None)
+    assert (v.branch, v.tokens) == (0, [5])
+
+
+def test_sampled_verification_emits_what_decoding_draws_and_leaves_the_generator_there():
+    sampler, sp = Sampler(0), SamplingParams(temperature=1.0, top_k=3)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(40, 12, generator=gen)
+    for seed in range(30):
+        rows = logits[seed % 10 : seed % 10 + 6]
+        g = make_generator(seed)
+        decoded = [sampler.sample(rows[i : i + 1], [sp], [g]).token_ids.item() for i in range(6)]
+        after_all = g.get_state()
+        off = [(t + 1) % 12 for t in decoded]  # a token decoding does not draw there
+        for drafts in ([decoded[:5]], [decoded[:2] + off[2:4]], [off[:1], decoded[:3]], [off[:1]]):
+            g = make_generator(seed)  # branch b's row t: the logits after its first t tokens
+            branch_rows = torch.cat([rows[: len(d) + 1] for d in drafts])
+            v = verify(sampler, branch_rows, drafts, sp, g)
+            assert v.tokens == decoded[: len(v.tokens)]
+            assert v.tokens[:-1] == drafts[v.branch][: len(v.tokens) - 1]
+            g2 = make_generator(seed)  # the generator stands where decoding's would
+            for i in range(len(v.tokens)):
+                sampler.sample(rows[i : i + 1], [sp], [g2])
+            assert torch.equal(g.get_state(), g2.get_state())
+        assert v.tokens == decoded[:1] and not torch.equal(g.get_state(), after_all)
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    total = sum(counts)
+    return sum((c - total * p) ** 2 / (total * p) for c, p in zip(counts, probs))
+
+
+# The 0.999 quantile of chi-square with 3 and with 15 degrees of freedom.
+CHI2_3, CHI2_15 = 16.27, 37.70
+
+
+def test_sampled_tokens_follow_the_model_whatever_the_drafts():
+    """Drafts of the likely token 0, a less likely 2, or the impossible 9: the first token, and
+    the second after an accepted first, stay distributed as the model says. Emitting a fresh
+    draw on a rejection (not one from the residual) pushes token 0 from 0.45 to about 0.7."""
+    sampler, sp = Sampler(0), SamplingParams(temperature=1.0)
+    logits = torch.full((4, 12), -40.0)
+    logits[:, :4] = torch.tensor(PROBS).log()
+    for draft in ([0, 0, 0], [2, 0, 2], [9, 9, 9]):
+        first, second = [0] * 4, [0] * 4
+        for seed in range(3000):
+            v = verify(sampler, logits, [draft], sp, make_generator(seed * 7 + 1))
+            first[v.tokens[0]] += 1
+            if len(v.tokens) > 1:  # the first draft token was accepted
+                second[v.tokens[1]] += 1
+        assert chi_square(first, PROBS) < CHI2_3, (draft, first)
+        if draft[0] < len(PROBS):
+            assert chi_square(second, PROBS) < CHI2_3, (draft, second)
+        else:
+            assert sum(second) == 0
+
+
+def test_a_sampled_request_needs_its_generator():
+    with pytest.raises(ValueError, match="generator"):
+        verify(Sampler(0), torch.zeros(2, 4), [[1]], SamplingParams(temperature=1.0), None)
+
+
+# ------------------------------------------------------------------ the scheduler
+
+
+@pytest.mark.parametrize("mode", ["right", "partly", "wrong", "tree"])
+@pytest.mark.parametrize(
+    "cfg",
+    [{}, {"disable_mixed_chunk": True}, {"chunked_prefill_size": 8}, {"disable_radix_cache": True}],
+)
+def test_greedy_outputs_equal_decoding(mode, cfg):
+    ps = prompts(6)
+    oracle = Oracle(mode)
+    sched = make(proposer=oracle, **cfg)
+    reqs = run(sched, [Req(str(i), p, greedy(20)) for i, p in enumerate(ps)])
+    assert [r.output_ids for r in reqs] == [reference(p, 20) for p in ps]
+    verified = sum(r.spec_verify_ct for r in reqs)
+    accepted = sum(r.spec_accepted_tokens for r in reqs)
+    assert verified > 0 and sched.get_stats()["spec_verify_ct"] == verified
+    if mode == "wrong":
+        assert accepted == 0
+    else:
+        assert accepted > 0
+    if mode == "right":  # every draft token is accepted
+        assert all(r.spec_accepted_tokens == r.spec_draft_tokens for r in reqs)
+
+
+def test_requests_without_drafts_decode_in_the_same_forward():
+    class Some(Oracle):
+        def propose(self, tokens, salt):
+            return super().propose(tokens, salt) if tokens[0] % 2 else DraftTree()
+
+    ps = [[1, 5, 9], [2, 5, 9], [3, 4], [4, 4, 4, 4]]
+    sched = make(proposer=Some("right"))
+    reqs = run(sched, [Req(str(i), p, greedy(15)) for i, p in enumerate(ps)])
+    assert [r.output_ids for r in reqs] == [reference(p, 15) for p in ps]
+    assert [r.spec_verify_ct > 0 for r in reqs] == [True, False, True, False]
+
+
+def test_the_own_tokens_proposer_on_repetitive_prompts():
+    """A model that repeats what it has seen: the proposer drafts it right; and one that does
+    not: drafts from the prompt are wrong."""
+    ps = [[1, 2, 3, 4] * 6, [5, 6, 7, 5, 9, 8] * 4, [8] * 12, prompts(1)[0] * 2]
+    for model in (copy_token, next_token):
+        sched = make(rule=model)
+        assert isinstance(sched.spec.proposer, OwnTokensProposer)
+        reqs = run(sched, [Req(str(i), p, greedy(30)) for i, p in enumerate(ps)])
+        assert [r.output_ids for r in reqs] == [reference(p, 30, model) for p in ps]
+        if model is copy_token:
+            assert all(r.spec_accepted_tokens >= 20 for r in reqs)
+            assert sched.get_stats()["decode_steps"] < 15
+
+
+@pytest.mark.parametrize("mode", ["right", "tree"])
+def test_stops_inside_an_accepted_run(mode):
+    p = [4, 8, 15, 16, 23, 42]
+    out = reference(p, 30)
+    stop_at = 7  # index into out; the draft covers it
+    assert out[stop_at] not in out[:stop_at]
+    cases = [
+        (greedy(30, stop_token_ids=[out[stop_at]]), stop_at + 1, "stop"),
+        (greedy(stop_at + 1), stop_at + 1, "length"),
+        (greedy(30, stop=f" {out[stop_at]} {out[stop_at + 1]}"), stop_at + 2, "stop"),
+        (
+            SamplingParams(max_new_tokens=30, temperature=0, stop_token_ids=[out[stop_at]]),
+            stop_at + 1,
+            "stop",
+        ),
+    ]
+    for sp, n, reason in cases:
+        sched = make(proposer=Oracle(mode, k=8))
+        (req,) = run(sched, [Req("a", list(p), sp)])
+        assert (req.output_ids, req.finish_reason) == (out[:n], reason)
+        assert req.spec_accepted_tokens >= 1
+    sched = make(proposer=Oracle(mode, k=8))
+    sp = SamplingParams(max_new_tokens=30, temperature=0)
+    (req,) = run(sched, [Req("a", list(p), sp, eos_ids=(out[stop_at],))])
+    assert (req.output_ids, req.finish_reason) == (out[: stop_at + 1], "stop")
+
+
+def test_the_context_bounds_a_draft():
+    sched = make(proposer=Oracle("right", k=8))
+    p = prompts(1)[0]
+    (req,) = run(sched, [Req("a", p, greedy(600))])
+    assert req.output_ids == reference(p, 512 - len(p)) and req.finish_reason == "length"
+
+
+def test_drafts_need_spare_rows_and_slots():
+    """Branches beyond the first need spare rows; a pool too full for a draft decodes."""
+    sched = make(proposer=Oracle("tree"), max_running=2)
+    reqs = run(sched, [Req(str(i), p, greedy(12)) for i, p in enumerate(prompts(2))])
+    assert [r.output_ids for r in reqs] == [reference(p, 12) for p in prompts(2)]
+    assert all(r.spec_verify_ct for r in reqs)
+    sched = make(num_slots=70, proposer=Oracle("right", k=8))
+    ps = [list(range(i, i + 20)) for i in range(3)]
+    reqs = run(sched, [Req(str(i), p, greedy(20)) for i, p in enumerate(ps)])
+    assert [r.output_ids for r in reqs] == [reference(p, 20) for p in ps]
+
+
+def test_a_failed_verification_forward_frees_the_drafts():
+    sched = make(proposer=Oracle("right"))
+    req = Req("a", prompts(1)[0], greedy(20))
+    sched.add_request(req)
+    sched.step()
+    forward = sched.runner.forward
+    sched.runner.forward = lambda batch: 1 / 0
+    (failed,) = sched.step()
+    assert failed is req and req.finish_reason == "error" and "forward" in req.error
+    sched.runner.forward = forward
+    sched.check_memory()
+
+
+def test_backoff_stops_drafting_wrong_guesses():
+    oracle = Oracle("wrong")
+    sched = make(proposer=oracle)
+    (req,) = run(sched, [Req("a", prompts(1)[0], greedy(100))])
+    assert req.spec_accepted_tokens == 0 and req.spec_verify_ct < 25 and oracle.calls < 25
+
+
+def test_the_cost_rule_drops_drafts_of_a_large_batch():
+    """A step whose fixed part is small next to its tokens' cost gains nothing from drafts."""
+    ps = prompts(8)
+    for fixed, drafting in ((100.0, True), (0.0, False)):
+        sched = make(proposer=Oracle("right"))
+        sched.cost = sched.spec.cost = Unlearned(0.0, fixed=fixed, per_unit=1.0)
+        reqs = run(sched, [Req(str(i), p, greedy(10)) for i, p in enumerate(ps)])
+        assert [r.output_ids for r in reqs] == [reference(p, 10) for p in ps]
+        assert (sum(r.spec_verify_ct for r in reqs) > 0) == drafting
+
+
+@pytest.fixture
+def one_thread():
+    """Small tensors of a wide batch: splitting them between threads only costs here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sampled_frequencies_with_and_without_speculation_agree(one_thread):
+    """Over many seeds (different ones for each engine), each output position's token and
+    each pair of successive tokens are distributed alike: a chi-square statistic at a
+    fixed seed set, two-sample, with the own-tokens proposer drafting the frequent tokens."""
+    n, new = 400, 6
+    counts = {}
+    for spec in (None, "NGRAM"):
+        sched = make(sampled=True, speculative_algorithm=spec, max_running=64)
+        base = 0 if spec is None else n
+        sp = [
+            SamplingParams(max_new_tokens=new, temperature=1.0, seed=base + i, ignore_eos=True)
+            for i in range(n)
+        ]
+        reqs = run(sched, [Req(str(i), [0, 1, 0, 1, 0], sp[i]) for i in range(n)])
+        if spec:
+            assert (
+                sum(r.spec_verify_ct for r in reqs) > n
+                and sum(r.spec_accepted_tokens for r in reqs) > n / 2
+            )
+        pairs = [0] * 16
+        for r in reqs:
+            for a, b in zip(r.output_ids, r.output_ids[1:]):
+                pairs[4 * a + b] += 1
+        counts[spec] = pairs
+    a, b = counts[None], counts["NGRAM"]
+    stat = sum((x - y) ** 2 / (x + y) for x, y in zip(a, b) if x + y)
+    assert stat < CHI2_15, (a, b)
+    marginal = [sum(b[4 * i : 4 * i + 4]) for i in range(4)]
+    assert chi_square(marginal, PROBS) < CHI2_3, marginal
+
+
+# ------------------------------------------------------------------ a random trace
+
+
+class SpecTrace(RuleBasedStateMachine):
+    """Requests decode with drafts right, partly right and wrong, are aborted, evicted and
+    retracted from a small pool: the KV invariant after every step, and every request that
+    finishes has decoding's tokens."""
+
+    @initialize(slots=st.sampled_from([48, 96, 4096]), mixed=st.booleans())
+    def setup(self, slots, mixed):
+        self.sched = make(
+            num_slots=slots,
+            proposer=Oracle("right"),
+            max_running=6,
+            disable_mixed_chunk=not mixed,
+            new_token_ratio=0.0,  # admit without reserving: decoding runs out and retracts
+        )
+        self.reqs: list[Req] = []
+        self.count = 0
+
+    @rule(
+        prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=24),
+        new=st.integers(1, 16),
+        shared=st.booleans(),
+    )
+    def add(self, prompt, new, shared):
+        if shared and self.reqs:
+            prompt = self.reqs[-1].prompt_ids[:20] + prompt[:5]
+        req = Req(str(self.count), prompt, greedy(new))
+        self.count += 1
+        self.reqs.append(req)
+        self.sched.add_request(req)
+
+    @rule(seed=st.integers(0, 99))
+    def crowd(self, seed):
+        """Three long requests at once: a small pool runs out while they decode."""
+        for p in prompts(3, seed):
+            self.add((p * 8)[:20], 16, shared=False)
+
+    @rule(mode=st.sampled_from(["right", "partly", "wrong", "tree"]), k=st.integers(1, 8))
+    def change_drafts(self, mode, k):
+        self.sched.spec.proposer = Oracle(mode, k)
+
+    @rule(steps=st.integers(1, 4))
+    def step(self, steps):
+        for _ in range(steps):
+            self.sched.step()
+            self.sched.check_memory()
+
+    @rule(data=st.data())
+    def abort(self, data):
+        live = [r for r in self.reqs if not r.finished]
+        if live:
+            self.sched.abort(data.draw(st.sampled_from(live)).rid)
+
+    @rule(n=st.integers(1, 64))
+    def evict(self, n):
+        self.sched.kv.evict(n)
+
+    @invariant()
+    def finished_requests_decoded(self):
+        if not hasattr(self, "sched"):
+            return
+        self.sched.check_memory()
+        for r in self.reqs:
+            if r.finish_reason == "length":
+                assert r.output_ids == reference(r.prompt_ids, r.params.max_new_tokens)
+
+    def teardown(self):
+        if hasattr(self, "sched"):
+            while not self.sched.idle:
+                self.sched.step()
+                self.sched.check_memory()
+            self.sched.check_memory()
+            self.finished_requests_decoded()
+
+
+SpecTrace.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSpecTrace = SpecTrace.TestCase
+
+
+# ------------------------------------------------------------------ settings
+
+
+@pytest.mark.parametrize(
+    "cfg, message",
+    [
+        ({"speculative_algorithm": "EAGLE"}, "speculative_algorithm 'EAGLE' is not implemented"),
+        ({"speculative_algorithm": "ngram"}, "speculative_algorithm 'ngram'"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 0}, "in \\[1, 64\\]"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 65}, "in \\[1, 64\\]"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": True}, "an integer"),
+        ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),
+        ({"speculative_algorithm": "NGRAM", "page_size": 4}, "needs page_size 1"),
+        ({"speculative_algorithm": "NGRAM", "device": "cuda"}, "CPU only"),
+        ({"speculative_ngram_min_match_window_size": 0}, "min_match_window_size must be"),
+        (
+            {
+                "speculative_ngram_min_match_window_size": 5,
+                "speculative_ngram_max_match_window_size": 4,
+            },
+            "max_match_window_size \\(4\\) is below",
+        ),
+        ({"speculative_ngram_max_bfs_breadth": 0}, "max_bfs_breadth \\(0\\) is below"),
+        ({"speculative_ngram_branch_length": 0}, "branch_length must be"),
+    ],
+)
+def test_bad_speculative_settings_are_named(cfg, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**cfg)
+
+
+def test_defaults_and_refused_pools():
+    assert EngineConfig().draft_tokens == 0
+    assert EngineConfig(speculative_algorithm="NGRAM").draft_tokens == 8
+    config = EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
+    assert config.draft_tokens == 3
+    sched = make(speculative_algorithm=None)
+    assert isinstance(sched.spec, NoSpeculation) and sched.spec.plan(sched.decoding) == {}
+
+    class Sliding:
+        sliding = [True]
+        device = torch.device("cpu")
+
+    class OnMeta:
+        device = torch.device("meta")
+
+    kv, cost = make().kv, StepCost(0.0)
+    with pytest.raises(ValueError, match="sliding-window layers' KV pool"):
+        make_speculator(config, kv, cost, Sliding(), 512)
+    with pytest.raises(ValueError, match="CPU only"):
+        make_speculator(config, kv, cost, OnMeta(), 512)
+    assert math.isclose(backoff.PRIOR, Backoff().expected)
