@@ -206,7 +206,8 @@ class EngineConfig:
     speculative_algorithm: str | None = setting(
         None,
         "speculative decoding: NGRAM drafts a running request's next tokens from earlier "
-        "occurrences of its latest tokens and verifies them in one forward (greedy outputs "
+        "occurrences of its latest tokens, in its own tokens and in every sequence the radix "
+        "cache holds under its cache_salt, and verifies them in one forward (greedy outputs "
         "and logprobs unchanged, sampling's distribution unchanged)",
         unset="off",
     )
@@ -228,7 +229,7 @@ class EngineConfig:
         10, "NGRAM: the most branches a draft tree from the cache is given"
     )
     speculative_ngram_branch_length: int = setting(
-        18, "NGRAM: the tokens after a match the cache's index keeps"
+        18, "NGRAM: the most draft tokens taken after one occurrence of a match"
     )
 
     def __post_init__(self) -> None:

@@ -12,9 +12,9 @@ Contract:
   occurrence counts once, at its longest window; per window and source at most ``max_matches``
   are examined, the latest first. Its *continuations*: (a) the tokens after it in ``tokens``; (b)
   the tokens after it in the tree, forking into the most recently used children
-  (``tree_continuations``, at most ``max_bfs_breadth`` paths). All are cut at ``num_draft_tokens``
-  and merged into one trie. Shorter windows are tried only while the trie holds fewer than
-  ``num_draft_tokens`` tokens.
+  (``tree_continuations``, at most ``max_bfs_breadth`` paths). All are cut at ``branch_length``
+  tokens (at most ``num_draft_tokens``) and merged into one trie. Shorter windows are tried
+  only while the trie holds fewer than ``num_draft_tokens`` tokens.
 - Ranking: a token's rank is (the longest window it continues, how many continuations pass
   through it, its recency: the tree node's ``last_access``; the request's own tokens rank as more
   recent than anything cached, later ones more). The best ``num_draft_tokens`` are kept, parents
@@ -26,10 +26,11 @@ Contract:
   less certain matches branch wider, and every match narrows with depth.
 
 Settings are SGLang's ``--speculative-num-draft-tokens`` and ``--speculative-ngram-{min,max}-
-match-window-size`` / ``-{min,max}-bfs-breadth``, with one difference: ``num_draft_tokens`` counts
-the proposed tokens only (SGLang's also counts the verified tree's root, the last token).
-SGLang's ``-match-type``, ``-branch-length`` / ``-max-trie-depth`` and ``-capacity`` have no
-counterpart: ranking is fixed, and the tree is the store.
+match-window-size`` / ``-{min,max}-bfs-breadth`` / ``-branch-length`` (here: the most tokens one
+occurrence continues with), with one difference: ``num_draft_tokens`` counts the proposed tokens
+only (SGLang's also counts the verified tree's root, the last token). SGLang's ``-match-type``,
+``-max-trie-depth`` and ``-capacity`` have no counterpart: ranking is fixed, and the tree is the
+store.
 """
 
 from __future__ import annotations
@@ -59,14 +60,20 @@ class NgramProposer:
         min_bfs_breadth: int = 1,
         max_bfs_breadth: int = 10,
         max_matches: int = 16,
+        branch_length: int | None = None,
     ) -> None:
-        """``max_matches``: occurrences examined per window and source (the lookup's bound)."""
+        """``max_matches``: occurrences examined per window and source (the lookup's bound);
+        ``branch_length``: the most tokens taken after one occurrence (default: no more than
+        ``num_draft_tokens``)."""
         _check_settings(
             num_draft_tokens, min_match_window, max_match_window, min_bfs_breadth, max_bfs_breadth
         )
         if max_matches < 1:
             raise ValueError(f"max_matches must be >= 1, got {max_matches}")
+        if branch_length is not None and branch_length < 1:
+            raise ValueError(f"speculative_ngram_branch_length must be >= 1, got {branch_length}")
         self.num_draft_tokens = num_draft_tokens
+        self.branch_length = min(num_draft_tokens, branch_length or num_draft_tokens)
         self.min_match_window = min_match_window
         self.max_match_window = max_match_window
         self.min_bfs_breadth = min_bfs_breadth
@@ -107,7 +114,7 @@ class NgramProposer:
         seen: set[int] = set()
         for n in range(min(self.max_match_window, arr.size), self.min_match_window - 1, -1):
             for p in own[n][: self.max_matches].tolist() if n in own else ():
-                follow = arr[p + 1 : p + 1 + budget].tolist()
+                follow = arr[p + 1 : p + 1 + self.branch_length].tolist()
                 trie.add(follow, n, [_OWN_RECENCY + p] * len(follow))
             if self.index is not None:
                 self._add_cached(trie, arr, keys[n], salt, n, seen)
@@ -122,7 +129,7 @@ class NgramProposer:
         found = self.index.matches(arr, key, salt, n, self.max_matches, seen)
         for node, idx in found:
             paths = tree_continuations(
-                node, idx, self.num_draft_tokens, lambda d: self.breadth(n, d), self.max_bfs_breadth
+                node, idx, self.branch_length, lambda d: self.breadth(n, d), self.max_bfs_breadth
             )
             for path, recency in paths:
                 trie.add(path, n, recency)

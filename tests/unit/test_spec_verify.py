@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from radixrt.attention.base import ForwardBatch
-from radixrt.cache import KVPool
+from radixrt.cache import KVPool, KVSlotAllocator, RadixCache
 from radixrt.config import EngineConfig
 from radixrt.sampling import Sampler, SamplingParams, make_generator
 from radixrt.scheduler.req import Req
@@ -27,7 +27,8 @@ from radixrt.scheduler.step_cost import StepCost
 from radixrt.spec import backoff
 from radixrt.spec.backoff import Backoff
 from radixrt.spec.draft import DraftTree
-from radixrt.spec.proposer import FirstProposal, OwnTokensProposer
+from radixrt.spec.ngram import NgramProposer
+from radixrt.spec.proposer import make_proposer
 from radixrt.spec.verify import verify
 
 VOCAB = 97
@@ -164,29 +165,26 @@ def test_pruning_keeps_parents_before_children():
     assert len(DraftTree.chain([7, 8, 9]).pruned(8, 1)) == 1
 
 
-def test_own_tokens_proposer_takes_the_longest_latest_match():
-    p = OwnTokensProposer(max_tokens=4, min_window=1, max_window=4)
-    # "3 4" occurs twice before the end; "2 3 4" only at 1..3: the longest wins.
-    assert p.propose([2, 3, 4, 9, 1, 3, 4, 7, 2, 3, 4], None).tokens == [9, 1, 3, 4]
-    # Equal matches: the latest occurrence.
-    assert p.propose([5, 6, 1, 5, 6, 2, 5, 6], None).tokens == [2, 5, 6, 2]
-    # A continuation reaching the end repeats as it predicts itself.
-    assert p.propose([1, 2, 1, 2], None).tokens == [1, 2, 1, 2]
-    assert p.propose([7, 7], None).tokens == [7, 7, 7, 7]
-    assert len(p.propose([1, 2, 3], None)) == 0 and len(p.propose([1], None)) == 0
-    assert len(OwnTokensProposer(4, min_window=3).propose([1, 2, 9, 2], None)) == 0
-    assert OwnTokensProposer(2, min_window=2).propose([1, 2, 9, 1, 2], None).tokens == [9, 1]
-    tree = p.propose([1, 2, 3, 1, 2], None)
-    assert tree.parents == [-1, 0, 1, 2] and tree.branches() == [[0, 1, 2, 3]]
-    with pytest.raises(ValueError, match="min_window <= max_window"):
-        OwnTokensProposer(4, min_window=3, max_window=2)
-
-
-def test_first_proposal_asks_in_order():
-    empty = OwnTokensProposer(4, min_window=9)
-    own = OwnTokensProposer(4)
-    assert FirstProposal([empty, own]).propose([1, 2, 1], None).tokens == [2, 1, 2, 1]
-    assert len(FirstProposal([empty]).propose([1, 2, 1], None)) == 0
+def test_make_proposer_drafts_from_own_tokens_and_the_cache():
+    """NGRAM's proposer: the request's own earlier occurrence, and (with the cache) a cached
+    sequence's continuation; the settings reach it."""
+    cfg = EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+    own = make_proposer(cfg)
+    assert isinstance(own, NgramProposer) and own.index is None
+    assert own.propose([2, 3, 4, 9, 1, 3, 4, 7, 2, 3, 4], None).tokens[:4] == [9, 1, 3, 4]
+    assert len(own.propose([1, 2, 3], None)) == 0
+    alloc = KVSlotAllocator(64)
+    cache = RadixCache(alloc)
+    cache.insert([5, 6, 7, 8, 9], alloc.alloc(5))
+    tree = make_proposer(cfg, cache).propose([1, 6, 7], None)
+    assert tree.branches()[0] == [0, 1] and tree.tokens[:2] == [8, 9]
+    short = EngineConfig(
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=4,
+        speculative_ngram_branch_length=2,
+        speculative_ngram_min_match_window_size=2,
+    )
+    assert make_proposer(short).propose([1, 2, 3, 4, 5, 1, 2], None).tokens == [3, 4]
 
 
 def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
@@ -329,7 +327,7 @@ def test_the_own_tokens_proposer_on_repetitive_prompts():
     ps = [[1, 2, 3, 4] * 6, [5, 6, 7, 5, 9, 8] * 4, [8] * 12, prompts(1)[0] * 2]
     for model in (copy_token, next_token):
         sched = make(rule=model)
-        assert isinstance(sched.spec.proposer, OwnTokensProposer)
+        assert isinstance(sched.spec.proposer, NgramProposer)
         reqs = run(sched, [Req(str(i), p, greedy(30)) for i, p in enumerate(ps)])
         assert [r.output_ids for r in reqs] == [reference(p, 30, model) for p in ps]
         if model is copy_token:
