@@ -61,9 +61,7 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None,
-        spec_verify_ct=req.spec_verify_ct,
-        spec_draft_tokens=req.spec_draft_tokens,
-        spec_accepted_tokens=req.spec_accepted_tokens,
+        **spec_counters(req),
     )
 
 
@@ -86,9 +84,7 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
         prompt_logprobs=d.prompt_logprobs,
         top_logprobs=d.top_logprobs,
         prompt_top_logprobs=d.prompt_top_logprobs,
-        spec_verify_ct=d.spec_verify_ct,
-        spec_draft_tokens=d.spec_draft_tokens,
-        spec_accepted_tokens=d.spec_accepted_tokens,
+        **spec_counters(d),
     )
 
 
@@ -233,9 +229,7 @@ class Detokenizer:
             top_logprobs=item.top_logprobs,
             prompt_top_logprobs=item.prompt_top_logprobs,
             first_token_at=item.first_token_at,
-            spec_verify_ct=item.spec_verify_ct,
-            spec_draft_tokens=item.spec_draft_tokens,
-            spec_accepted_tokens=item.spec_accepted_tokens,
+            **spec_counters(item),
         )
 
     def decode(self, ids: list[int]) -> str:
@@ -263,3 +257,13 @@ class Detokenizer:
             hold = max(len(s) for s in stop) - 1
             text = text[: len(text) - hold] if hold else text
         return text
+
+
+def spec_counters(d: Req | TokenDelta | TextDelta) -> dict[str, int]:
+    """The speculative counters of a request or delta by their output names (SGLang's
+    ``meta_info`` names)."""
+    return {
+        "spec_verify_ct": d.spec_verify_ct,
+        "spec_draft_tokens": d.spec_draft_tokens,
+        "spec_accepted_tokens": d.spec_accepted_tokens,
+    }

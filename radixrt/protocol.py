@@ -148,6 +148,9 @@ class StreamChunk(_Msg, tag="chunk"):
     cached_tokens_details: dict[str, int] | None = None  # as GenerateOutput's
     # One (ids, logprobs) per token of token_ids, descending.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None
+    spec_verify_ct: int = 0  # the speculative counters so far, as GenerateOutput's
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class GenerateReply(_Msg, tag="result"):

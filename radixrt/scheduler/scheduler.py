@@ -587,6 +587,9 @@ class Scheduler:
         )
         if self.kv.hicache is not None:
             s.update(self.kv.hicache.get_stats())
+        if self.spec.describe()["speculative_algorithm"] is not None:
+            for key in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens"):
+                s.setdefault(key, 0)
         s.update(self.kv.stats())
         prompt = s.get("prompt_tokens", 0)
         s["hit_rate"] = s.get("cached_tokens", 0) / prompt if prompt else 0.0

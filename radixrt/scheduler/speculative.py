@@ -46,6 +46,9 @@ class NoSpeculation:
     def plan(self, reqs: list[Req], reserved_rows: int = 0) -> dict[str, DraftRows]:
         return {}
 
+    def describe(self) -> dict:
+        return {"speculative_algorithm": None}
+
 
 class Speculator:
     """Drafts for running requests (``plan``) and what their verification keeps (``settle``)."""
@@ -59,9 +62,18 @@ class Speculator:
         max_context: int,
     ) -> None:
         self.kv, self.cost, self.proposer = kv, cost, proposer
+        self.settings = {
+            name: getattr(config, name)
+            for name in config.__dataclass_fields__
+            if name.startswith("speculative_")
+        } | {"speculative_num_draft_tokens": config.draft_tokens}
         self.max_tokens = config.draft_tokens
         self.max_context = max_context
         self._seeds = random.Random(config.seed)  # generators of unseeded sampled requests
+
+    def describe(self) -> dict:
+        """The speculative settings in force (``server_info``)."""
+        return dict(self.settings)
 
     # --------------------------------------------------------------- planning
 

@@ -3,14 +3,17 @@
 Two sources, read where they already are:
 - the TokenizerManager observes every request it answers (ZeroMQ and HTTP
   alike): finished requests by finish reason, prompt / cached / generated
-  tokens, and the TTFT, inter-token and end-to-end latency histograms;
+  tokens, and the TTFT, inter-token and end-to-end latency histograms (and
+  with speculative decoding, each drafted request's tokens per verification);
 - the scheduler's ``server_info`` counters and gauges, fetched once per
   scrape (``SchedulerCollector``): hit rate, evicted tokens, KV slots free /
   evictable / protected, running and waiting requests; with the hierarchical
   cache (only then), the tokens and bytes loaded from its host and storage
   tiers, the seconds loading took, the blocks each tier holds and the storage
-  tier's writes, reads and failures. Nothing on the decode path waits for a
-  scrape beyond answering that one control message between two steps. Each is
+  tier's writes, reads and failures; with speculative decoding (only then),
+  the verification steps and the draft tokens verified and accepted. Nothing
+  on the decode path waits for a scrape beyond answering that one control
+  message between two steps. Each is
   given for the whole server (no labels) and for each data-parallel replica
   (label ``replica``), beside the front's view of each replica: whether it
   serves, the requests routed to it, the prompt tokens waiting there and the
@@ -78,6 +81,8 @@ TOKEN_GAP_BUCKETS = (
     2.0,
     5.0,
 )
+
+ACCEPT_LENGTH_BUCKETS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0, 12.0, 16.0, 32.0, 65.0)
 
 # server_info key -> (metric name, help); counters, then gauges
 SCHEDULER_COUNTERS = {
@@ -151,9 +156,16 @@ STORAGE_GAUGES = {
     "hicache_storage_blocks": ("radixrt:hicache_storage_blocks", "KV blocks in the storage tier"),
     "hicache_storage_bytes": ("radixrt:hicache_storage_bytes", "Bytes of the storage tier's files"),
 }
+# With speculative decoding (--speculative-algorithm)
+SPEC_COUNTERS = {
+    "spec_verify_ct": ("radixrt:spec_verify_steps", "Verification forwards of drafted requests"),
+    "spec_draft_tokens": ("radixrt:spec_draft_tokens", "Draft tokens verified"),
+    "spec_accepted_tokens": ("radixrt:spec_accepted_tokens", "Draft tokens accepted"),
+}
 # each table pair, and the server_info key whose presence says the scheduler reports it
 SCHEDULER_TABLES = (
     (None, SCHEDULER_COUNTERS, SCHEDULER_GAUGES),
+    ("spec_verify_ct", SPEC_COUNTERS, {}),
     ("hicache_host_capacity_blocks", HICACHE_COUNTERS, HICACHE_GAUGES),
     ("hicache_storage_bytes", STORAGE_COUNTERS, STORAGE_GAUGES),
 )
@@ -245,6 +257,12 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=reg,
         )
+        self.spec_accept_length = Histogram(
+            "radixrt:spec_accept_length",
+            "Per finished drafted request: tokens emitted per verification (accepted + 1)",
+            buckets=ACCEPT_LENGTH_BUCKETS,
+            registry=reg,
+        )
         self.scheduler = SchedulerCollector()
         reg.register(self.scheduler)
 
@@ -258,8 +276,17 @@ class ServerMetrics:
             self.itl.observe(per_token)
 
     def on_finish(
-        self, reason: str, prompt: int, cached: int, generated: int, latency: float
+        self,
+        reason: str,
+        prompt: int,
+        cached: int,
+        generated: int,
+        latency: float,
+        spec_verify_ct: int = 0,
+        spec_accepted_tokens: int = 0,
     ) -> None:
+        if spec_verify_ct:
+            self.spec_accept_length.observe(1 + spec_accepted_tokens / spec_verify_ct)
         self.requests.labels(finish_reason=reason).inc()
         self.prompt_tokens.inc(prompt)
         self.cached_tokens.inc(cached)

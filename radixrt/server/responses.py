@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import msgspec
 
-from radixrt.output import cached_tokens_details
+from radixrt.output import cached_tokens_details, spec_counters
 from radixrt.protocol import (
     BatchTextOut,
     ErrorReply,
@@ -89,6 +89,8 @@ class Responses:
                 item.cached_tokens,
                 st.generated,
                 now - st.arrived,
+                item.spec_verify_ct,
+                item.spec_accepted_tokens,
             )
 
     def rpc_reply(self, st: ClientReq, item: TextDelta) -> StreamChunk | GenerateReply | None:
@@ -109,6 +111,7 @@ class Responses:
                 cached_tokens=item.cached_tokens,
                 cached_tokens_details=details,
                 top_logprobs=item.top_logprobs,
+                **spec_counters(item),
             )
         st.texts.append(item.text)
         st.token_ids.extend(item.token_ids)
@@ -128,5 +131,6 @@ class Responses:
             prompt_logprobs=item.prompt_logprobs,
             top_logprobs=item.top_logprobs,
             prompt_top_logprobs=item.prompt_top_logprobs,
+            **spec_counters(item),
         )
         return GenerateReply(req_id=st.req_id, output=out)

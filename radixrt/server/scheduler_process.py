@@ -127,6 +127,7 @@ class SchedulerProcess:
             "attention_backend": eng.runner.attn_backend.name,
             "attention": eng.runner.attn_backend.describe(),
             "decode_chain": eng.runner.decode_chain_info,
+            **self.scheduler.spec.describe(),
             **eng.runner.exactness.info(),
             "replica": self.replica,
             "scheduler_pid": os.getpid(),

@@ -67,10 +67,12 @@ def engines(tiny_llama):
     assert all(e.runner.exactness.exact for e in made.values())
     for name in ("spec", "spec16"):  # every draft joins its step (tests/unit: the cost rule)
         made[name].scheduler.spec.cost = StepCost(0.0)
+    made["ngram"] = made["spec"].scheduler.spec.proposer  # tests swap in an Oracle
     yield made
     for eng in made.values():
-        eng.check_memory()
-        eng.shutdown()
+        if isinstance(eng, Engine):
+            eng.check_memory()
+            eng.shutdown()
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -256,3 +258,21 @@ def test_a_sliding_window_pool_is_refused_by_name():
     assert len(eng.generate(input_ids=[[5, 6, 7] * 4], sampling_params=sp)[0].token_ids) == 8
     eng.check_memory()
     eng.shutdown()
+
+
+def test_a_second_user_is_drafted_from_the_first_users_cached_output(engines):
+    """The radix tree feeds drafts across requests: once a first request's prompt and output
+    are cached, the same prompt's continuation is drafted from them and accepted, with the
+    bits of decoding."""
+    plain, spec = engines["plain"], engines["spec"]
+    spec.scheduler.spec.proposer = engines["ngram"]
+    ids = prompts(3, seed=7)
+    sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
+    want = plain.generate(input_ids=ids, sampling_params=sp)
+    same(want, spec.generate(input_ids=ids, sampling_params=sp))
+    second = spec.generate(input_ids=ids, sampling_params=sp)
+    same(want, second)
+    assert all(o.spec_accepted_tokens >= 16 for o in second), [
+        (o.spec_verify_ct, o.spec_accepted_tokens) for o in second
+    ]
+    spec.check_memory()

@@ -18,6 +18,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from radixrt.output import spec_counters
 from radixrt.protocol import ErrorCode, TextDelta
 from radixrt.sampling import SamplingParams
 from radixrt.server.front_api import FrontApi, RequestError
@@ -72,6 +73,7 @@ class Choice:
         "cached_below",
         "prompt_logprobs",
         "prompt_top_logprobs",
+        "spec",
     )
 
     def __init__(self) -> None:
@@ -84,6 +86,7 @@ class Choice:
         self.cached_below = (0, 0)  # of cached_tokens, loaded from the (host, storage) tier
         self.prompt_logprobs: list[float] | None = None
         self.prompt_top_logprobs: list | None = None
+        self.spec: dict[str, int] = {}  # the speculative counters (``spec_counters``)
 
     def add(self, d: TextDelta) -> None:
         self.texts.append(d.text)
@@ -93,6 +96,7 @@ class Choice:
         self.finish_reason = d.finish_reason
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         self.cached_below = d.cached_below
+        self.spec = spec_counters(d)
         if d.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = (
                 d.prompt_logprobs,

@@ -2,7 +2,9 @@
 ``sampling_params`` with SGLang's names, optional logprobs; streams carry the cumulative
 ``text`` and ``output_ids`` of each prompt, as SGLang's do; ``meta_info`` has
 ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``cached_tokens_details`` (how
-many of them were found on the device, in the host tier and in storage) and ``finish_reason``.
+many of them were found on the device, in the host tier and in storage), ``finish_reason`` and
+the speculative counters ``spec_verify_ct``, ``spec_draft_tokens``, ``spec_accepted_tokens``
+(0 without ``--speculative-algorithm``).
 The body may carry the fields SGLang's router adds (``model``, logging hints, SGLang's
 output options at their defaults); a ``model`` other than the served one is a 404.
 """
@@ -164,6 +166,7 @@ class SGLangApi:
             "cached_tokens": c.cached_tokens,
             "cached_tokens_details": cached_tokens_details(c.cached_tokens, c.cached_below),
             "e2e_latency": time.monotonic() - t0,
+            **c.spec,
         }
         if body.return_logprob:
             meta.update(self.logprobs(c, p, body))
