@@ -11,7 +11,10 @@ Contract (``Backoff``, one per request):
   that starts repeating is drafted at once).
 - ``expected``: the accepted draft tokens a round of this request is expected to give, an
   exponential moving average of its rounds (``PRIOR`` before any), for the scheduler's
-  cost rule (``radixrt.scheduler.speculative``).
+  cost rule (``radixrt.scheduler.speculative``). Each step without a round (``take_turn``)
+  moves it ``DRIFT`` of the way back up toward ``PRIOR``, so a request the cost rule
+  stopped drafting for low acceptance tries again now and then: text that starts repeating
+  late is still drafted, and text that never does costs one round every few steps.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from __future__ import annotations
 LOW_ACCEPTANCE = 0.25
 LOW_ROUNDS = 2
 MAX_LEVEL = 5  # the longest pause: 2**5 steps
-PRIOR = 1.0
+PRIOR = 3.0
 EMA = 0.3  # weight of the newest round
+DRIFT = 0.05
 
 
 class Backoff:
@@ -33,6 +37,8 @@ class Backoff:
         self.wait = 0  # steps left without drafting
 
     def take_turn(self) -> bool:
+        if self.expected < PRIOR:
+            self.expected += DRIFT * (PRIOR - self.expected)
         if self.wait:
             self.wait -= 1
             return False

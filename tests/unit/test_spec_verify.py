@@ -569,6 +569,20 @@ def test_bad_speculative_settings_are_named(cfg, message):
         EngineConfig(**cfg)
 
 
+def test_expected_acceptance_falls_with_bad_rounds_and_drifts_back():
+    b = Backoff()
+    assert b.expected == backoff.PRIOR
+    b.record(8, 0)
+    b.record(8, 0)
+    low = b.expected
+    assert low < backoff.PRIOR / 2
+    for _ in range(20):
+        b.take_turn()
+    assert low < b.expected < backoff.PRIOR  # tried again after a while, never above the prior
+    b.record(8, 8)
+    assert b.expected > low
+
+
 def test_defaults_and_refused_pools():
     assert EngineConfig().draft_tokens == 0
     assert EngineConfig(speculative_algorithm="NGRAM").draft_tokens == 8
