@@ -602,8 +602,11 @@ def test_each_verification_row_gets_the_mask_of_its_position():
     assert torch.equal(mask_of(matcher), mask_of(Matcher(compiled(RECORD))))
 
 
-@pytest.mark.parametrize("mode", ["right", "forbidden", "first_forbidden", "allowed_wrong", "tree"])
-@pytest.mark.parametrize("sampled", [False, True])
+@pytest.mark.parametrize(
+    "mode, sampled",
+    [(m, False) for m in ("right", "forbidden", "first_forbidden", "allowed_wrong", "tree")]
+    + [("allowed_wrong", True), ("tree", True)],
+)
 def test_constrained_outputs_equal_decoding(mode, sampled):
     """Constrained (and unconstrained) requests, greedy or seeded, decode the same tokens and
     logprobs with drafts as without; the grammar ends them where it did, its text valid."""
@@ -629,6 +632,24 @@ def test_constrained_outputs_equal_decoding(mode, sampled):
     accepted = [r.spec_accepted_tokens for r in got if r.matcher is not None]
     assert all(a == 0 for a in accepted) if mode == "first_forbidden" else all(accepted)
     assert sched.get_stats()["grammar_masked_rows"] > 0
+
+
+def test_constrained_requests_retracted_while_drafting_resume_as_decoding():
+    """A pool too small for every constrained request: retracted ones resume with their
+    matcher where it was, drafting again, with decoding's tokens."""
+    ps = prompts(6, 11)
+    sps = [SamplingParams(max_new_tokens=64, temperature=0, regex=RECORD)] * len(ps)
+    plain = make(runner=GradedRunner, speculative_algorithm=None)
+    want = run(plain, grammar_requests(ps, sps, False))
+    outputs = {tuple(p): r.output_ids for p, r in zip(ps, want)}
+    for mode in ("forbidden", "tree"):
+        sched = make(
+            num_slots=100, runner=GradedRunner, proposer=Replay(outputs, mode), new_token_ratio=0.0
+        )
+        got = run(sched, grammar_requests(ps, sps, False))
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert sched.get_stats()["retractions"] > 0
+        assert all(r.spec_accepted_tokens for r in got)
 
 
 # ------------------------------------------------------------------ a random trace
