@@ -15,6 +15,10 @@ and ``ebnf`` (``constraint(params)``: a ``Constraint`` or None).
 - ``mask_logits(logits, rows, matchers)`` fills each matcher's bitmask of the tokens its
   grammar allows next and sets the others' logits in those rows to -inf, the other rows
   untouched.
+- Speculative drafts: ``Matcher.accepted_prefix(tokens)`` says how much of a draft branch the
+  grammar takes; ``mask_branch_logits`` masks a branch's verification rows, row t with what
+  the grammar allows after the branch's first t tokens. Both leave the matcher where it was
+  (they walk the branch, then roll back).
 
 JSON schemas are compiled with any whitespace between elements, at most ``MAX_WHITESPACE``
 characters in a run (a model cannot stall in whitespace), or with ``any_whitespace`` False
@@ -200,6 +204,38 @@ class Matcher:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
+    def accepted_prefix(self, tokens: list[int]) -> int:
+        """How many leading ``tokens`` the grammar takes one after another from here (none
+        after a token that terminates it); the state is left as it was."""
+        n = 0
+        for token in tokens:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
+    def fill_along(self, tokens: list[int], bitmask: torch.Tensor, first_row: int) -> list[int]:
+        """Fill ``bitmask[first_row + t]`` with the tokens the grammar allows after
+        ``tokens[:t]``, for t in 0..len(tokens) (the grammar must take every token:
+        ``accepted_prefix``); the state is left as it was. Returns the rows filled: all but the
+        one after a token that terminates the grammar (nothing follows it)."""
+        rows = []
+        for t, token in enumerate(tokens):
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + t)
+            rows.append(first_row + t)
+            if not self.matcher.accept_token(token):
+                if t:
+                    self.matcher.rollback(t)
+                raise ValueError(f"the grammar does not take draft token {token}")
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, first_row + len(tokens))
+            rows.append(first_row + len(tokens))
+        if tokens:
+            self.matcher.rollback(len(tokens))
+        return rows
+
 
 def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) -> None:
     """Set logits[rows[i], t] to -inf for every token t that matchers[i] does not allow next
@@ -211,6 +247,30 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Matcher]) 
     bitmask = xgr.allocate_token_bitmask(bsz, vocab)
     for row, m in zip(rows, matchers):  # on this thread: a pool's threads would compete with
         m.matcher.fill_next_token_bitmask(bitmask, row)  # the forward's for the cores
+    _apply_bitmask(logits, bitmask, rows)
+
+
+def mask_branch_logits(
+    logits: torch.Tensor, starts: list[int], matchers: list[Matcher], branches: list[list[int]]
+) -> int:
+    """Mask draft branches' verification rows, all in one application: for each i, row
+    ``starts[i] + t`` (t in 0..len(branches[i])) keeps only the tokens ``matchers[i]`` allows
+    after ``branches[i][:t]``, as ``mask_logits`` would once the matcher had taken them (logits
+    [B, V] float32, in place; the other rows, and the row after a token that terminates a
+    grammar, are not touched). The matchers end where they began. Returns the rows masked."""
+    bitmask = _xgrammar().allocate_token_bitmask(*logits.shape)
+    rows = []
+    for start, m, tokens in zip(starts, matchers, branches):
+        rows += m.fill_along(tokens, bitmask, start)
+    if rows:
+        _apply_bitmask(logits, bitmask, rows)
+    return len(rows)
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """logits[rows[i], t] = -inf where bit t of bitmask[rows[i]] is 0."""
+    xgr = _xgrammar()
+    vocab = logits.shape[1]
     lib = cpu_library.loaded()
     with torch.inference_mode():  # the forward's logits are inference tensors
         if lib is not None and logits.is_cpu and logits.dtype == torch.float32:

@@ -31,7 +31,10 @@ Structured outputs: a request with a constraint waits in ``GrammarWait`` until i
 is compiled (off this loop), then queues as any other; one whose grammar fails finishes with
 "error" (``error_code`` "invalid_grammar"). Each step, the constrained rows' disallowed tokens
 are masked before sampling (the other rows are not touched), the sampled token advances the
-request's matcher, and a grammar that terminates finishes the request with "stop".
+request's matcher, and a grammar that terminates finishes the request with "stop". A
+constrained request's draft holds only tokens its grammar takes, and each of its
+verification rows is masked as decoding would mask that position, so speculation changes
+neither its tokens nor where its grammar ends it.
 
 The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
 it in-process; the server runs the same loop behind sockets.
@@ -50,7 +53,7 @@ from radixrt.attention.base import ForwardMode
 from radixrt.cache.hicache import HierarchicalCache
 from radixrt.cache.radix_cache import common_prefix_len
 from radixrt.config import EngineConfig
-from radixrt.grammar import GrammarCompiler, mask_logits
+from radixrt.grammar import GrammarCompiler, mask_branch_logits, mask_logits
 from radixrt.sampling import Sampler, topk_logprobs
 from radixrt.scheduler.batch import DraftRows, ScheduledBatch
 from radixrt.scheduler.grammar_wait import GrammarWait
@@ -461,14 +464,17 @@ class Scheduler:
         return self._finish_reason(req)
 
     def _verify_drafts(self, batch: ScheduledBatch, logits: torch.Tensor) -> list[Req]:
-        """Accept what each drafted request's rows confirm (``radixrt.spec.verify``), book the
-        tokens one by one as decoding would, stopping where the request finishes, and settle
-        its KV; the requests that finished."""
-        finished = []
+        """Accept what each drafted request's rows confirm (``radixrt.spec.verify``; the rows
+        of a request with a grammar masked first), book the tokens one by one as decoding
+        would, stopping where the request finishes, and settle its KV; the requests that
+        finished."""
+        finished, mask_error = [], self._mask_drafts(batch, logits)
         for i, draft in batch.drafts.items():
             req, start = batch.reqs[i], batch.layout.draft_rows[i]
             rows = logits[start : start + sum(draft.lens())]
             try:
+                if mask_error is not None and req.matcher is not None:
+                    raise mask_error
                 gen = None if req.params.greedy else self.spec.generator(req)
                 verdict = verify(self.sampler, rows, draft.tokens, req.params, gen)
             except Exception as e:  # the last token's KV is computed and good
@@ -484,6 +490,29 @@ class Scheduler:
             elif reason is not None:
                 finished.append(self._finish(req, reason))
         return finished
+
+    def _mask_drafts(self, batch: ScheduledBatch, logits: torch.Tensor) -> Exception | None:
+        """Mask every drafted request's rows that has a grammar, in one application: row t of
+        a branch allows what its matcher allows after the branch's first t tokens, the mask
+        decoding would apply at that position. The exception that stopped it, if any."""
+        starts, matchers, branches = [], [], []
+        for i, draft in batch.drafts.items():
+            req, start = batch.reqs[i], batch.layout.draft_rows[i]
+            if req.matcher is None:
+                continue
+            for tokens, n in zip(draft.tokens, draft.lens()):
+                starts.append(start), matchers.append(req.matcher), branches.append(tokens)
+                start += n
+        if not starts:
+            return None
+        began = time.perf_counter()
+        try:
+            masked = mask_branch_logits(logits, starts, matchers, branches)
+        except Exception as e:  # fails the constrained drafted requests only
+            return e
+        self.stats["grammar_mask_s"] += time.perf_counter() - began
+        self.stats["grammar_masked_rows"] += masked
+        return None
 
     def _book_verdict(self, req: Req, verdict: Verdict) -> tuple[int, str | None, Exception | None]:
         """Book the verdict's tokens until req finishes: (tokens booked, finish reason, the

@@ -2,12 +2,16 @@
 and what a verification keeps.
 
 Each step, ``Speculator.plan`` asks the proposer for a draft of every running request that
-may draft (no grammar, at least two tokens left to generate, room in the context, not
-backing off: ``radixrt.spec.backoff``), keeps the drafts the step's cost rule admits, and
-gives each kept draft its slots and rows (``DraftRows``):
+may draft (at least two tokens left to generate, room in the context, not backing off:
+``radixrt.spec.backoff``), keeps the drafts the step's cost rule admits, and gives each kept
+draft its slots and rows (``DraftRows``):
 - the draft tree is pruned to ``speculative_num_draft_tokens`` tokens and the depth the
   request can still use; its branches are taken in rank order while their tokens add up to
   at most that many and a spare row of ``req_to_token`` is free beyond the waiting requests;
+- a request with a grammar drafts only what its grammar allows: each branch is cut before
+  the first token its matcher would refuse (``Matcher.accepted_prefix``; the matcher is left
+  where it was), and a branch the cut leaves empty, or leaves a prefix of an earlier branch,
+  is dropped;
 - branch 0 runs in the request's own row, after the slot decoding gave its next token;
   every other branch runs in a spare row holding a copy of the request's slots, with a slot
   for the request's last token of its own (shared ancestors are computed once per branch).
@@ -96,10 +100,7 @@ class Speculator:
 
     def _may_draft(self, req: Req) -> bool:
         return (
-            req.matcher is None
-            and req.remaining_new_tokens >= 2
-            and self._depth(req) >= 1
-            and req.spec_backoff.take_turn()
+            req.remaining_new_tokens >= 2 and self._depth(req) >= 1 and req.spec_backoff.take_turn()
         )
 
     def _depth(self, req: Req) -> int:
@@ -107,16 +108,22 @@ class Speculator:
         return min(req.remaining_new_tokens - 1, self.max_context - req.fill_len - 1)
 
     def _propose(self, req: Req) -> list[list[int]]:
-        """The token lists of req's draft branches, in rank order while their tokens add up
-        to at most ``max_tokens`` (the first always fits: the tree is pruned to them)."""
+        """The token lists of req's draft branches (cut to what its grammar allows), in rank
+        order while their tokens add up to at most ``max_tokens`` (the first always fits: the
+        tree is pruned to them)."""
         tree = self.proposer.propose(req.fill_ids, req.params.cache_salt)
         tree = tree.pruned(self.max_tokens, self._depth(req))
         branches, budget = [], self.max_tokens
         for path in tree.branches():
-            if len(path) > budget:
+            tokens = [tree.tokens[i] for i in path]
+            if req.matcher is not None:
+                tokens = tokens[: req.matcher.accepted_prefix(tokens)]
+            if not tokens or any(b[: len(tokens)] == tokens for b in branches):
+                continue
+            if len(tokens) > budget:
                 break
-            branches.append([tree.tokens[i] for i in path])
-            budget -= len(path)
+            branches.append(tokens)
+            budget -= len(tokens)
         return branches
 
     def _affordable(

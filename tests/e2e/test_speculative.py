@@ -2,12 +2,18 @@
 reason and text are those of decoding without speculation, bit for bit (``==`` on floats),
 greedy and seeded-sampled, single and batched, with drafts right, partly right, wrong and
 as trees (a proposer that knows the outputs, set on the scheduler), and with the own-tokens
-proposer; stops inside an accepted run; the settings speculation refuses."""
+proposer; stops inside an accepted run; requests with a JSON schema, regex or EBNF grammar
+drafting within it; drafts from a prefix loaded back from the host tier; the settings
+speculation refuses."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
+import re
 
+import jsonschema
 import pytest
 
 from radixrt import Engine, SamplingParams
@@ -17,11 +23,14 @@ from radixrt.spec.draft import DraftTree
 from radixrt.testing import output_bits
 
 VOCAB = 2048
+EOS = 2  # the tiny tokenizer's
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 
 
 class Oracle:
     """Drafts from known outputs (prompt -> output ids): ``right``, ``partly`` right (the
-    third token off), ``wrong``, or a ``tree`` whose first branch goes wrong after one token
+    third token off), ``forbidden`` (the third token the stop token, which a grammar refuses
+    before its end), ``wrong``, or a ``tree`` whose first branch goes wrong after one token
     and whose second is right."""
 
     def __init__(self, outputs: dict[tuple[int, ...], list[int]], mode: str, k: int = 6):
@@ -37,8 +46,8 @@ class Oracle:
 
     def _shape(self, right: list[int]) -> DraftTree:
         bad = [(t + 1) % VOCAB for t in right]
-        if self.mode == "partly" and len(right) > 2:
-            right[2] = bad[2]
+        if self.mode in ("partly", "forbidden") and len(right) > 2:
+            right[2] = bad[2] if self.mode == "partly" else EOS
         if self.mode == "wrong":
             return DraftTree.chain(bad)
         if self.mode == "tree" and len(right) >= 3:
@@ -182,23 +191,74 @@ def test_stops_inside_an_accepted_run(engines):
         assert len(got[0].token_ids) <= at + 2 and got[0].spec_accepted_tokens > 0
 
 
-def test_constrained_requests_decode_beside_drafted_ones(engines):
-    """A request with a grammar does not draft; it decodes in the verification steps of the
-    others, as it would alone."""
-    ids = prompts(3, 7)
+ARITHMETIC = 'term ::= num | "(" num op num ")"\nop ::= "+" | "-"\nnum ::= [1-9] | [1-9] [0-9]\n'
+GRAMMARS = [
+    {"json_schema": {"type": "array", "items": DIGIT, "minItems": 2, "maxItems": 4}},
+    {
+        "json_schema": {
+            "type": "object",
+            "properties": {"colour": {"enum": ["red", "green", "blue"]}, "n": DIGIT},
+            "required": ["colour", "n"],
+        }
+    },
+    {"regex": r"\d{4}-(0[1-9]|1[0-2])-(0[1-9]|[12]\d|3[01])"},
+    {"regex": r"[a-z]{1,8}@[a-z]{1,8}\.(com|org)"},
+    {"ebnf": "root ::= term (op term){0,2}\n" + ARITHMETIC},
+]
+EBNF_TEXT = r"(\d+|\(\d+[-+]\d+\))([-+](\d+|\(\d+[-+]\d+\))){0,2}"
+
+
+def valid(text: str, grammar: dict) -> bool:
+    if "json_schema" in grammar:
+        jsonschema.validate(json.loads(text), grammar["json_schema"])
+        return True
+    return re.fullmatch(grammar.get("regex", EBNF_TEXT), text) is not None
+
+
+def constrained_params(temperature: float) -> list[SamplingParams]:
+    """One request per grammar (seeded, when sampled), then an unconstrained one."""
     sps = [
-        SamplingParams(max_new_tokens=16, temperature=0, regex="[a-z]+( [a-z]+)*"),
-        SamplingParams(max_new_tokens=16, temperature=0),
-        SamplingParams(max_new_tokens=16, temperature=0),
+        SamplingParams(
+            max_new_tokens=48, temperature=temperature, seed=s, logprobs=True, top_logprobs=2
+        )
+        for s in range(len(GRAMMARS))
     ]
-    want = engines["plain"].generate(input_ids=ids, sampling_params=sps)
+    sps = [dataclasses.replace(sp, **g) for sp, g in zip(sps, GRAMMARS)]
+    return [*sps, SamplingParams(max_new_tokens=24, temperature=temperature, seed=9)]
+
+
+@pytest.fixture(scope="module")
+def constrained_outputs(engines) -> dict[float, list]:
+    """Decoding's outputs of ``constrained_params`` (greedy, sampled) without speculation."""
+    assert engines["plain"].tokenizer.eos_token_id == EOS
+    ids = prompts(len(GRAMMARS) + 1, 7)
+    return {
+        t: engines["plain"].generate(input_ids=ids, sampling_params=constrained_params(t))
+        for t in (0.0, 0.9)
+    }
+
+
+@pytest.mark.parametrize("mode", ["forbidden", "tree"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_constrained_requests_draft_within_their_grammar(
+    engines, constrained_outputs, mode, temperature
+):
+    """Requests with a JSON schema, a regex or an EBNF grammar draft too, beside an
+    unconstrained one: drafts from decoding's constrained outputs (with the stop token or a
+    wrong token put in: cut where the grammar refuses it), each verification row masked as
+    decoding masks that position. Greedy and seeded outputs equal decoding's bit for bit,
+    valid, each ended by its grammar where decoding's was (the tree's right branch drafts
+    the stop token that ends it)."""
+    ids, want = prompts(len(GRAMMARS) + 1, 7), constrained_outputs[temperature]
     spec = engines["spec"]
-    spec.scheduler.spec.proposer = Oracle(
-        {tuple(p): o.token_ids for p, o in zip(ids, want)}, "right"
-    )
-    got = spec.generate(input_ids=ids, sampling_params=sps)
+    spec.scheduler.spec.proposer = Oracle({tuple(p): o.token_ids for p, o in zip(ids, want)}, mode)
+    got = spec.generate(input_ids=ids, sampling_params=constrained_params(temperature))
+    spec.check_memory()
     same(want, got)
-    assert [o.spec_verify_ct > 0 for o in got] == [False, True, True]
+    for o, grammar in zip(got, GRAMMARS):
+        assert o.finish_reason == "stop" and valid(o.text, grammar), o.text
+        assert o.spec_verify_ct > 0 and o.spec_accepted_tokens > 0
+    assert spec.stats()["grammar_masked_rows"] > 0
 
 
 def test_outputs_and_deltas_carry_the_counters(engines):
@@ -276,3 +336,37 @@ def test_a_second_user_is_drafted_from_the_first_users_cached_output(engines):
         (o.spec_verify_ct, o.spec_accepted_tokens) for o in second
     ]
     spec.check_memory()
+
+
+def test_drafts_from_a_prefix_loaded_back_from_the_host_tier(engines, tiny_llama):
+    """With the hierarchical cache: a first request's prompt and output go down to host memory
+    and leave the device; a second request brings them back (a host hit), and a third, the
+    first's prompt again, is drafted from the loaded tokens: every output the bits of decoding
+    without speculation."""
+    sp = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True, logprobs=True)
+    one = SamplingParams(max_new_tokens=1, temperature=0, logprobs=True)
+    rng = random.Random(8)
+    prompt = [rng.randrange(10, VOCAB) for _ in range(41)]  # with the output: 64 computed
+    plain = engines["plain"]
+    (first,) = plain.generate(input_ids=[prompt], sampling_params=sp)
+    back = prompt + first.token_ids + [7]
+    (loaded,) = plain.generate(input_ids=[back], sampling_params=one)
+    eng = Engine(
+        model=tiny_llama,
+        dtype="float32",
+        max_total_tokens=8192,
+        enable_hierarchical_cache=True,
+        speculative_algorithm="NGRAM",
+    )
+    eng.scheduler.spec.cost = StepCost(0.0)
+    same([first], eng.generate(input_ids=[prompt], sampling_params=sp))
+    tree = eng.scheduler.kv.tree
+    tree.evict(tree.evictable_size)  # off the device; written through to the host at finish
+    assert tree.total_size() == 0
+    same([loaded], eng.generate(input_ids=[back], sampling_params=one))
+    assert eng.stats()["hicache_host_hit_tokens"] == 64  # four whole blocks
+    (again,) = eng.generate(input_ids=[prompt], sampling_params=sp)
+    same([first], [again])
+    assert again.spec_accepted_tokens >= 16, (again.spec_verify_ct, again.spec_accepted_tokens)
+    eng.check_memory()
+    eng.shutdown()

@@ -1,5 +1,7 @@
 """Speculative decoding without a model: the draft tree's pruning, the own-tokens proposer, the
-back-off, acceptance (``radixrt.spec.verify``) and the scheduler's verification steps.
+back-off, acceptance (``radixrt.spec.verify``), the scheduler's verification steps, and requests
+with a grammar (drafts cut where the grammar refuses, verification rows masked per position;
+real xgrammar matchers over a small vocabulary of strings).
 
 The fake runner writes each token id into K at its slot and predicts every position from the
 ids read back through the row's slots, so a branch row with a wrong prefix copy, a slot freed
@@ -7,8 +9,10 @@ while in use or kept by the wrong branch changes the outputs."""
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from radixrt.attention.base import ForwardBatch
 from radixrt.cache import KVPool, KVSlotAllocator, RadixCache
 from radixrt.config import EngineConfig
+from radixrt.grammar import Matcher, mask_branch_logits, mask_logits
 from radixrt.sampling import Sampler, SamplingParams, make_generator
 from radixrt.scheduler.req import Req
 from radixrt.scheduler.scheduler import Scheduler
@@ -120,12 +125,18 @@ class Unlearned(StepCost):
 
 
 def make(
-    num_slots=4096, proposer=None, sampled=False, max_running=32, rule=next_token, **cfg
+    num_slots=4096,
+    proposer=None,
+    sampled=False,
+    max_running=32,
+    rule=next_token,
+    runner=FakeRunner,
+    **cfg,
 ) -> Scheduler:
     cfg.setdefault("speculative_algorithm", "NGRAM")
     sched = Scheduler(
         EngineConfig(**cfg),
-        FakeRunner(num_slots, max_running, sampled, rule),
+        runner(num_slots, max_running, sampled, rule),
         decode_fn=lambda ids: " ".join(map(str, ids)),
         max_context=512,
         step_cost=Unlearned(0.0),
@@ -450,6 +461,195 @@ def test_sampled_frequencies_with_and_without_speculation_agree(one_thread):
     assert stat < CHI2_15, (a, b)
     marginal = [sum(b[4 * i : 4 * i + 4]) for i in range(4)]
     assert chi_square(marginal, PROBS) < CHI2_3, marginal
+
+
+# ------------------------------------------------------------------ grammars
+
+# A vocabulary of VOCAB strings for xgrammar: characters, a few multi-character pieces, two
+# tokens no grammar below takes (FORBIDDEN), fillers and the stop token.
+GRAMMAR_VOCAB = list('0123456789abcdefghijklmnopqrstuvwxyz ,{}":') + [
+    "ab",
+    "cd",
+    '", "',
+    '": ',
+    "12",
+    "ok",
+    '{"',
+    '"}',
+    "Q",
+    "X",
+]
+GRAMMAR_VOCAB += [f"<f{i}>" for i in range(VOCAB - 1 - len(GRAMMAR_VOCAB))] + ["</s>"]
+STOP, FORBIDDEN = VOCAB - 1, GRAMMAR_VOCAB.index("Q")
+RECORD = r'\{"[a-z]{1,4}": \d{1,3}(, "[a-z]{1,4}": \d{1,3}){0,2}\}'
+WORDS = r"[a-z]{2,5}( [a-z]{2,5}){1,3}"
+
+
+@functools.cache
+def compiled(regex: str):
+    xgr = pytest.importorskip("xgrammar")
+    info = xgr.TokenizerInfo(
+        GRAMMAR_VOCAB, vocab_type=xgr.VocabType.RAW, vocab_size=VOCAB, stop_token_ids=[STOP]
+    )
+    return xgr.GrammarCompiler(info).compile_grammar(xgr.Grammar.from_regex(regex))
+
+
+class GradedRunner(FakeRunner):
+    """The fake model with a ranking under its argmax: the other tokens' logits fall with
+    their distance after it, so a grammar's mask changes the pick to the allowed token
+    nearest after it."""
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        if self.sampled:
+            return super().logits(ids)
+        return -0.25 * ((torch.arange(VOCAB) - self.rule(ids)) % VOCAB).float()
+
+
+class Replay:
+    """Drafts from known outputs (prompt -> output ids): ``right``; ``forbidden``, the third
+    token one the grammar refuses; ``first_forbidden``; ``allowed_wrong``, the third token
+    one the grammar may take but decoding did not pick; a ``tree`` whose first branch holds
+    a refused token after one right one and whose second is right."""
+
+    def __init__(self, outputs: dict[tuple[int, ...], list[int]], mode: str, k: int = 5):
+        self.outputs, self.mode, self.k = outputs, mode, k
+
+    def propose(self, tokens, salt) -> DraftTree:
+        prompt = next(p for p in self.outputs if tuple(tokens[: len(p)]) == p)
+        done = len(tokens) - len(prompt)
+        right = list(self.outputs[prompt][done : done + self.k])
+        if self.mode == "first_forbidden":
+            return DraftTree.chain([FORBIDDEN, *right])
+        if len(right) < 3:
+            return DraftTree.chain(right)
+        if self.mode == "tree":
+            return DraftTree([right[0], FORBIDDEN, right[1], right[2]], [-1, 0, 0, 2])
+        if self.mode in ("forbidden", "allowed_wrong"):
+            right[2] = FORBIDDEN if self.mode == "forbidden" else (right[2] + 1) % VOCAB
+        return DraftTree.chain(right)
+
+
+class Fixed:
+    def __init__(self, tree: DraftTree) -> None:
+        self.tree = tree
+
+    def propose(self, tokens, salt) -> DraftTree:
+        return self.tree
+
+
+def constrained(rid: str, prompt: list[int], sp: SamplingParams, seed: int | None = None) -> Req:
+    req = Req(rid, prompt, sp, eos_ids=(STOP,))
+    if seed is not None:
+        req.generator = make_generator(seed)
+    if sp.regex is not None:
+        req.matcher = Matcher(compiled(sp.regex))
+    return req
+
+
+def grammar_requests(ps: list[list[int]], sps: list[SamplingParams], seeded: bool) -> list[Req]:
+    return [
+        constrained(str(i), p, sp, i if seeded else None) for i, (p, sp) in enumerate(zip(ps, sps))
+    ]
+
+
+def mask_of(matcher: Matcher) -> torch.Tensor:
+    xgr = pytest.importorskip("xgrammar")
+    bitmask = xgr.allocate_token_bitmask(1, VOCAB)
+    matcher.matcher.fill_next_token_bitmask(bitmask, 0)
+    return bitmask
+
+
+def test_a_constrained_draft_is_cut_at_the_first_token_its_grammar_refuses():
+    sched = make()
+    sp = SamplingParams(max_new_tokens=40, temperature=0, regex=RECORD)
+    req = constrained("a", [5, 6], sp)
+    v = GRAMMAR_VOCAB.index
+    for token in (v('{"'), v("ab"), v('": ')):
+        assert req.matcher.accept(token)
+    before = mask_of(req.matcher)
+    cases = [  # a draft tree -> the branches drafted
+        (DraftTree.chain([1, 2, v('", "'), 3]), [[1, 2]]),
+        (DraftTree.chain([1, v("}"), STOP, 4]), [[1, v("}"), STOP]]),  # none after the end
+        (DraftTree.chain([FORBIDDEN, 1]), []),
+        (DraftTree([1, FORBIDDEN, 2, 3], [-1, 0, 0, 2]), [[1], [1, 2, 3]]),
+        (DraftTree([1, 2, FORBIDDEN, 7], [-1, 0, 0, -1]), [[1, 2], [7]]),  # [1] is in [1, 2]
+    ]
+    for tree, branches in cases:
+        sched.spec.proposer = Fixed(tree)
+        assert sched.spec._propose(req) == branches
+        assert torch.equal(mask_of(req.matcher), before)  # the matcher is where it was
+    assert not req.matcher.terminated
+
+
+def test_each_verification_row_gets_the_mask_of_its_position():
+    """Rows of two branches masked in one application equal, row by row, ``mask_logits``
+    after the matcher took the branch's tokens; a row after the stop token is not touched."""
+    v = GRAMMAR_VOCAB.index
+    branches = [[v('{"'), v("ab"), v('": '), 1], [v('{"'), v("ok"), v('"}')][:2]]
+    final = [v('{"'), v("cd"), v('": '), 4, v("}"), STOP]
+    logits = torch.randn(4 + 1 + 2 + 1 + 6 + 1, VOCAB)
+    masked = logits.clone()
+    matcher = Matcher(compiled(RECORD))
+    rows = mask_branch_logits(masked, [0, 5, 8], [matcher] * 3, [*branches, final])
+    assert rows == 5 + 3 + 6
+    assert torch.equal(masked[14], logits[14])  # after the stop token
+    for start, tokens in zip([0, 5, 8], [*branches, final]):
+        for t in range(len(tokens) + (tokens[-1] != STOP)):
+            one, want = Matcher(compiled(RECORD)), logits[start + t : start + t + 1].clone()
+            assert all(one.accept(x) for x in tokens[:t])
+            mask_logits(want, [0], [one])
+            assert torch.equal(masked[start + t], want[0])
+    assert torch.equal(mask_of(matcher), mask_of(Matcher(compiled(RECORD))))
+
+
+@pytest.mark.parametrize(
+    "mode, sampled",
+    [(m, False) for m in ("right", "forbidden", "first_forbidden", "allowed_wrong", "tree")]
+    + [("allowed_wrong", True), ("tree", True)],
+)
+def test_constrained_outputs_equal_decoding(mode, sampled):
+    """Constrained (and unconstrained) requests, greedy or seeded, decode the same tokens and
+    logprobs with drafts as without; the grammar ends them where it did, its text valid."""
+    ps = prompts(6, 11)
+    sps = [
+        SamplingParams(
+            max_new_tokens=64, temperature=1.0 if sampled else 0, regex=regex, logprobs=True
+        )
+        for regex in [RECORD, WORDS, None, RECORD, WORDS, RECORD]
+    ]
+    plain = make(runner=GradedRunner, sampled=sampled, speculative_algorithm=None)
+    want = run(plain, grammar_requests(ps, sps, sampled))
+    outputs = {tuple(p): r.output_ids for p, r in zip(ps, want)}
+    sched = make(runner=GradedRunner, sampled=sampled, proposer=Replay(outputs, mode))
+    got = run(sched, grammar_requests(ps, sps, sampled))
+    for w, g in zip(want, got):
+        assert (g.output_ids, g.output_logprobs) == (w.output_ids, w.output_logprobs)
+        assert g.finish_reason == w.finish_reason
+        if g.params.regex is not None and g.finish_reason == "stop":
+            text = "".join(GRAMMAR_VOCAB[t] for t in g.output_ids[:-1])
+            assert g.output_ids[-1] == STOP and re.fullmatch(g.params.regex, text), text
+    assert sum(r.finish_reason == "stop" for r in got if r.matcher is not None) >= 3
+    accepted = [r.spec_accepted_tokens for r in got if r.matcher is not None]
+    assert all(a == 0 for a in accepted) if mode == "first_forbidden" else all(accepted)
+    assert sched.get_stats()["grammar_masked_rows"] > 0
+
+
+def test_constrained_requests_retracted_while_drafting_resume_as_decoding():
+    """A pool too small for every constrained request: retracted ones resume with their
+    matcher where it was, drafting again, with decoding's tokens."""
+    ps = prompts(6, 11)
+    sps = [SamplingParams(max_new_tokens=64, temperature=0, regex=RECORD)] * len(ps)
+    plain = make(runner=GradedRunner, speculative_algorithm=None)
+    want = run(plain, grammar_requests(ps, sps, False))
+    outputs = {tuple(p): r.output_ids for p, r in zip(ps, want)}
+    for mode in ("forbidden", "tree"):
+        sched = make(
+            num_slots=100, runner=GradedRunner, proposer=Replay(outputs, mode), new_token_ratio=0.0
+        )
+        got = run(sched, grammar_requests(ps, sps, False))
+        assert [r.output_ids for r in got] == [r.output_ids for r in want]
+        assert sched.get_stats()["retractions"] > 0
+        assert all(r.spec_accepted_tokens for r in got)
 
 
 # ------------------------------------------------------------------ a random trace
