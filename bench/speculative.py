@@ -17,7 +17,7 @@ Each workload has ``--prompts`` distinct prompts; a run sends them with at most 
 for each B of ``--batches`` (1: one at a time; 8: all eight at once). Every run starts cold
 after a warm-up request (radixrt flushes its cache; llama-server is started afresh).
 
-Targets (``--targets``; each started in turn, once per repeat):
+Targets (``--targets``):
 
 - ``radixrt``: ``radixrt launch --model FILE`` plus ``--radixrt-args``;
 - ``radixrt-ngram``: the same plus ``--speculative-algorithm NGRAM`` (and
@@ -29,14 +29,21 @@ Targets (``--targets``; each started in turn, once per repeat):
   ``--llama-spec-args``; the best type (its geometric-mean speedup over ``llama``, on the
   repetitive workloads) is the one radixrt is held against.
 
+The radixrt servers stay up through the run (idle, they take no CPU); a llama-server runs
+only during its own runs. The targets take turns on each workload and batch, so the runs
+compared are made close together.
+
 Reports per workload x batch x target (best of ``--repeats`` by wall time): output tokens/s,
 its ratio to the same server without speculation, tokens per decode step (``1 + accepted /
 steps``: radixrt from its ``spec_*`` counters, llama-server from ``timings.draft_n_accepted``),
 radixrt's mean accepted length as SGLang defines it (``(accepted + verify_ct) / verify_ct``),
 the share of draft tokens accepted, TTFT p50 and ITL p50 / p99 (per streamed chunk; a chunk
-may carry several tokens); the issue's targets with PASS or FAIL (``checks``); the requests
-whose text differs with and without speculation, per server (greedy: none should). Writes
-``bench/results/speculative.json``, a Markdown table on stdout and a PNG (with matplotlib).
+may carry several tokens) and how copyable the outputs were (the share of their word 4-grams
+seen before, in the prompt or earlier in the output: a greedy small model may loop, so even
+``random``'s outputs can repeat themselves); the issue's targets with PASS or FAIL
+(``checks``); the requests whose text differs with and without speculation, per server
+(greedy: none should). Writes ``bench/results/speculative.json`` (with the plain targets'
+outputs), a Markdown table on stdout and a PNG (with matplotlib).
 
     python bench/speculative.py --scale 0.25 --targets radixrt,llama,llama-ngram-simple
     python bench/speculative.py --repeats 2 --speculative-num-draft-tokens 8
@@ -74,6 +81,7 @@ TARGETS = (RADIXRT, RADIXRT_SPEC, LLAMA, *(f"{LLAMA}-{t}" for t in LLAMA_SPEC_TY
 BASELINE = {RADIXRT_SPEC: RADIXRT} | {f"{LLAMA}-{t}": LLAMA for t in LLAMA_SPEC_TYPES}
 SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 MAX_TOKENS = 256
+COPY_GRAM = 4  # words per n-gram of the outputs' ``copyable`` share
 WARM_UP = [{"role": "user", "content": "Say hello."}]
 BATCH1_SPEEDUP, BATCHED_SPEEDUP, RANDOM_FLOOR = 2.0, 1.3, 0.97  # the issue's targets
 
@@ -628,7 +636,7 @@ class Target:
 
     name = ""
     url = ""
-    silent_when_idle = False  # speculates, and sends no counters for a request with no draft
+    omits_zero_counters = False  # speculates, and sends no counters for a request with no draft
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -643,16 +651,23 @@ class Target:
         if rec.error:
             raise RuntimeError(f"{self.name}: the warm-up request failed: {rec.error}")
 
+    def idle(self) -> None:
+        """Between its runs (a server that starts afresh for each run stops here)."""
+
     async def run(self, wl: Workload, batch: int) -> tuple[list[Sample], float]:
         """The workload at ``batch``, from a cold cache (repeat_user: after its first pass)."""
         await self.prepare()
-        async with self.backend() as b:
-            if wl.first_pass:
-                first, _ = await run_batch(b, wl.prompts, len(wl.prompts), self.args.ignore_eos)
-                bad = [s.rec.error for s in first if s.rec.error]
-                if bad:
-                    raise RuntimeError(f"{self.name}: {wl.name}'s first pass failed: {bad[0]}")
-            return await run_batch(b, wl.prompts, batch, self.args.ignore_eos)
+        try:
+            async with self.backend() as b:
+                if wl.first_pass:
+                    n = len(wl.prompts)
+                    first, _ = await run_batch(b, wl.prompts, n, self.args.ignore_eos)
+                    bad = [s.rec.error for s in first if s.rec.error]
+                    if bad:
+                        raise RuntimeError(f"{wl.name}'s first pass failed: {bad[0]}")
+                return await run_batch(b, wl.prompts, batch, self.args.ignore_eos)
+        finally:
+            self.idle()
 
 
 class RadixrtTarget(Target):
@@ -692,7 +707,7 @@ class LlamaTarget(Target):
         shape = argparse.Namespace(**{**vars(args), "llama_args": f"{args.llama_args} {extra}"})
         self.group = peers.LlamaGroup(args.gguf, shape, slots, ctx)
         self.group.name = self.group.label = name  # its log: peers_logs/<name>.log
-        self.silent_when_idle = name != LLAMA  # timings.draft_n only once it drafted
+        self.omits_zero_counters = name != LLAMA  # timings.draft_n only once it drafted
 
     def start(self) -> None:
         self.group.restart()
@@ -706,6 +721,9 @@ class LlamaTarget(Target):
         props = httpx.get(self.url + "/props", timeout=30).json()
         keys = ("build_info", "total_slots", "model_path")
         return {"flags": self.group.proc.cmd[1:]} | {k: props.get(k) for k in keys}
+
+    def idle(self) -> None:
+        self.group.stop()
 
     def stop(self) -> None:
         self.group.stop()
@@ -757,12 +775,12 @@ def prompt_lengths(workloads: list[Workload], gguf: str) -> dict[str, int]:
 # ---------------------------------------------------------------- summaries
 
 
-def summarize(samples: list[Sample], wall: float, silent_when_idle: bool = False) -> dict:
+def summarize(samples: list[Sample], wall: float, omits_zero_counters: bool = False) -> dict:
     """One run's figures (s unless the name says ms); the speculative ones None where the
-    server reported no counters (``silent_when_idle``: no counters are zeros)."""
+    server reported no counters (``omits_zero_counters``: no counters are zeros)."""
     pct = serving.percentile
     ok = [s for s in samples if s.rec.error is None]
-    if silent_when_idle:
+    if omits_zero_counters:
         for s in ok:
             s.rec.spec = {"accepted": 0, "drafted": 0} | s.rec.spec
     out = sum(s.rec.output_tokens for s in ok)
@@ -788,6 +806,34 @@ def prompt_tokens(samples: list[Sample]) -> int:
     return sum(s.rec.prompt_tokens for s in samples)
 
 
+def copyable(prompt: str, output: str, n: int = COPY_GRAM) -> float | None:
+    """The share of the output's word n-grams that occurred before them, in the prompt or
+    earlier in the output: how much of it a draft from the request's own text could copy,
+    whatever the server (None: an output shorter than n words)."""
+    words = output.split()
+    seen = {tuple(g) for g in grams(prompt.split(), n)}
+    hits = total = 0
+    for g in map(tuple, grams(words, n)):
+        hits, total = hits + (g in seen), total + 1
+        seen.add(g)
+    return hits / total if total else None
+
+
+def grams(words: list[str], n: int) -> list[list[str]]:
+    return [words[i : i + n] for i in range(len(words) - n + 1)]
+
+
+def copyable_share(wl: Workload, samples: list[Sample]) -> float | None:
+    """``copyable`` over a run's outputs, weighted by their length in words."""
+    parts = []
+    for p, s in zip(wl.prompts, samples):
+        share = copyable(" ".join(m["content"] for m in p.messages), s.text)
+        if s.rec.error is None and share is not None:
+            parts.append((share, len(s.text.split())))
+    weight = sum(w for _, w in parts)
+    return sum(x * w for x, w in parts) / weight if weight else None
+
+
 def acceptance(recs: list[SpecRecord]) -> dict:
     """Speculation's figures over requests that reported counters: ``tokens_per_step``
     (1 + accepted draft tokens per decode step; every output token after the first comes
@@ -796,12 +842,13 @@ def acceptance(recs: list[SpecRecord]) -> dict:
     counted = [r for r in recs if r.spec]
     acc = sum(r.spec.get("accepted", 0) for r in counted)
     drafted = sum(r.spec.get("drafted", 0) for r in counted)
-    verify = sum(r.spec.get("verify_ct", 0) for r in counted)
+    verified = [r.spec["verify_ct"] for r in counted if "verify_ct" in r.spec]
+    verify = sum(verified)
     steps = sum(max(0, r.output_tokens - 1 - r.spec.get("accepted", 0)) for r in counted)
     return {
         "spec_accepted": acc if counted else None,
         "spec_drafted": drafted if counted else None,
-        "spec_verify_ct": verify if counted else None,
+        "spec_verify_ct": verify if verified else None,
         "tokens_per_step": 1 + acc / steps if steps else None,
         "accept_len": (acc + verify) / verify if verify else None,
         "accepted_share": acc / drafted if drafted else None,
@@ -820,7 +867,8 @@ class Book:
         self.texts: dict[str, dict[str, list[list[str | None]]]] = {}  # None: failed
 
     def add(self, target: Target, wl: Workload, batch: int, samples: list[Sample], wall: float):
-        summary = summarize(samples, wall, target.silent_when_idle)
+        summary = summarize(samples, wall, target.omits_zero_counters)
+        summary["copyable"] = copyable_share(wl, samples)
         self.runs.setdefault(target.name, {}).setdefault(cell(wl.name, batch), []).append(summary)
         texts = [None if s.rec.error else s.text for s in samples]
         self.texts.setdefault(target.name, {}).setdefault(cell(wl.name, batch), []).append(texts)
@@ -847,6 +895,12 @@ class Book:
     def first_text(self, target: str, c: str, i: int) -> str | None:
         """Request ``i``'s text in the first run of ``c`` where it did not fail."""
         return next((run[i] for run in self.texts[target][c] if run[i] is not None), None)
+
+    def first_outputs(self, targets: list[str]) -> dict[str, dict[str, list[str | None]]]:
+        """The texts of each target's first run of each cell."""
+        return {
+            t: {c: runs[0] for c, runs in self.texts[t].items()} for t in targets if t in self.texts
+        }
 
     def differences(self, spec: str, base: str, limit: int = 20) -> list[dict]:
         """The first ``limit`` differing requests' texts, with and without speculation."""
@@ -924,6 +978,7 @@ COLUMNS = (
     ("ITL p50 ms", "itl_p50_ms", "{:.1f}"),
     ("ITL p99 ms", "itl_p99_ms", "{:.1f}"),
     ("tok/chunk", "tokens_per_chunk", "{:.2f}"),
+    ("copyable", "copyable", "{:.2f}"),
 )
 
 
@@ -974,9 +1029,20 @@ def report(result: dict) -> str:
         per = {c: len(idx) for c, idx in diff.items() if idx}
         total = sum(map(len, diff.values()))
         lines.append(f"requests differing with speculation, {spec}: {total} {per or ''}")
+    lines += [f"NOTE    {t}: no speculative counters in its responses" for t in silent(book)]
     lines += [f"SKIPPED {t}: {why}" for t, why in result["skipped"].items()]
     lines += [f"FAILED  {t}: {e}" for t, e in result["failures"].items()]
     return "\n".join(lines)
+
+
+def silent(book: Book) -> list[str]:
+    """The speculative targets none of whose responses carried counters."""
+    return [
+        t
+        for t in BASELINE
+        if t in book.runs
+        and all(s["spec_drafted"] is None for runs in book.runs[t].values() for s in runs)
+    ]
 
 
 def plot(book: Book, batches: list[int], path: Path) -> None:
@@ -1020,6 +1086,7 @@ def write(out: Path, args: argparse.Namespace, result: dict) -> None:
         "llama_best_spec": result["llama_best"],
         "differing": result["differing"],
         "differing_texts": {t: book.differences(t, BASELINE[t]) for t in result["differing"]},
+        "outputs": book.first_outputs([RADIXRT, LLAMA]),
         "skipped": result["skipped"],
         "failures": result["failures"],
     }
@@ -1029,18 +1096,10 @@ def write(out: Path, args: argparse.Namespace, result: dict) -> None:
 # --------------------------------------------------------------------- run
 
 
-async def run_target(args, target: Target, wls: list[Workload], book: Book, infos: dict):
-    """One target on every workload and batch (``target`` started and stopped here)."""
-    try:
-        target.start()
-        infos[target.name] = target.info()
-        for wl in wls:
-            for b in args.batches:
-                samples, wall = await target.run(wl, b)
-                s = book.add(target, wl, b, samples, wall)
-                print(progress_line(target.name, wl.name, b, s), flush=True)
-    finally:
-        target.stop()
+async def run_cell(target: Target, wl: Workload, batch: int, book: Book) -> None:
+    samples, wall = await target.run(wl, batch)
+    s = book.add(target, wl, batch, samples, wall)
+    print(progress_line(target.name, wl.name, batch, s), flush=True)
 
 
 def progress_line(target: str, workload: str, batch: int, s: dict) -> str:
@@ -1053,17 +1112,43 @@ def progress_line(target: str, workload: str, batch: int, s: dict) -> str:
 
 
 async def run_all(args: argparse.Namespace, wls: list[Workload], lengths: dict) -> dict:
+    """The targets take turns on each workload and batch (a cell's runs close in time),
+    ``--repeats`` times; a target that fails is reported and left out from then on."""
     book, infos, failures = Book(), {}, {}
     slots, ctx = llama_context(wls, lengths, max(args.batches))
-    for _ in range(args.repeats):
-        for name in args.targets:
-            target = make_target(name, args, slots, ctx)
-            try:
-                await run_target(args, target, wls, book, infos)
-            except Exception as e:  # noqa: BLE001 (reported; the other targets' results stand)
-                failures[name] = f"{type(e).__name__}: {e}"
-                print(f"{name} FAILED: {failures[name]}", file=sys.stderr, flush=True)
+    targets = [make_target(name, args, slots, ctx) for name in args.targets]
+    try:
+        live = [t for t in targets if started(t, infos, failures)]
+        for _ in range(args.repeats):
+            for wl, b in ((wl, b) for wl in wls for b in args.batches):
+                for t in list(live):
+                    try:
+                        await run_cell(t, wl, b, book)
+                    except Exception as e:  # noqa: BLE001 (reported; the others go on)
+                        failed(t, e, failures)
+                        live.remove(t)
+    finally:
+        for t in targets:
+            t.stop()
     return {"book": book, "infos": infos, "failures": failures}
+
+
+def started(target: Target, infos: dict, failures: dict) -> bool:
+    """Start ``target`` and note its settings; False (and the failure noted) if it fails."""
+    try:
+        target.start()
+        infos[target.name] = target.info()
+        target.idle()
+        return True
+    except Exception as e:  # noqa: BLE001 (reported; the other targets run)
+        failed(target, e, failures)
+        return False
+
+
+def failed(target: Target, e: Exception, failures: dict) -> None:
+    failures[target.name] = f"{type(e).__name__}: {e}"
+    print(f"{target.name} FAILED: {failures[target.name]}", file=sys.stderr, flush=True)
+    target.stop()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -108,6 +108,9 @@ def test_acceptance_figures(sb):
     assert a["tokens_per_step"] == 1 + 48 / 16
     assert a["accept_len"] == (48 + 16) / 16
     assert a["accepted_share"] == 48 / 64
+    llama = sb.acceptance([rec(sb, 9, {"accepted": 4, "drafted": 8})])
+    assert llama["spec_verify_ct"] is None and llama["accept_len"] is None
+    assert llama["tokens_per_step"] == 1 + 4 / 4
     none = sb.acceptance([rec(sb, 65)])
     assert none["tokens_per_step"] is None and none["spec_accepted"] is None
 
@@ -117,7 +120,7 @@ def test_summary_counts_silent_speculation_as_zero(sb):
         sb.Sample(rec(sb, 9), "a"),
         sb.Sample(rec(sb, 9, {"accepted": 4, "drafted": 8}), "b"),
     ]
-    s = sb.summarize(samples, 2.0, silent_when_idle=True)
+    s = sb.summarize(samples, 2.0, omits_zero_counters=True)
     assert s["output_tokens"] == 18 and s["output_tok_s"] == 9.0
     assert s["spec_drafted"] == 8 and s["tokens_per_step"] == 1 + 4 / (8 + 4)
     plain = sb.summarize([sb.Sample(rec(sb, 9), "a")], 1.0)
@@ -131,7 +134,7 @@ def test_summary_counts_silent_speculation_as_zero(sb):
 
 class FakeTarget:
     def __init__(self, name: str) -> None:
-        self.name, self.silent_when_idle = name, False
+        self.name, self.omits_zero_counters = name, False
 
 
 def add(sb, book, target: str, workload: str, batch: int, wall: float, texts: list[str]):
@@ -199,7 +202,7 @@ def test_llama_spec_target_flags(sb, tmp_path):
         gguf="m.gguf", llama_args="--no-repack", llama_spec_args="--spec-ngram-mod-n-max 16"
     )
     t = sb.make_target("llama-ngram-mod", args, 8, 4096)
-    assert t.silent_when_idle
+    assert t.omits_zero_counters
     assert t.group.args.llama_args.split() == [
         "--no-repack",
         "--spec-type",
@@ -207,4 +210,14 @@ def test_llama_spec_target_flags(sb, tmp_path):
         "--spec-ngram-mod-n-max",
         "16",
     ]
-    assert not sb.make_target("llama", args, 8, 4096).silent_when_idle
+    assert not sb.make_target("llama", args, 8, 4096).omits_zero_counters
+
+
+def test_copyable_share_of_an_output(sb):
+    assert sb.copyable("a b c d e", "a b c d") == 1.0  # its one 4-gram is in the prompt
+    assert sb.copyable("", "a b c d e f") == 0.0
+    assert sb.copyable("", "a b c d a b c d") == 0.2  # 5 grams, the last one seen before
+    assert sb.copyable("x", "a b") is None
+    wl = sb.Workload("w", [sb.Prompt([{"role": "user", "content": "a b c d"}], 8)] * 2)
+    samples = [sb.Sample(rec(sb, 4), "a b c d"), sb.Sample(rec(sb, 7), "p q r s t u v")]
+    assert sb.copyable_share(wl, samples) == pytest.approx((1.0 * 4 + 0.0 * 7) / 11)
