@@ -1206,6 +1206,8 @@ def drop_unavailable(args: argparse.Namespace) -> dict[str, str]:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     skipped = drop_unavailable(args)
+    for t, why in skipped.items():
+        print(f"SKIPPED {t}: {why}", file=sys.stderr, flush=True)
     max_tokens = scaled_tokens(args.max_tokens, args.scale)
     wls = [make_workload(w, args.prompts, max_tokens, args.seed) for w in args.workloads]
     lengths = prompt_lengths(wls, args.gguf)
