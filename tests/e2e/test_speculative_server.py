@@ -69,7 +69,9 @@ def test_outputs_drafts_counters_and_streams(server):
     kw = dict(
         model=model, prompt=ids, max_tokens=N_OUT, temperature=0, extra_body={"ignore_eos": True}
     )
-    whole = oai.completions.create(**kw).choices[0].text
+    done = oai.completions.create(**kw)
+    whole = done.choices[0].text
+    assert done.usage.model_extra["spec_accepted_tokens"] >= N_OUT // 2  # drafted from the tree
     pieces = [c.choices[0].text for c in oai.completions.create(stream=True, **kw) if c.choices]
     assert "".join(pieces) == whole
 

@@ -269,7 +269,13 @@ class OpenAIApi:
             prompt += max(c.prompt_tokens for c in group)
             cached += max(c.cached_tokens for c in group)
         completion = sum(len(c.token_ids) for c in choices)
-        return api.Usage(prompt, completion, prompt + completion, api.PromptTokensDetails(cached))
+        spec = {
+            k: sum(c.spec.get(k, 0) for c in choices)
+            for k in ("spec_verify_ct", "spec_draft_tokens", "spec_accepted_tokens")
+        }
+        return api.Usage(
+            prompt, completion, prompt + completion, api.PromptTokensDetails(cached), **spec
+        )
 
     # ------------------------------------------------------- completions
 

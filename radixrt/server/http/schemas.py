@@ -289,11 +289,16 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int
 
 
-class Usage(msgspec.Struct):
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # With --speculative-algorithm: the choices' verifications, draft and accepted tokens
+    # (SGLang's meta_info names; absent without speculation).
+    spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 class TopLogprob(msgspec.Struct):
