@@ -21,9 +21,19 @@ weighted sum are per row in a fixed order, whichever tokens share the call.
 
 The experts are one of two implementations, chosen when the block is built:
 ``ExpertList`` (each expert a ``GateUpLinear`` and a ``Linear`` from the kernels: calibrated
-bf16, float32 and quantized weights; tokens grouped by expert, one call per expert over its
-tokens), on the CPU and wherever weights may load quantized; ``FusedExperts`` (stacked
-weights, ``radixrt_kernels.triton.fused_moe``), on CUDA with dense weights.
+bf16, float32 and quantized weights), on the CPU and wherever weights may load quantized;
+``FusedExperts`` (stacked weights, ``radixrt_kernels.triton.fused_moe``), on CUDA with dense
+weights. ``ExpertList`` runs its experts one of two ways, settled at its first forward after
+the weights are laid out (``prepare_weights``):
+
+- where every expert's gate_up runs the packed gated linear (``PackedGatedLinear``) and its
+  down the packed linear (``PackedLinear``), on kernels shared by all experts (bf16 weights,
+  hidden and expert widths multiples of 32, eager mode): all of them in one C call
+  (``radixrt_kernels.cpu.experts``: the grouping, every expert's two linears and the weighted
+  sum in one parallel region, the same kernels on the same rows, so the other way's bits);
+- else (float32 or quantized weights, widths the packed kernels pad, other linear paths,
+  torch.compile): tokens grouped by expert, one call of each chosen expert over its tokens,
+  the weighted sum in PyTorch (``ExpertList.grouped``).
 
 ``MoeSpec.from_hf(model_type, config)`` reads the block's settings from a ``config.json``
 dict (transformers' defaults where a key is absent); ``MoeSpec.is_sparse(layer_id)`` says
@@ -45,7 +55,9 @@ from torch import nn
 
 from radixrt.model.kernel_set import Kernels
 from radixrt.model.layers import DEFAULT_KERNELS, GateUpLinear, Linear
+from radixrt.model.linear_methods import PackedGatedLinear, PackedLinear
 from radixrt.quant.formats import QuantTensor
+from radixrt_kernels.cpu import experts as cpu_experts
 
 __all__ = ["MOE_MODEL_TYPES", "ExpertList", "FusedExperts", "MoeSpec", "Routing", "SparseMoeBlock"]
 
@@ -281,9 +293,8 @@ def _split_name(name: str) -> tuple[str, str]:
 
 
 class ExpertList(nn.ModuleList):
-    """The experts as modules of the kernels' linears; the (token, rank) pairs grouped by
-    expert, one call of each chosen expert over its tokens (in expert order), the weighted sum
-    per token in rank order."""
+    """The experts as modules of the kernels' linears, run in one C call or one call per chosen
+    expert (module text)."""
 
     def __init__(self, spec: MoeSpec, kernels: Kernels) -> None:
         super().__init__(
@@ -291,15 +302,33 @@ class ExpertList(nn.ModuleList):
             for _ in range(spec.num_experts)
         )
         self.intermediate = spec.intermediate_size
+        self.eager_cpu = kernels.device.type == "cpu" and not kernels.compiled
+        self.path = None  # settled at the first forward after the weights are laid out
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        (t, k), hidden = routing.experts.shape, x.shape[1]
-        if t == 0:
-            return x.new_empty(0, hidden)
-        if t == 1:  # one token (a single stream's decode): its experts in rank order, no grouping
-            outputs = torch.stack([self[e](x) for e in routing.experts[0].tolist()], dim=1)
-            return weighted_sum(outputs, routing.weights, x.dtype)
-        groups = group_by_expert(routing.experts, len(self))
+        if routing.experts.shape[0] == 0:
+            return x.new_empty(0, x.shape[1])
+        if self.path is None:
+            self.path = self._settle()
+        return (self.path or self.grouped)(x, routing.experts, routing.weights)
+
+    def _settle(self):
+        """The one-call experts where they apply, else ``grouped``; None while a weight is not
+        laid out yet (its method may still change: a quantized or deferred weight)."""
+        linears = [linear for e in self for linear in (e.gate_up_proj, e.down_proj)]
+        if not all(linear.prepared for linear in linears):
+            return None
+        return (packed_experts(self) if self.eager_cpu else None) or self.grouped
+
+    def grouped(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor):
+        """The (token, rank) pairs grouped by expert, one call of each chosen expert over its
+        tokens (in expert order), the weighted sum per token in rank order; one token (a single
+        stream's decode): its experts in rank order, no grouping."""
+        (t, k), hidden = experts.shape, x.shape[1]
+        if t == 1:
+            outputs = torch.stack([self[e](x) for e in experts[0].tolist()], dim=1)
+            return weighted_sum(outputs, weights, x.dtype)
+        groups = group_by_expert(experts, len(self))
         xs = x.index_select(0, groups.order // k)  # each pair's token, the pairs by expert
         ys, start = [], 0
         for expert, n in zip(self, groups.counts):
@@ -307,7 +336,7 @@ class ExpertList(nn.ModuleList):
                 ys.append(expert(xs[start : start + n]))
                 start += n
         outputs = xs.index_copy(0, groups.order, torch.cat(ys))  # row t·k + r: rank r of t
-        return weighted_sum(outputs.view(t, k, hidden), routing.weights, x.dtype)
+        return weighted_sum(outputs.view(t, k, hidden), weights, x.dtype)
 
     def load(self, name: str, tensor: torch.Tensor | QuantTensor) -> list[str]:
         """A checkpoint tensor named below ``experts.``: one expert's projection or a stacked
@@ -387,6 +416,30 @@ def _copy(param: torch.Tensor, loaded: torch.Tensor) -> None:
             f"checkpoint shape {tuple(loaded.shape)} != parameter shape {tuple(param.shape)}"
         )
     param.data.copy_(loaded.to(param.dtype))
+
+
+def packed_experts(experts: ExpertList):
+    """``experts`` as one C call (``cpu_experts.Experts``, called as x, ids, weights) where every
+    expert's gate_up runs ``PackedGatedLinear`` and its down ``PackedLinear``, each on the same
+    kernels for all experts; else None."""
+    gate_ups = [e.gate_up_proj.method for e in experts]
+    downs = [e.down_proj.method for e in experts]
+    g, d = gate_ups[0], downs[0]
+    if (
+        any(type(m) is not PackedGatedLinear or m.kernels != g.kernels for m in gate_ups)
+        or any(type(m) is not PackedLinear or m.kernels != d.kernels for m in downs)
+        or g.kernels.threshold != d.kernels.threshold
+    ):
+        return None
+    return cpu_experts.Experts(
+        g.lib,
+        [e.gate_up_proj.weight for e in experts],
+        [e.down_proj.weight for e in experts],
+        experts.intermediate,
+        (g.kernels.small, g.kernels.large),
+        (d.kernels.small, d.kernels.large),
+        g.kernels.threshold,
+    )
 
 
 def make_experts(spec: MoeSpec, kernels: Kernels) -> ExpertList | FusedExperts:

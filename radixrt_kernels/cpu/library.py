@@ -5,8 +5,9 @@ indices, ``attention``), ``elementwise.c`` (RMS norm, rotary embedding, SiLU-and
 ``elementwise``), ``sampling.c`` (argmax, the grammar bitmask, ``sampling_ops``),
 ``linear_amx.c`` and ``linear_vec.c`` (bf16 linear layers with AMX, or AVX512-BF16 and FMA,
 ``linear``), ``quant.c``, ``quant_x86.c`` and ``quant_amx.c`` (linear layers on
-GGUF-quantized weights, ``quant``), ``linear_f32.c`` (float32 linear layers, ``linear``) and
-``chain.c`` (several steps in one call, ``chain``). They are compiled with the system C
+GGUF-quantized weights, ``quant``), ``linear_f32.c`` (float32 linear layers, ``linear``),
+``chain.c`` (several steps in one call, ``chain``) and ``moe.c`` (a mixture-of-experts block's
+routed experts in one call, ``experts``). They are compiled with the system C
 compiler (``-O3 -march=native``, OpenMP) into one library in ``CACHE_DIR/kernels/`` and loaded
 with ctypes. The library links against the OpenMP runtime PyTorch already loaded, so its loops
 run on PyTorch's threads.
@@ -40,6 +41,7 @@ SOURCES = [
         "linear_amx.c",
         "linear_f32.c",
         "linear_vec.c",
+        "moe.c",
         "quant.c",
         "quant_amx.c",
         "quant_x86.c",
@@ -142,6 +144,25 @@ SIGNATURES = {  # these return int: 0, or -1 on a size they do not take (_availa
         _int,
     ],
     "radixrt_quant_path": [_int, _i64],
+    "radixrt_moe": [
+        _ptr,
+        _i64,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _int,
+        _i64,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _i64,
+        _int,
+    ],
     "radixrt_quant_path_available": [_int, _int],
 }
 # radixrt_linear_vec: a kernel number, then radixrt_linear's arguments

@@ -1,8 +1,10 @@
 """The mixture-of-experts block (radixrt/model/moe.py) against transformers' blocks on the same
 seeded float32 weights: qwen3_moe, mixtral, olmoe, and qwen2_moe's shared expert; a token's
 bits alone equal its bits in a batch of 1..64 (exact kernels: float32, bf16, Q8_0); routings
-that leave experts without tokens or send every token to one; the settings read from a
-config.json as transformers reads them; the checkpoint's names, per expert and stacked."""
+that leave experts without tokens or send every token to one; the experts' one C call
+(radixrt_kernels.cpu.experts) against their grouped calls, bit for bit, on every packed kernel, and
+which weights take which; the settings read from a config.json as transformers reads them; the
+checkpoint's names, per expert and stacked."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from radixrt.model.calibrate import Choice
 from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.layers import prepare_weights
 from radixrt.model.moe import MOE_MODEL_TYPES, MoeSpec, SparseMoeBlock, group_by_expert
 from radixrt.model.weights import cache_dir
 from radixrt.quant.rtn import quantize
+from radixrt_kernels.cpu import experts as cpu_experts
 from radixrt_kernels.cpu import library
+from radixrt_kernels.cpu import linear as cpu_linear
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -276,6 +281,128 @@ def test_ties_are_broken_as_torch_topk() -> None:
 def test_an_empty_batch() -> None:
     block = our_block("qwen2_moe", saved_block_tensors(hf_model("qwen2_moe"), "qwen2_moe"))
     assert block(torch.empty(0, HIDDEN)).shape == (0, HIDDEN)
+
+
+# ---- the experts' one C call ------------------------------------------------------------------
+
+
+def packed_kernels(kernel: str) -> Kernels:
+    """Exact bf16 kernels that run every linear on ``kernel`` (skipped where it does not run)."""
+    if not cpu_linear.kernel_available(lib(), kernel):
+        pytest.skip(f"the {kernel} linear kernel does not run here")
+    return choose_kernels(
+        CPU, torch.bfloat16, lib(), cache_dir=cache_dir(), exact=True, linear=kernel
+    )
+
+
+def grouped(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block's output with its experts called one by one (the reference)."""
+    settled, block.experts.path = block.experts.path, block.experts.grouped
+    try:
+        return block(x)
+    finally:
+        block.experts.path = settled
+
+
+def one_call(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    out = block(x)
+    assert isinstance(block.experts.path, cpu_experts.Experts)
+    return out
+
+
+@pytest.mark.parametrize("kernel", list(cpu_linear.KERNELS))
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_one_call_is_the_grouped_calls(family: str, kernel: str) -> None:
+    """bf16 on each packed kernel (qwen3's routing weights bf16, mixtral's float32, qwen2's
+    shared expert beside): the one C call's bits are the grouped calls' for 1..64 tokens and
+    for a prefill's 200, alone and in a batch."""
+    tensors = saved_block_tensors(hf_model(family, seed=5), family)
+    block = our_block(family, tensors, packed_kernels(kernel), torch.bfloat16)
+    x = torch.randn(200, HIDDEN, generator=torch.Generator().manual_seed(14)).bfloat16()
+    for rows in [*ROWS, 200]:
+        assert torch.equal(bits(one_call(block, x[:rows])), bits(grouped(block, x[:rows]))), rows
+    alone = torch.cat([one_call(block, x[i : i + 1]) for i in range(16)])
+    assert torch.equal(bits(alone), bits(one_call(block, x[:16])))
+
+
+def test_one_call_takes_each_experts_kernel_by_its_rows() -> None:
+    """Outside exact mode a packed weight may run one kernel up to 64 rows and another above:
+    each expert's calls take the one for its own rows, as the grouped calls do (every token to
+    the same experts: 100 rows each; a few tokens: a few rows each)."""
+    if not all(cpu_linear.kernel_available(lib(), k) for k in ("fma", "amx")):
+        pytest.skip("needs the fma and amx linear kernels")
+    kernels = Kernels(lambda n, k, large=True: Choice("fma", "amx"), lib())
+    tensors = saved_block_tensors(hf_model("qwen3_moe", seed=8), "qwen3_moe")
+    tensors["gate.weight"] = torch.zeros(EXPERTS, HIDDEN)
+    tensors["gate.weight"][[5, 2, 7]] = torch.tensor([1.0, 0.5, 0.25])[:, None]
+    block = our_block("qwen3_moe", tensors, kernels, torch.bfloat16)
+    x = torch.rand(100, HIDDEN, generator=torch.Generator().manual_seed(15)).bfloat16() + 0.5
+    assert (block.route(x).experts == torch.tensor([5, 2, 7])).all()
+    for rows in (3, 64, 65, 100):
+        assert torch.equal(bits(one_call(block, x[:rows])), bits(grouped(block, x[:rows]))), rows
+
+
+@pytest.mark.parametrize("favourites", [[5, 2, 7], [0, 1, 2], [7, 6, 5]])
+def test_one_call_with_experts_without_tokens(favourites: list[int]) -> None:
+    """Every token to the same three experts (the others idle, first, last or between): the
+    grouped calls' bits, each token's alone."""
+    block = routed_block("qwen3_moe", favourites, torch.bfloat16)
+    x = torch.rand(33, HIDDEN, generator=torch.Generator().manual_seed(16)).bfloat16() + 0.5
+    assert (block.route(x).experts == torch.tensor(favourites)).all()
+    got = one_call(block, x)
+    assert torch.equal(bits(got), bits(grouped(block, x)))
+    alone = torch.cat([one_call(block, x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(bits(got), bits(alone))
+
+
+def test_one_call_with_one_expert_per_token() -> None:
+    """k = 1: each expert with one token, several, or none."""
+    tensors = saved_block_tensors(
+        hf_model("qwen3_moe", seed=10, num_experts_per_tok=1), "qwen3_moe"
+    )
+    spec = MoeSpec.from_hf("qwen3_moe", hf_config("qwen3_moe", num_experts_per_tok=1).to_dict())
+    block = SparseMoeBlock(spec, exact(torch.bfloat16)).to(torch.bfloat16)
+    for name, tensor in tensors.items():
+        block.load(name, tensor)
+    prepare_weights(block)
+    x = torch.randn(12, HIDDEN, generator=torch.Generator().manual_seed(11)).bfloat16()
+    assert len(block.route(x).experts.unique()) < EXPERTS
+    assert torch.equal(bits(one_call(block, x)), bits(grouped(block, x)))
+
+
+@pytest.mark.parametrize(
+    "dtype,qtype", [(torch.float32, None), (torch.bfloat16, "Q8_0")], ids=["float32", "Q8_0"]
+)
+def test_weights_the_one_call_does_not_take_run_grouped(dtype, qtype) -> None:
+    """float32 and quantized experts run their grouped calls; so does a block whose weights
+    are not laid out yet (its path is settled once they are)."""
+    block = block_of("qwen3_moe", dtype, qtype)
+    block(torch.randn(3, HIDDEN).to(dtype))
+    assert block.experts.path == block.experts.grouped
+    spec = MoeSpec.from_hf("qwen3_moe", hf_config("qwen3_moe").to_dict())
+    unprepared = SparseMoeBlock(spec, Kernels()).to(torch.bfloat16)
+    unprepared(torch.randn(2, HIDDEN).bfloat16())
+    assert unprepared.experts.path is None
+
+
+def test_the_one_call_refuses_what_it_does_not_take() -> None:
+    block = our_block(
+        "qwen3_moe",
+        saved_block_tensors(hf_model("qwen3_moe"), "qwen3_moe"),
+        exact(torch.bfloat16),
+        torch.bfloat16,
+    )
+    x = torch.randn(4, HIDDEN).bfloat16()
+    block(x)
+    experts = block.experts.path
+    routing = block.route(x)
+    with pytest.raises(ValueError, match="out of range"):
+        experts(x, torch.full((4, 3), EXPERTS), routing.weights)
+    with pytest.raises(ValueError, match="bf16 x"):
+        experts(x.float(), routing.experts, routing.weights)
+    with pytest.raises(ValueError, match="multiples of 32"):
+        w = torch.zeros(cpu_linear.packed_elems(96, 48), dtype=torch.bfloat16)
+        cpu_experts.Experts(lib(), [w], [w], 48, ("amx", "amx"), ("amx", "amx"), 64)
 
 
 # ---- the settings of a config.json ------------------------------------------------------------
