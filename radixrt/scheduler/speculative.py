@@ -5,7 +5,8 @@ Each step, ``Speculator.plan`` asks the proposer for a draft of every running re
 may draft (at least two tokens left to generate, room in the context, not backing off:
 ``radixrt.spec.backoff``), keeps the drafts the step's cost rule admits, and gives each kept
 draft its slots and rows (``DraftRows``):
-- the draft tree is pruned to ``speculative_num_draft_tokens`` tokens and the depth the
+- the draft tree is pruned to twice the tokens the request's rounds are expected to accept
+  (``Backoff.expected``; at most ``speculative_num_draft_tokens``) and the depth the
   request can still use; its branches are taken in rank order while their tokens add up to
   at most that many and a spare row of ``req_to_token`` is free beyond the waiting requests;
 - a request with a grammar drafts only what its grammar allows: each branch is cut before
@@ -31,6 +32,7 @@ speculation.
 
 from __future__ import annotations
 
+import math
 import random
 
 import torch
@@ -107,13 +109,19 @@ class Speculator:
         """Draft tokens req can use in a row: one fewer than it may still emit, in context."""
         return min(req.remaining_new_tokens - 1, self.max_context - req.fill_len - 1)
 
+    def _length(self, req: Req) -> int:
+        """Draft tokens req verifies this step: twice what its rounds are expected to accept
+        (at least one, at most ``max_tokens``), so a round that misses costs little."""
+        return max(1, min(self.max_tokens, math.ceil(2 * req.spec_backoff.expected)))
+
     def _propose(self, req: Req) -> list[list[int]]:
         """The token lists of req's draft branches (cut to what its grammar allows), in rank
         order while their tokens add up to at most ``max_tokens`` (the first always fits: the
         tree is pruned to them)."""
         tree = self.proposer.propose(req.fill_ids, req.params.cache_salt)
-        tree = tree.pruned(self.max_tokens, self._depth(req))
-        branches, budget = [], self.max_tokens
+        budget = self._length(req)
+        tree = tree.pruned(budget, self._depth(req))
+        branches = []
         for path in tree.branches():
             tokens = [tree.tokens[i] for i in path]
             if req.matcher is not None:

@@ -6,7 +6,8 @@ Contract (``Backoff``, one per request):
 - ``record(drafted, accepted)``: a verified round's outcome. A round is low when it accepts
   fewer than ``max(1, LOW_ACCEPTANCE * drafted)`` tokens; after ``LOW_ROUNDS`` low rounds in
   a row the request pauses for ``2**level`` steps and ``level`` grows (up to ``MAX_LEVEL``);
-  a round that is not low resets both. A step whose proposer found nothing is no round: it
+  a round that is not low resets the count and lowers ``level`` by one (text where drafts
+  only now and then hit stays paused long). A step whose proposer found nothing is no round: it
   verified nothing and cost only the look-up, so the request asks again next step (text
   that starts repeating is drafted at once).
 - ``expected``: the accepted draft tokens a round of this request is expected to give, an
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 LOW_ACCEPTANCE = 0.25
 LOW_ROUNDS = 2
-MAX_LEVEL = 5  # the longest pause: 2**5 steps
+MAX_LEVEL = 7  # the longest pause: 2**7 steps
 PRIOR = 3.0
 EMA = 0.3  # weight of the newest round
 DRIFT = 0.05
@@ -47,7 +48,7 @@ class Backoff:
     def record(self, drafted: int, accepted: int) -> None:
         self.expected = (1 - EMA) * self.expected + EMA * accepted
         if accepted >= max(1.0, LOW_ACCEPTANCE * drafted):
-            self.low = self.level = 0
+            self.low, self.level = 0, max(self.level - 1, 0)
             return
         self.low += 1
         if self.low >= LOW_ROUNDS:

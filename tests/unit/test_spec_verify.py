@@ -201,7 +201,7 @@ def test_make_proposer_drafts_from_own_tokens_and_the_cache():
 def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
     b = Backoff()
     pauses = []
-    for _ in range(8):
+    for _ in range(9):
         for _ in range(backoff.LOW_ROUNDS):
             assert b.take_turn()
             b.record(8, 0)
@@ -209,9 +209,12 @@ def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
         while not b.take_turn():
             wait += 1
         pauses.append(wait)
-    assert pauses == [1, 2, 4, 8, 16, 32, 32, 32]
-    b.record(8, 4)
-    assert (b.level, b.low, b.wait) == (0, 0, 0) and b.expected > 0
+    assert pauses == [1, 2, 4, 8, 16, 32, 64, 128, 128]
+    b.record(8, 4)  # a good round: one level down, the count reset
+    assert (b.level, b.low, b.wait) == (backoff.MAX_LEVEL - 1, 0, 0) and b.expected > 0
+    for _ in range(backoff.MAX_LEVEL - 1):
+        b.record(8, 8)
+    assert b.level == 0
     b.record(2, 1)  # one of two: not low
     b.record(8, 1)
     assert b.low == 1
