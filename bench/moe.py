@@ -2,9 +2,10 @@
 
 Per token count T, the time of one forward of:
 
-- ``moe``: ``SparseMoeBlock`` (router, top-k, each chosen expert once over its tokens, the
-  weighted sum in rank order); of its routing alone (``route``); of its experts' calls alone
-  on their tokens, gathered beforehand (``calls``: the block less its own work);
+- ``moe``: ``SparseMoeBlock`` (router, top-k, the experts: on packed bf16 weights one C call
+  for all of them, else each chosen expert once over its tokens; the weighted sum in rank
+  order); of its routing alone (``route``); of the block with its experts called one by one
+  (``grouped``: ``ExpertList.grouped``, what the one call replaces);
 - ``dense_active``: a dense SiLU-gated MLP of width k·I, the same parameters per token as the
   block's k experts (the dense model of the same active size);
 - ``all_experts``: every expert over all T tokens, summed with the routing weights (zero for an
@@ -35,7 +36,7 @@ import torch
 
 from radixrt.model.kernel_set import Kernels, choose_kernels
 from radixrt.model.layers import prepare_weights
-from radixrt.model.moe import ExpertMLP, MoeSpec, SparseMoeBlock, group_by_expert
+from radixrt.model.moe import ExpertMLP, MoeSpec, SparseMoeBlock
 from radixrt.model.weights import cache_dir
 from radixrt_kernels.cpu import library
 
@@ -85,31 +86,18 @@ def per_layer(fn, layers: list, x: torch.Tensor, repeats: int) -> float:
     return fastest(run, repeats) / len(layers)
 
 
-def expert_calls(block: SparseMoeBlock, x: torch.Tensor) -> list:
-    """(expert, its tokens' rows) of each expert the block chooses for tokens x."""
-    routing = block.route(x)
-    groups = group_by_expert(routing.experts, block.spec.num_experts)
-    xs, calls, start = x[groups.order // block.spec.top_k], [], 0
-    for expert, n in zip(block.experts, groups.counts):
-        if n:
-            calls.append((expert, xs[start : start + n]))
-            start += n
-    return calls
-
-
-def run_calls(calls: list, x: torch.Tensor) -> None:
-    for expert, rows in calls:
-        expert(rows)
+def grouped(block: SparseMoeBlock, x: torch.Tensor) -> torch.Tensor:
+    """The block with its experts called one by one, the weighted sum in PyTorch."""
+    return block.experts.grouped(x, *block.route(x))
 
 
 def row(blocks: list, denses: list, x: torch.Tensor, repeats: int) -> dict[str, float]:
     """Seconds per layer of each contender on tokens x."""
     with torch.inference_mode():
-        calls = [expert_calls(block, x) for block in blocks]
         return {
             "moe": per_layer(SparseMoeBlock.forward, blocks, x, repeats),
             "route": per_layer(SparseMoeBlock.route, blocks, x, repeats),
-            "calls": per_layer(run_calls, calls, x, repeats),
+            "grouped": per_layer(grouped, blocks, x, repeats),
             "dense_active": per_layer(ExpertMLP.forward, denses, x, repeats),
             "all_experts": per_layer(all_experts, blocks, x, max(1, repeats // 4)),
         }
@@ -150,7 +138,9 @@ def main() -> None:
         f"H {args.hidden}, E {args.experts} x I {args.inter}, top-{args.top_k}, {args.dtype}, "
         f"exact {args.exact}, {args.layers} layers, threads {torch.get_num_threads()}; ms per layer"
     )
-    print("    T   moe ms  route ms  calls ms  dense_active ms  all_experts ms  moe/dense  moe/all")
+    print(
+        "    T   moe ms  route ms  grouped ms  dense_active ms  all_experts ms  moe/dense  moe/all"
+    )
     rows = []
     for t in args.tokens:
         x = torch.randn(t, args.hidden, generator=torch.Generator().manual_seed(t)).to(dtype)
@@ -160,9 +150,9 @@ def main() -> None:
             "vs_all": r["all_experts"] / r["moe"],
         }
         rows.append({"tokens": t, **{f"{k}_s": v for k, v in r.items()}, **speed})
-        ms = [r[k] * 1e3 for k in ("moe", "route", "calls", "dense_active", "all_experts")]
+        ms = [r[k] * 1e3 for k in ("moe", "route", "grouped", "dense_active", "all_experts")]
         print(
-            f"{t:5} {ms[0]:8.3f} {ms[1]:9.3f} {ms[2]:9.3f} {ms[3]:16.3f} {ms[4]:15.3f} "
+            f"{t:5} {ms[0]:8.3f} {ms[1]:9.3f} {ms[2]:11.3f} {ms[3]:16.3f} {ms[4]:15.3f} "
             f"{speed['vs_dense_active']:10.2f} {speed['vs_all']:8.2f}",
             flush=True,
         )

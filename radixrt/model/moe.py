@@ -306,8 +306,6 @@ class ExpertList(nn.ModuleList):
         self.path = None  # settled at the first forward after the weights are laid out
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        if routing.experts.shape[0] == 0:
-            return x.new_empty(0, x.shape[1])
         if self.path is None:
             self.path = self._settle()
         return (self.path or self.grouped)(x, routing.experts, routing.weights)
@@ -325,6 +323,8 @@ class ExpertList(nn.ModuleList):
         tokens (in expert order), the weighted sum per token in rank order; one token (a single
         stream's decode): its experts in rank order, no grouping."""
         (t, k), hidden = experts.shape, x.shape[1]
+        if t == 0:
+            return x.new_empty(0, hidden)
         if t == 1:
             outputs = torch.stack([self[e](x) for e in experts[0].tolist()], dim=1)
             return weighted_sum(outputs, weights, x.dtype)

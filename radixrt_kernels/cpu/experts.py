@@ -57,6 +57,9 @@ class Experts:
         self.down = torch.tensor([w.data_ptr() for w in down], dtype=torch.int64)
         ids = [KERNEL_IDS[n] for n in (*gate_up_kernels, *down_kernels)]
         self.kernels = torch.tensor(ids, dtype=torch.int32)
+        # radixrt_moe's arguments from the experts' count on, but the thread count
+        self.fixed = (len(gate_up), self.gate_up.data_ptr(), self.down.data_ptr(), h, i)
+        self.fixed += (self.kernels.data_ptr(), threshold)
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if (recorder := cpu_capture.capturing()) is not None:
@@ -91,13 +94,7 @@ class Experts:
             ids.data_ptr(),
             weights.data_ptr(),
             weights.dtype == torch.float32,
-            len(self.gate_up),
-            self.gate_up.data_ptr(),
-            self.down.data_ptr(),
-            h,
-            self.intermediate,
-            self.kernels.data_ptr(),
-            self.threshold,
+            *self.fixed,
             torch.get_num_threads(),
         )
         if rc != 0:

@@ -150,8 +150,8 @@ static void weighted_sums(const struct moe *c, const void *weights, int weights_
  * else bf16); gate_up [e]: each expert's [gate; up] weight [2i, h] packed gated, down [e]: its
  * [h, i] weight packed; kernels [4] (2: AMX, else radixrt_linear_vec's number): the gate_up
  * weights' kernel for an expert of up to `threshold` rows, above, then the down weights' two.
- * h and i multiples of 32. Returns -1 (writing nothing) for sizes or kernels it does not take,
- * an expert id out of range, or no memory. */
+ * h and i multiples of 32. Returns -1 for sizes or kernels it does not take, an expert id out
+ * of range or no memory for its buffers (writing nothing), or a kernel call that failed. */
 int radixrt_moe(const bf16 *x, int64_t x_stride, bf16 *out, int64_t out_stride, int64_t t, int64_t k,
                 const int64_t *experts, const void *weights, int weights_f32, int64_t num_experts,
                 const bf16 *const *gate_up, const bf16 *const *down, int64_t h, int64_t i, const int *kernels,
