@@ -217,7 +217,9 @@ class EngineConfig:
         unset=f"{DEFAULT_DRAFT_TOKENS} with --speculative-algorithm",
     )
     speculative_ngram_min_match_window_size: int = setting(
-        1, "NGRAM: the fewest latest tokens a match must cover"
+        3,
+        "NGRAM: the fewest latest tokens a match must cover (SGLang's default is 1; shorter "
+        "matches draft text that is not repeating)",
     )
     speculative_ngram_max_match_window_size: int = setting(
         12, "NGRAM: the most latest tokens a match is looked up with"

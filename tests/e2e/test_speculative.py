@@ -155,6 +155,7 @@ def test_the_own_tokens_proposer_with_arrivals_and_chunks(engines, tiny_llama):
         dtype="float32",
         max_total_tokens=8192,
         speculative_algorithm="NGRAM",
+        speculative_ngram_min_match_window_size=1,  # drafts from single-token matches too
         chunked_prefill_size=16,
     )
     eng.scheduler.spec.cost = StepCost(0.0)

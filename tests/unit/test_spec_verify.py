@@ -187,7 +187,7 @@ def test_make_proposer_drafts_from_own_tokens_and_the_cache():
     alloc = KVSlotAllocator(64)
     cache = RadixCache(alloc)
     cache.insert([5, 6, 7, 8, 9], alloc.alloc(5))
-    tree = make_proposer(cfg, cache).propose([1, 6, 7], None)
+    tree = make_proposer(cfg, cache).propose([5, 6, 7], None)
     assert tree.branches()[0] == [0, 1] and tree.tokens[:2] == [8, 9]
     short = EngineConfig(
         speculative_algorithm="NGRAM",
