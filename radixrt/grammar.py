@@ -1,7 +1,10 @@
 """Structured outputs: a request's constraint as an xgrammar grammar, and the token masks it gives.
 
-A request constrains its output with at most one of ``SamplingParams.json_schema``, ``regex``
-and ``ebnf`` (``constraint(params)``: a ``Constraint`` or None).
+A request constrains its output with at most one of ``SamplingParams.json_schema``, ``regex``,
+``ebnf`` and ``structural_tag`` (``constraint(params)``: a ``Constraint`` or None). A
+structural tag is xgrammar's JSON format (``{"type": "structural_tag", "format": {...}}``):
+free text, tags, triggered tags and JSON schemas in a sequence, which is how tool calls and
+reasoning are constrained.
 
 - ``check(constraint)`` parses the grammar without a tokenizer (cheap, cached) and raises
   ``GrammarError`` naming what is wrong: ``SamplingParams`` calls it, so a bad schema, regex
@@ -45,7 +48,7 @@ import torch
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import sampling_ops
 
-KINDS = ("json_schema", "regex", "ebnf")
+KINDS = ("json_schema", "regex", "ebnf", "structural_tag")
 JSON_OBJECT = '{"type": "object", "additionalProperties": true}'
 MAX_WHITESPACE = 16
 MAX_CACHED = 256  # compiled grammars kept per compiler
@@ -53,12 +56,12 @@ COMPILE_THREADS = 2
 
 
 class GrammarError(ValueError):
-    """A constraint that is not a valid JSON schema, regex or EBNF grammar."""
+    """A constraint that is not a valid JSON schema, regex, EBNF grammar or structural tag."""
 
 
 class Constraint(NamedTuple):
     kind: str  # one of KINDS
-    text: str  # the schema (JSON text), regex or EBNF grammar
+    text: str  # the schema or structural tag (JSON text), regex or EBNF grammar
 
 
 def constraint(params: Any) -> Constraint | None:
@@ -126,9 +129,16 @@ def _grammar(c: Constraint, any_whitespace: bool = True):
             return _json_strings(xgr, schema_grammar)
         if c.kind == "regex":
             return xgr.Grammar.from_regex(c.text)
+        if c.kind == "structural_tag":
+            return _json_strings(xgr, xgr.Grammar.from_structural_tag(c.text))
         return xgr.Grammar.from_ebnf(c.text)
     except Exception as e:  # xgrammar raises RuntimeError (and others) with the parser's words
-        what = {"json_schema": "JSON schema", "regex": "regex", "ebnf": "EBNF grammar"}[c.kind]
+        what = {
+            "json_schema": "JSON schema",
+            "regex": "regex",
+            "ebnf": "EBNF grammar",
+            "structural_tag": "structural tag",
+        }[c.kind]
         raise GrammarError(f"invalid {what}: {_message(e)}") from None
 
 
@@ -142,6 +152,16 @@ def check(c: Constraint) -> None:
             raise GrammarError(f"invalid JSON schema: not JSON ({e})") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"invalid JSON schema: an object or a bool, got {c.text[:80]!r}")
+    if c.kind == "structural_tag":
+        try:
+            tag = json.loads(c.text)
+        except ValueError as e:
+            raise GrammarError(f"invalid structural tag: not JSON ({e})") from None
+        if not isinstance(tag, dict) or tag.get("type") != "structural_tag":
+            raise GrammarError(
+                "invalid structural tag: an object with type 'structural_tag' and a format, "
+                f"got {c.text[:80]!r}"
+            )
     _grammar(c)
 
 

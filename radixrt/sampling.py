@@ -31,12 +31,12 @@ Contract:
 - Logprobs: when any row asks for them, ``SampleOutput.logprobs[i]`` is
   ``log_softmax(logits[i].float())[token_i]`` (the model's distribution at
   temperature 1, unfiltered) for every row; otherwise it is ``None``.
-- Constraints: at most one of ``json_schema`` (a dict or JSON text; kept as JSON text),
-  ``regex`` and ``ebnf`` (strings) per request; the output then follows that grammar
-  (``radixrt.grammar``: a grammar that does not parse raises ``GrammarError``, a
-  ``ValueError``). Each step the disallowed tokens' logits are set to -inf before every
-  other step above, so greedy, sampled and seeded rows all decode within the grammar, and
-  logprobs are those of the constrained logits.
+- Constraints: at most one of ``json_schema`` and ``structural_tag`` (a dict or JSON
+  text; kept as JSON text), ``regex`` and ``ebnf`` (strings) per request; the output
+  then follows that grammar (``radixrt.grammar``: a grammar that does not parse raises
+  ``GrammarError``, a ``ValueError``). Each step the disallowed tokens' logits are set to
+  -inf before every other step above, so greedy, sampled and seeded rows all decode within
+  the grammar, and logprobs are those of the constrained logits.
 - Top logprobs: ``top_logprobs`` (an int in ``[0, MAX_TOP_LOGPROBS]``; > 0 needs
   ``logprobs=True``) asks for that many most likely tokens per position. When
   any row asks, ``SampleOutput.top_logprobs`` is ``(ids, logprobs)``, int64 and
@@ -96,6 +96,7 @@ class SamplingParams:
     json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -108,14 +109,17 @@ class SamplingParams:
     def _check_constraint(self) -> None:
         if isinstance(self.json_schema, (dict, bool)):
             self.json_schema = json.dumps(self.json_schema)
+        if isinstance(self.structural_tag, dict):
+            self.structural_tag = json.dumps(self.structural_tag)
         given = [k for k in grammar.KINDS if getattr(self, k) is not None]
         for kind in given:
             if not isinstance(getattr(self, kind), str) or not getattr(self, kind):
-                want = "None, a dict or a JSON string" if kind == "json_schema" else "None or a str"
+                json_kind = kind in ("json_schema", "structural_tag")
+                want = "None, a dict or a JSON string" if json_kind else "None or a str"
                 raise _bad(kind, getattr(self, kind), f"{want} (not empty)")
         if len(given) > 1:
             raise ValueError(
-                f"SamplingParams.{given[1]}: give at most one of json_schema, regex and ebnf "
+                f"SamplingParams.{given[1]}: give at most one of {', '.join(grammar.KINDS)} "
                 f"(got {' and '.join(given)})"
             )
         c = grammar.constraint(self)

@@ -114,6 +114,31 @@ def test_every_output_validates_against_its_schema(engine, name: str) -> None:
     assert len({o.text for o in outs}) > 1  # sampling varies within the grammar
 
 
+def test_a_structural_tag_constrains_what_follows_its_free_text(engine) -> None:
+    schema = SCHEMAS["enum"]
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {
+                    "type": "tag",
+                    "begin": "<t>",
+                    "content": {"type": "regex", "pattern": "[a-z]{1,8}"},
+                    "end": "</t>",
+                },
+                {"type": "json_schema", "json_schema": schema},
+            ],
+        },
+    }
+    outs = engine.generate(PROMPTS, variants(structural_tag=tag))
+    for o in outs:
+        assert o.finish_reason == "stop", o.text
+        m = re.fullmatch(r"<t>[a-z]{1,8}</t>(.*)", o.text, re.S)
+        assert m is not None, o.text
+        jsonschema.validate(json.loads(m.group(1)), schema)
+
+
 def test_a_schema_as_json_text_equals_the_dict(engine) -> None:
     schema = SCHEMAS["enum"]
     as_dict = engine.generate(PROMPTS[:2], variants(json_schema=schema)[:2])
@@ -218,10 +243,18 @@ def test_bad_constraints_are_refused_naming_the_problem() -> None:
         SamplingParams(json_schema={"type": "nonsense"})
     with pytest.raises(GrammarError, match=r"json_schema: invalid JSON schema: not JSON"):
         SamplingParams(json_schema="{not json")
-    with pytest.raises(ValueError, match=r"at most one of json_schema, regex and ebnf"):
+    with pytest.raises(
+        ValueError, match=r"at most one of json_schema, regex, ebnf, structural_tag"
+    ):
         SamplingParams(regex="a", ebnf='root ::= "a"')
     with pytest.raises(ValueError, match=r"SamplingParams.regex must be"):
         SamplingParams(regex=7)
+    with pytest.raises(GrammarError, match=r"structural_tag: invalid structural tag: not JSON"):
+        SamplingParams(structural_tag="{oops")
+    with pytest.raises(GrammarError, match=r"structural_tag: invalid structural tag: an object"):
+        SamplingParams(structural_tag={"format": {"type": "any_text"}})
+    with pytest.raises(GrammarError, match=r"structural_tag: invalid structural tag: "):
+        SamplingParams(structural_tag={"type": "structural_tag", "format": {"type": "nope"}})
     assert SamplingParams(json_schema={"type": "object"}).json_schema == '{"type": "object"}'
 
 

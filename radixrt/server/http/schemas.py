@@ -89,10 +89,11 @@ class StreamOptions(_Strict):
 
 class ResponseFormat(_Strict):
     """``{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema",
-    "strict", "description"}}``."""
+    "strict", "description"}}``, or SGLang's ``{"type": "structural_tag", "format": {...}}``."""
 
     type: str
     json_schema: dict[str, Any] | None = None
+    format: dict[str, Any] | None = None
 
 
 def constraint_fields(body: Any) -> dict[str, Any]:
@@ -112,11 +113,20 @@ def constraint_fields(body: Any) -> dict[str, Any]:
                 "response_format",
             )
         fields["json_schema"] = spec["schema"]
+    elif fmt is not None and fmt.type == "structural_tag":
+        if not isinstance(fmt.format, dict):
+            raise ApiError(
+                400,
+                "response_format of type 'structural_tag' needs format (an object)",
+                ErrorCode.INVALID_REQUEST,
+                "response_format",
+            )
+        fields["structural_tag"] = {"type": "structural_tag", "format": fmt.format}
     elif fmt is not None and fmt.type != "text":
         raise ApiError(
             400,
             f"response_format type {fmt.type!r} is not supported "
-            "('text', 'json_object' or 'json_schema')",
+            "('text', 'json_object', 'json_schema' or 'structural_tag')",
             ErrorCode.INVALID_REQUEST,
             "response_format",
         )
