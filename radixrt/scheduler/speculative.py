@@ -1,14 +1,13 @@
 """Speculative decoding in the scheduler: which running requests draft, their slots and rows,
 and what a verification keeps.
 
-Each step, ``Speculator.plan`` asks the proposer for a draft of every running request that
+Each step, ``Speculator.plan`` prices one more row of the step for every running request that
 may draft (at least two tokens left to generate, room in the context, not backing off:
-``radixrt.spec.backoff``), keeps the drafts the step's cost rule admits, and gives each kept
-draft its slots and rows (``DraftRows``):
-- the draft tree is pruned to twice the tokens the request's rounds are expected to accept
-  (``Backoff.expected``; at most ``speculative_num_draft_tokens``) and the depth the
-  request can still use; its branches are taken in rank order while their tokens add up to
-  at most that many and a spare row of ``req_to_token`` is free beyond the waiting requests;
+``radixrt.spec.backoff``), asks the proposer for a draft as long as the cost rule finds worth
+it, and gives each draft its slots and rows (``DraftRows``):
+- the draft tree is pruned to that many tokens and the depth the request can still use; its
+  branches are taken in rank order while their tokens add up to at most that many and a
+  spare row of ``req_to_token`` is free beyond the waiting requests;
 - a request with a grammar drafts only what its grammar allows: each branch is cut before
   the first token its matcher would refuse (``Matcher.accepted_prefix``; the matcher is left
   where it was), and a branch the cut leaves empty, or leaves a prefix of an earlier branch,
@@ -16,12 +15,15 @@ draft its slots and rows (``DraftRows``):
 - branch 0 runs in the request's own row, after the slot decoding gave its next token;
   every other branch runs in a spare row holding a copy of the request's slots, with a slot
   for the request's last token of its own (shared ancestors are computed once per branch).
-Cost rule: a step decoding B requests emits B tokens; with drafts it emits B plus the
-drafts' expected accepted tokens (``Backoff.expected``) in the time ``step_cost`` predicts for
-its larger work. Drafts join, the most promising first, while the step's predicted time
-grows by a smaller factor than its expected output does; a step's cost that is not yet known
-admits every draft. So drafting stops where the batch is large enough that verification
-costs more than it saves.
+Cost rule: a step decoding B requests emits B tokens in the time ``step_cost`` predicts for a
+small step of that size (``predict_small``, fitted to this machine's decode and verification
+steps). One more row for a request with L tokens of context costs what one more token
+attending to L keys adds (the small steps' slope), i.e. ``price`` = that time over the
+time per token the step emits. A draft's j-th token is accepted with chance ``p**j``
+(``Backoff.p``), so the request drafts the tokens whose chance is above the price
+(``Backoff.tokens_worth``; at most ``speculative_num_draft_tokens``): none where rows cost
+as much as the tokens they may give, which is where the batch is large or acceptance low.
+A step's cost that is not yet known admits every draft.
 
 ``settle`` keeps the accepted branch's first ``m`` slots as the request's next KV (copied
 into its own row when the branch ran in a spare one) and frees every other slot and spare
@@ -32,8 +34,8 @@ speculation.
 
 from __future__ import annotations
 
-import math
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -86,16 +88,16 @@ class Speculator:
     def plan(self, reqs: list[Req], reserved_rows: int = 0) -> dict[str, DraftRows]:
         """Drafts (by rid) for the running ``reqs``, each of which already holds its next
         token's slot; ``reserved_rows``: spare rows to leave free (for waiting requests)."""
-        proposed = []
-        for req in reqs:
+        drafts = {}
+        price = self._pricer(reqs)
+        for req in sorted(reqs, key=lambda r: -r.spec_backoff.p):
             if not self._may_draft(req):
                 continue
-            branches = self._propose(req)
-            if branches:
-                proposed.append((req, branches))
-        drafts = {}
-        for req, branches in self._affordable(proposed, reqs):
-            draft = self._allocate(req, branches, reserved_rows)
+            budget = req.spec_backoff.tokens_worth(
+                price(req), min(self.max_tokens, self._depth(req))
+            )
+            branches = self._propose(req, budget) if budget else []
+            draft = self._allocate(req, branches, reserved_rows) if branches else None
             if draft is not None:
                 drafts[req.rid] = draft
         return drafts
@@ -109,17 +111,11 @@ class Speculator:
         """Draft tokens req can use in a row: one fewer than it may still emit, in context."""
         return min(req.remaining_new_tokens - 1, self.max_context - req.fill_len - 1)
 
-    def _length(self, req: Req) -> int:
-        """Draft tokens req verifies this step: twice what its rounds are expected to accept
-        (at least one, at most ``max_tokens``), so a round that misses costs little."""
-        return max(1, min(self.max_tokens, math.ceil(2 * req.spec_backoff.expected)))
-
-    def _propose(self, req: Req) -> list[list[int]]:
+    def _propose(self, req: Req, budget: int) -> list[list[int]]:
         """The token lists of req's draft branches (cut to what its grammar allows), in rank
-        order while their tokens add up to at most ``max_tokens`` (the first always fits: the
+        order while their tokens add up to at most ``budget`` (the first always fits: the
         tree is pruned to them)."""
         tree = self.proposer.propose(req.fill_ids, req.params.cache_salt)
-        budget = self._length(req)
         tree = tree.pruned(budget, self._depth(req))
         branches = []
         for path in tree.branches():
@@ -134,27 +130,15 @@ class Speculator:
             budget -= len(tokens)
         return branches
 
-    def _affordable(
-        self, proposed: list[tuple[Req, list[list[int]]]], reqs: list[Req]
-    ) -> list[tuple[Req, list[list[int]]]]:
-        """The drafts the cost rule admits (the module's text), most promising first."""
-        if not self.cost.known or not proposed:
-            return proposed
-        tokens = len(reqs)
+    def _pricer(self, reqs: list[Req]) -> Callable[[Req], float]:
+        """Price of one more row for a request of ``reqs``' step: the time it adds over the
+        time per token the step emits (0 while the step's cost is unknown)."""
+        if not self.cost.known or not reqs:
+            return lambda req: 0.0
         pairs = sum(attention_pairs(r.kv_len, 1) for r in reqs)
-        base, gain, kept = self.cost.predict(tokens, pairs), 0.0, []
-        for req, branches in sorted(proposed, key=lambda p: -p[0].spec_backoff.expected):
-            lens = [len(b) + 1 for b in branches]
-            more_tokens = sum(lens) - 1
-            more_pairs = sum(attention_pairs(req.kv_len, n) for n in lens)
-            more_pairs -= attention_pairs(req.kv_len, 1)
-            expected = min(req.spec_backoff.expected, max(lens) - 1)
-            time = self.cost.predict(tokens + more_tokens, pairs + more_pairs)
-            if time >= base * (1 + (gain + expected) / len(reqs)):  # no gain
-                continue
-            tokens, pairs, gain = tokens + more_tokens, pairs + more_pairs, gain + expected
-            kept.append((req, branches))
-        return kept
+        per_token = self.cost.predict_small(len(reqs), pairs) / len(reqs)
+        unit = self.cost.unit_seconds_small()
+        return lambda req: unit * self.cost.units(1, req.kv_len + 1) / per_token
 
     # ------------------------------------------------------------ slots, rows
 

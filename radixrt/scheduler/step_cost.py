@@ -10,6 +10,14 @@ takes ``fixed + per_unit * units`` seconds, with ``units = T + attention_weight 
 Both are exponential moving averages of what the steps took, seeded by ``probe`` (a few
 forwards timed at start-up), so the first burst is budgeted by this machine's speed too.
 
+Small steps (decode, decode with speculative drafts) get a line of their own,
+``predict_small``: ``seconds = a + b * units``, since a few rows more cost a decode step
+more per unit than a prefill's units do (row-wise kernel paths, attention over the whole
+context per row). Its slope is an average of the slopes between consecutive small steps
+whose units differ by ``MIN_SPREAD`` or more (a step far slower than the line, another
+process taking the CPU, counts as ``OUTLIER`` times it); until two such steps came,
+``per_unit`` stands in.
+
 ``prefill_tokens(target_s, used_units, prefix)``: the new tokens of one request (after
 ``prefix`` cached or computed tokens) that fit in a step of ``target_s`` seconds beside
 ``used_units`` already in it.
@@ -26,6 +34,9 @@ SMALL_STEP_TOKENS = 64
 EMA = 0.2  # weight of the newest step
 PROBE_SECONDS = 0.25  # how long the larger probe forward should take
 PROBE_TOKENS = (16, 256)  # the probes' sizes: the smaller, and the most the larger takes
+SLOPE_EMA = 0.1
+MIN_SPREAD = 1.0  # units between two small steps that measure a slope
+OUTLIER = 2.0
 
 
 def attention_pairs(prefix: int, n: int) -> int:
@@ -33,11 +44,38 @@ def attention_pairs(prefix: int, n: int) -> int:
     return n * prefix + n * (n + 1) // 2
 
 
+class _Line:
+    """``y = a + b * x`` learned from a stream of points: ``b`` from consecutive points whose
+    x differ by ``MIN_SPREAD`` or more (their slope, an exponential moving average), so a
+    level that drifts while x stays put does not bend it; ``a`` from every point given ``b``.
+    None until two such points came."""
+
+    def __init__(self) -> None:
+        self.a = 0.0
+        self.b: float | None = None
+        self.last: tuple[float, float] | None = None
+
+    def add(self, x: float, y: float) -> None:
+        if self.last is not None and abs(x - self.last[0]) >= MIN_SPREAD:
+            slope = max((y - self.last[1]) / (x - self.last[0]), 0.0)
+            if self.b is None:
+                self.b = slope
+            else:
+                self.b += SLOPE_EMA * (min(slope, OUTLIER * self.b) - self.b)
+        self.last = (x, y)
+        if self.b is not None:
+            self.a = _blend(self.a, max(y - self.b * x, 0.0))
+
+    def at(self, x: float) -> float | None:
+        return None if self.b is None else self.a + self.b * x
+
+
 class StepCost:
     def __init__(self, attention_weight: float, fixed: float = 0.0, per_unit: float = 0.0):
         """``per_unit`` 0: unknown until a step is observed (no budget is given meanwhile)."""
         self.attention_weight = attention_weight
         self.fixed, self.per_unit = fixed, per_unit
+        self.small = _Line()
 
     @classmethod
     def for_model(cls, cfg) -> StepCost:
@@ -59,9 +97,22 @@ class StepCost:
         """Seconds of a step of ``tokens`` new tokens reading ``pairs`` (query, key) pairs."""
         return self.fixed + self.per_unit * self.units(tokens, pairs)
 
+    def predict_small(self, tokens: int, pairs: int) -> float:
+        """Seconds of a step of at most ``SMALL_STEP_TOKENS`` tokens (the small steps' line)."""
+        units = self.units(tokens, pairs)
+        line = self.small.at(units)
+        return self.predict(tokens, pairs) if line is None else line
+
+    def unit_seconds_small(self) -> float:
+        """What one more unit adds to a small step: the small steps' slope (``per_unit``
+        until it is fitted)."""
+        return self.per_unit if self.small.b is None else self.small.b
+
     def observe(self, seconds: float, tokens: int, pairs: int) -> None:
         units = self.units(tokens, pairs)
         if tokens <= SMALL_STEP_TOKENS:
+            line = self.small.at(units)
+            self.small.add(units, seconds if line is None else min(seconds, OUTLIER * line))
             self.fixed = _blend(self.fixed, max(seconds - self.per_unit * units, 0.0))
         elif seconds > self.fixed:
             self.per_unit = _blend(self.per_unit, (seconds - self.fixed) / units)
@@ -116,6 +167,7 @@ class StepCost:
         return {
             "step_fixed_ms": round(self.fixed * 1e3, 3),
             "step_per_token_ms": round(self.per_unit * 1e3, 4),
+            "small_step_per_token_ms": round(self.unit_seconds_small() * 1e3, 4),
         }
 
 

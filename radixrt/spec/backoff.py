@@ -10,43 +10,60 @@ Contract (``Backoff``, one per request):
   only now and then hit stays paused long). A step whose proposer found nothing is no round: it
   verified nothing and cost only the look-up, so the request asks again next step (text
   that starts repeating is drafted at once).
-- ``expected``: the accepted draft tokens a round of this request is expected to give, an
-  exponential moving average of its rounds (``PRIOR`` before any), for the scheduler's
-  cost rule (``radixrt.scheduler.speculative``). Each step without a round (``take_turn``)
-  moves it ``DRIFT`` of the way back up toward ``PRIOR``, so a request the cost rule
-  stopped drafting for low acceptance tries again now and then: text that starts repeating
-  late is still drafted, and text that never does costs one round every few steps.
+- ``p``: the chance that the request's next draft token is accepted once the ones before it
+  were, an exponential moving average over the draft tokens its rounds examined (each
+  accepted one a 1, the first refused one a 0; ``PRIOR`` before any). The scheduler's cost
+  rule drafts ``tokens_worth(price, cap)`` tokens: the j-th is worth its chance ``p**j``,
+  against the ``price`` of one more row in the step (``radixrt.scheduler.speculative``).
+  Each step without a round (``take_turn``) moves ``p`` ``DRIFT`` of the way back up toward
+  ``PRIOR``, so a request the cost rule stopped drafting for low acceptance tries again now
+  and then: text that starts repeating late is still drafted, and text that never does
+  costs one short round every few steps.
 """
 
 from __future__ import annotations
 
+import math
+
 LOW_ACCEPTANCE = 0.25
 LOW_ROUNDS = 2
 MAX_LEVEL = 7  # the longest pause: 2**7 steps
-PRIOR = 3.0
-EMA = 0.3  # weight of the newest round
+PRIOR = 0.6
+EMA = 0.2  # weight of the newest draft token
 DRIFT = 0.05
 
 
 class Backoff:
-    __slots__ = ("expected", "level", "low", "wait")
+    __slots__ = ("p", "level", "low", "wait")
 
     def __init__(self) -> None:
-        self.expected = PRIOR
+        self.p = PRIOR
         self.low = 0  # low rounds in a row
         self.level = 0
         self.wait = 0  # steps left without drafting
 
     def take_turn(self) -> bool:
-        if self.expected < PRIOR:
-            self.expected += DRIFT * (PRIOR - self.expected)
+        if self.p < PRIOR:
+            self.p += DRIFT * (PRIOR - self.p)
         if self.wait:
             self.wait -= 1
             return False
         return True
 
+    def tokens_worth(self, price: float, cap: int) -> int:
+        """How many draft tokens (at most ``cap``) have a chance ``p**j`` above ``price``."""
+        if price <= 0 or self.p >= 1:
+            return cap
+        if price >= 1 or self.p <= 0:
+            return 0
+        # p**j > price  <=>  j < log(price) / log(p); the bound itself is not worth it
+        bound = math.log(price) / math.log(self.p)
+        return max(0, min(cap, math.ceil(bound) - 1))
+
     def record(self, drafted: int, accepted: int) -> None:
-        self.expected = (1 - EMA) * self.expected + EMA * accepted
+        """A round that verified ``drafted`` tokens on its longest branch, ``accepted`` of them."""
+        for seen in [1.0] * accepted + ([0.0] if accepted < drafted else []):
+            self.p += EMA * (seen - self.p)
         if accepted >= max(1.0, LOW_ACCEPTANCE * drafted):
             self.low, self.level = 0, max(self.level - 1, 0)
             return

@@ -104,7 +104,7 @@ class NgramProposer:
     ) -> DraftTree:
         """The draft to follow ``tokens`` (see the module docstring)."""
         arr = _int64_array(tokens)
-        if not arr.size:
+        if not self._may_match(arr, salt):
             return DraftTree()
         trie, budget = _DraftTrie(), self.num_draft_tokens
         own = own_matches(arr, self.min_match_window, self.max_match_window)
@@ -121,6 +121,23 @@ class NgramProposer:
             if len(trie) >= budget:
                 break
         return trie.select(budget, self.breadth)
+
+    def _may_match(self, arr: np.ndarray, salt: str | None) -> bool:
+        """Whether the last ``min_match_window`` tokens occur earlier in ``arr`` or (by hash) in
+        the tree: every match of any window contains such an occurrence, so False means the
+        draft is empty (the common case on text that does not repeat, answered cheaply)."""
+        m = self.min_match_window
+        if arr.size <= m:
+            return self.index is not None and arr.size == m and self._index_holds(arr, m, salt)
+        ends = np.flatnonzero(arr[m - 1 : -1] == arr[-1]) + (m - 1)
+        for j in range(1, m):
+            if not ends.size:
+                break
+            ends = ends[arr[ends - j] == arr[-1 - j]]
+        return bool(ends.size) or (self.index is not None and self._index_holds(arr, m, salt))
+
+    def _index_holds(self, arr: np.ndarray, m: int, salt: str | None) -> bool:
+        return self.index.holds(suffix_keys(arr, m, m)[m], salt, m)
 
     def _add_cached(
         self, trie: _DraftTrie, arr: np.ndarray, key: int, salt: str | None, n: int, seen: set

@@ -36,6 +36,9 @@ _MIX_SHIFT = np.uint64(29)
 _OFFSET = np.uint64(0x2545F4914F6CDD1D)  # so that no token (0 included) mixes to 0
 _BASE = np.uint64(0x100000001B3)  # the polynomial hash's base (odd), mod 2**64
 
+_MASK = (1 << 64) - 1
+_MIX_INT, _MIX_SHIFT_INT, _OFFSET_INT, _BASE_INT = int(_MIX), int(_MIX_SHIFT), int(_OFFSET), int(_BASE)
+
 # A table maps a gram's hash to one position, or to several (a dict in insertion order).
 Bucket = int | dict[int, None]
 
@@ -65,9 +68,16 @@ def gram_hashes(
 
 
 def suffix_keys(tokens: np.ndarray, min_window: int, max_window: int) -> dict[int, int]:
-    """window k -> the hash of the last k tokens, for each k the tokens are long enough for."""
-    tail = tokens[-max_window:]
-    return {k: int(h[0]) for k, _, h in gram_hashes(tail, len(tail) - 1, min_window, max_window)}
+    """window k -> the hash of the last k tokens, for each k the tokens are long enough for
+    (``gram_hashes``' arithmetic on Python ints: a handful of tokens per call)."""
+    keys, h = {}, 0
+    for k, token in enumerate(reversed(tokens[-max_window:].tolist()), 1):
+        x = ((token + _OFFSET_INT) * _MIX_INT) & _MASK
+        x ^= x >> _MIX_SHIFT_INT
+        h = (h * _BASE_INT + x) & _MASK
+        if k >= min_window:
+            keys[k] = h
+    return keys
 
 
 class _Run:
@@ -154,6 +164,14 @@ class NgramIndex:
         self._clear()
 
     # ------------------------------------------------------------ lookup
+
+    def holds(self, key: int, salt: str | None, window: int) -> bool:
+        """Whether some position under ``salt`` has a ``window``-token gram hashing to ``key``
+        (a hash match only: ``matches`` compares the tokens)."""
+        tables = self._tables.get(salt)
+        if tables is None or not self.min_window <= window <= self.max_window:
+            return False
+        return key in tables[window - self.min_window]
 
     def matches(
         self, tokens: np.ndarray, key: int, salt: str | None, window: int, limit: int, seen: set

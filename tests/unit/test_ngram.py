@@ -434,3 +434,22 @@ DraftTrace.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestDraftTrace = DraftTrace.TestCase
+
+
+@pytest.mark.parametrize("min_window", [1, 2, 3])
+def test_the_quick_miss_answers_as_the_full_search(min_window, monkeypatch):
+    """``propose`` answers a miss before searching: the same draft as with the search alone."""
+    rng = random.Random(min_window)
+    alloc, cache = make(4096)
+    for salt in (None, "a"):
+        for _ in range(6):
+            put(alloc, cache, [rng.randrange(5) for _ in range(rng.randrange(1, 12))], salt)
+    proposer = NgramProposer(cache, 6, min_window, 5, max_bfs_breadth=3)
+    queries = [[rng.randrange(6) for _ in range(rng.randrange(0, 10))] for _ in range(400)]
+    salts = [rng.choice([None, "a", "b"]) for _ in queries]
+    quick = [proposer.propose(q, s) for q, s in zip(queries, salts)]
+    monkeypatch.setattr(NgramProposer, "_may_match", lambda self, arr, salt: arr.size > 0)
+    full = [proposer.propose(q, s) for q, s in zip(queries, salts)]
+    assert quick == full
+    empty = sum(d == DraftTree() for d in full)
+    assert 0 < empty < len(queries)  # both answers occur

@@ -211,7 +211,7 @@ def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
         pauses.append(wait)
     assert pauses == [1, 2, 4, 8, 16, 32, 64, 128, 128]
     b.record(8, 4)  # a good round: one level down, the count reset
-    assert (b.level, b.low, b.wait) == (backoff.MAX_LEVEL - 1, 0, 0) and b.expected > 0
+    assert (b.level, b.low, b.wait) == (backoff.MAX_LEVEL - 1, 0, 0) and b.p > 0
     for _ in range(backoff.MAX_LEVEL - 1):
         b.record(8, 8)
     assert b.level == 0
@@ -579,7 +579,7 @@ def test_a_constrained_draft_is_cut_at_the_first_token_its_grammar_refuses():
     ]
     for tree, branches in cases:
         sched.spec.proposer = Fixed(tree)
-        assert sched.spec._propose(req) == branches
+        assert sched.spec._propose(req, sched.spec.max_tokens) == branches
         assert torch.equal(mask_of(req.matcher), before)  # the matcher is where it was
     assert not req.matcher.terminated
 
@@ -772,18 +772,32 @@ def test_bad_speculative_settings_are_named(cfg, message):
         EngineConfig(**cfg)
 
 
-def test_expected_acceptance_falls_with_bad_rounds_and_drifts_back():
+def test_acceptance_falls_with_bad_rounds_and_drifts_back():
     b = Backoff()
-    assert b.expected == backoff.PRIOR
+    assert b.p == backoff.PRIOR
     b.record(8, 0)
     b.record(8, 0)
-    low = b.expected
-    assert low < backoff.PRIOR / 2
+    b.record(8, 0)
+    low = b.p
+    assert low < backoff.PRIOR * 0.6
     for _ in range(20):
         b.take_turn()
-    assert low < b.expected < backoff.PRIOR  # tried again after a while, never above the prior
+    assert low < b.p < backoff.PRIOR  # tried again after a while, never above the prior
     b.record(8, 8)
-    assert b.expected > low
+    assert b.p > backoff.PRIOR  # eight accepted tokens: above the prior
+    b.record(3, 3)  # all of a short draft: no refusal counted
+    assert b.p > 0.9
+
+
+@pytest.mark.parametrize("p", [0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("price", [0.0, 0.05, 0.25, 0.6, 1.0, 2.0])
+def test_tokens_worth_drafting_are_those_whose_chance_beats_the_price(p, price):
+    b = Backoff()
+    b.p = p
+    k = b.tokens_worth(price, 8)
+    assert 0 <= k <= 8
+    assert all(p**j > price for j in range(1, k + 1))
+    assert k == 8 or p ** (k + 1) <= price
 
 
 def test_defaults_and_refused_pools():
@@ -806,4 +820,4 @@ def test_defaults_and_refused_pools():
         make_speculator(config, kv, cost, Sliding(), 512)
     with pytest.raises(ValueError, match="CPU only"):
         make_speculator(config, kv, cost, OnMeta(), 512)
-    assert math.isclose(backoff.PRIOR, Backoff().expected)
+    assert math.isclose(backoff.PRIOR, Backoff().p)

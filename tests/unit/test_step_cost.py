@@ -82,3 +82,27 @@ def test_the_cost_of_a_model_weighs_attention_by_its_shape():
     w = StepCost.for_model(Cfg).attention_weight
     linear = 2 * (512 * (2 * 512 + 2 * 128) + 3 * 512 * 1536)
     assert w == pytest.approx(ATTENTION_EFFICIENCY * 4 * 512 / linear)
+
+
+def test_small_steps_fit_a_line_of_their_own():
+    """Decode steps of 1..8 rows cost more per unit than a prefill's: the small steps' line
+    follows them, and a step slowed by another process counts only as an outlier."""
+    cost = StepCost(1e-3, fixed=0.004, per_unit=1e-4)
+    assert cost.unit_seconds_small() == 1e-4  # no line yet: per_unit stands in
+    for i in range(20):
+        cost.observe(0.004 + 1e-3 * cost.units(1, 300), 1, attention_pairs(300, 1))
+    assert cost.small.b is None  # all of one size: no slope yet
+    for i in range(200):
+        tokens = 1 + i % 8
+        pairs = attention_pairs(300, tokens)
+        seconds = 0.004 + 1e-3 * cost.units(tokens, pairs)
+        cost.observe(seconds * (10 if i == 150 else 1), tokens, pairs)
+    assert cost.unit_seconds_small() == pytest.approx(1e-3, rel=0.1)
+    pairs = attention_pairs(300, 4)
+    assert cost.predict_small(4, pairs) == pytest.approx(
+        0.004 + 1e-3 * cost.units(4, pairs), rel=0.1
+    )
+    for i in range(200):  # then only decode steps: the slope stays, the line follows them
+        cost.observe(0.006 + 1e-3 * cost.units(1, 300), 1, attention_pairs(300, 1))
+    assert cost.unit_seconds_small() == pytest.approx(1e-3, rel=0.1)
+    assert cost.predict_small(1, 300) == pytest.approx(0.006 + 1e-3 * cost.units(1, 300), rel=0.02)
