@@ -162,11 +162,8 @@ class ReasoningSplitter:
             reasoning, self.held = self.held[:at], self.held[at + len(self.end) :]
             self.state = _CONTENT
             return reasoning
-        keep = _partial_suffix(self.held, self.end)
-        reasoning, self.held = (
-            self.held[: len(self.held) - keep],
-            self.held[len(self.held) - keep :],
-        )
+        cut = len(self.held) - _partial_suffix(self.held, self.end)
+        reasoning, self.held = self.held[:cut], self.held[cut:]
         return reasoning
 
     def _release(self, reasoning: str, content: str) -> Split:
