@@ -39,6 +39,7 @@ DEFAULT_PREFILL_STEP_MS = 200.0
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 64
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
 
 def setting(
@@ -437,10 +438,22 @@ class ServerConfig:
         "also publish every replica's KV events on this ZeroMQ PUB address (e.g. tcp://*:5557)",
         unset="none",
     )
+    reasoning_parser: str | None = setting(
+        None,
+        "chat completions answer the model's reasoning (<think>...</think>) apart, in "
+        f"reasoning_content, and a structured output applies after it; one of "
+        f"{', '.join(REASONING_PARSERS)}",
+        unset="none",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
         _check_choices(self)
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r} is not known (one of "
+                f"{', '.join(REASONING_PARSERS)}, or None)"
+            )
         _check_optional_text("host", self.host)
         _check_port("port", self.port, allow_zero=False)
         _check_port("http_port", self.http_port, allow_zero=True)

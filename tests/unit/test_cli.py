@@ -102,6 +102,7 @@ FLAG_VALUES = {
     "balance_abs_threshold": (["--balance-abs-threshold", "64"], 64),
     "balance_rel_threshold": (["--balance-rel-threshold", "1.5"], 1.5),
     "kv_events_endpoint": (["--kv-events-endpoint", "tcp://*:5557"], "tcp://*:5557"),
+    "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
 }
 
 

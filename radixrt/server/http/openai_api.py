@@ -4,7 +4,9 @@ Each request becomes ``n`` engine requests per prompt (choice ``i`` of a
 seeded request samples with ``seed + i``); answers and stream chunks have
 OpenAI's shapes (``radixrt.server.http.schemas``). ``usage`` counts a
 prompt once for its ``n`` choices, and always carries
-``prompt_tokens_details.cached_tokens``.
+``prompt_tokens_details.cached_tokens``. With ``--reasoning-parser`` a chat answer's reasoning
+goes to ``reasoning_content`` and its structured output applies after the reasoning
+(``radixrt.server.http.reasoning``).
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
 from radixrt.protocol import ErrorCode
 from radixrt.sampling import SamplingParams
 from radixrt.server.front_api import FrontApi
+from radixrt.server.http import reasoning
 from radixrt.server.http import schemas as api
 from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import MAX_CHOICES, Choice, Job, Prompt, json_response, sse_events
@@ -49,6 +53,7 @@ RESERVED_TEMPLATE_KWARGS = frozenset(
 class OpenAIApi:
     def __init__(self, http: HttpContext, front: FrontApi) -> None:
         self.http, self.front = http, front  # the HTTP plumbing, and the front process
+        self.reasoning_parser = reasoning.parser_of(front.server.reasoning_parser)
 
     # ---------------------------------------------------------- sampling
 
@@ -60,6 +65,7 @@ class OpenAIApi:
         logprobs: bool,
         top_logprobs: int,
         index: int,
+        plan: reasoning.ChatReasoning | None = None,
     ) -> SamplingParams:
         seed = body.seed
         if seed is not None and index:
@@ -79,7 +85,8 @@ class OpenAIApi:
             cache_salt=body.cache_salt,
             **api.constraint_fields(body),
         )
-        return self.http.make_params(fields, given=max_tokens is not None)
+        sp = self.http.make_params(fields, given=max_tokens is not None)
+        return sp if plan is None else plan.constrain(sp)
 
     @staticmethod
     def check_n(n: int) -> None:
@@ -168,6 +175,7 @@ class OpenAIApi:
         body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
         ids = self.chat_ids(body)
+        plan = reasoning.chat_reasoning(self.reasoning_parser, body, ids, self.front.decode)
         prompts = [
             Prompt(
                 ids,
@@ -178,6 +186,7 @@ class OpenAIApi:
                     body.logprobs,
                     body.top_logprobs or 0,
                     i,
+                    plan,
                 ),
             )
             for i in range(body.n)
@@ -192,14 +201,14 @@ class OpenAIApi:
             key,
             prompts,
             body.stream,
-            lambda job, first: self.chat_stream(job, first, body, meta),
+            lambda job, first: self.chat_stream(job, first, body, meta, plan),
         )
         if body.stream:
             return result
         choices = [
             api.ChatChoice(
                 i,
-                api.AssistantMessage(c.text),
+                self.chat_message(c.text, plan),
                 c.finish_reason,
                 self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 if body.logprobs
@@ -209,22 +218,39 @@ class OpenAIApi:
         ]
         return json_response(api.ChatCompletion(*meta, choices, self.usage(result.choices, body.n)))
 
+    @staticmethod
+    def chat_message(text: str, plan: reasoning.ChatReasoning | None) -> api.AssistantMessage:
+        thought, content = reasoning.Split("", text) if plan is None else plan.split(text)
+        return api.AssistantMessage(content, reasoning_content=thought or msgspec.UNSET)
+
     def chat_stream(
-        self, job: Job, first, body: api.ChatCompletionRequest, meta
+        self,
+        job: Job,
+        first,
+        body: api.ChatCompletionRequest,
+        meta,
+        plan: reasoning.ChatReasoning | None = None,
     ) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
+        splits = reasoning.StreamSplits(plan)
 
         def render(index: int, d) -> api.ChatCompletionChunk | None:
+            thought, text = splits.feed(index, d.text, d.finish_reason is not None)
             if not (
-                d.text
+                text
+                or thought
                 or d.finish_reason is not None
                 or index not in started
                 or d.token_ids
                 and body.logprobs
             ):
                 return None  # text held back (a stop string may begin there)
-            delta = api.ChatDelta(content=d.text, role=None if index in started else "assistant")
+            delta = api.ChatDelta(
+                content=text if text or not thought else None,
+                role=None if index in started else "assistant",
+                reasoning_content=thought or None,
+            )
             started.add(index)
             lp = (
                 self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs)

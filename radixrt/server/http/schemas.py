@@ -10,6 +10,8 @@ Contract:
   (``sglang-router``) writes into every body it forwards, are accepted the
   same way: at their defaults, or where they change nothing here (logging
   hints, reasoning separation without a reasoning parser).
+- With ``--reasoning-parser``, a chat answer's ``message.reasoning_content`` (a stream's
+  ``delta.reasoning_content``) holds the reasoning; the field is absent where there is none.
   Fields whose valid shapes msgspec cannot express as
   one union (a completion ``prompt``, SGLang's ``text``/``input_ids``)
   arrive as ``Any`` and are checked by the handlers.
@@ -197,9 +199,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    # SGLang's reasoning split: nothing to split without a reasoning parser
+    # with --reasoning-parser: SGLang's reasoning split (false: the reasoning stays in content),
+    # its streaming in one piece (stream_reasoning false), and vLLM's bound on its tokens
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    thinking_token_budget: int | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -333,6 +337,8 @@ class AssistantMessage(msgspec.Struct):
     content: str
     role: str = "assistant"
     refusal: None = None
+    # with --reasoning-parser (absent where there is none)
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -355,6 +361,7 @@ class ChatCompletion(msgspec.Struct):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
