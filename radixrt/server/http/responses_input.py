@@ -17,9 +17,11 @@ Contract:
 - ``conversation_prompt``: the prompt of a turn. After a stored response it
   is that response's token ids followed by the tokens of what the chat
   template renders after its conversation, so it extends, token for token,
-  what the radix tree holds of the previous turns; when the template renders
-  the earlier turns otherwise (other instructions or tools, a template that
-  rewrites past turns) the whole conversation is tokenized afresh.
+  what the radix tree holds of the previous turns (the model's own output
+  tokens stay, where a fresh tokenization of the same text could split it
+  otherwise); when the template renders the earlier turns otherwise (other
+  instructions or tools, a template that rewrites past turns) the whole
+  conversation is tokenized afresh.
 """
 
 from __future__ import annotations
