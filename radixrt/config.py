@@ -445,6 +445,11 @@ class ServerConfig:
         f"{', '.join(REASONING_PARSERS)}",
         unset="none",
     )
+    responses_store_size: int = setting(
+        1024,
+        "POST /v1/responses: stored responses kept for previous_response_id and GET (least "
+        "recently used out first), over every API key",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -464,6 +469,7 @@ class ServerConfig:
             "max_new_tokens_limit",
             "max_requests_per_client",
             "max_forward_failures",
+            "responses_store_size",
         ):
             _check_positive(name, getattr(self, name))
         for name in ("max_prompt_tokens", "max_waiting_requests"):

@@ -103,6 +103,7 @@ FLAG_VALUES = {
     "balance_rel_threshold": (["--balance-rel-threshold", "1.5"], 1.5),
     "kv_events_endpoint": (["--kv-events-endpoint", "tcp://*:5557"], "tcp://*:5557"),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
+    "responses_store_size": (["--responses-store-size", "7"], 7),
 }
 
 
@@ -274,6 +275,7 @@ def test_a_bad_toml_value_names_its_field(tmp_path):
         ("isolate_by_api_key", "yes"),
         ("curve_keys", ""),
         ("max_forward_failures", 0),
+        ("responses_store_size", 0),
         ("debug_faults", ""),
         ("model", ""),
         ("dtype", "float8"),

@@ -1,6 +1,6 @@
 """The HTTP application: routes, API keys, errors, and the endpoints that only read state.
 
-``build_app`` routes each endpoint to its handler: ``OpenAIApi`` and
+``build_app`` routes each endpoint to its handler: ``OpenAIApi``, ``ResponsesApi`` and
 ``SGLangApi`` handle the generating endpoints, ``InfoApi`` those that read
 state or send a control request; all share one ``HttpContext`` over the
 ``FrontApi`` the TokenizerManager hands ``serve_http``, which runs it on that
@@ -29,6 +29,7 @@ from radixrt.server.http import schemas as api
 from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import ClientGone, error_response, json_response
 from radixrt.server.http.openai_api import OpenAIApi
+from radixrt.server.http.responses_api import ResponsesApi
 from radixrt.server.http.sglang_api import SGLangApi
 from radixrt.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
@@ -41,6 +42,7 @@ def build_app(front: FrontApi) -> Starlette:
     """The Starlette application of every endpoint, over ``front``."""
     http = HttpContext(front)
     openai, sglang, info = OpenAIApi(http, front), SGLangApi(http, front), InfoApi(http, front)
+    responses = ResponsesApi(http, front)
 
     def authed(handler: Handler):
         return with_key(http, handler)
@@ -51,6 +53,9 @@ def build_app(front: FrontApi) -> Starlette:
         Route("/v1/models", authed(info.models), methods=["GET"]),
         Route("/v1/chat/completions", authed(openai.chat_completions), methods=["POST"]),
         Route("/v1/completions", authed(openai.completions), methods=["POST"]),
+        Route("/v1/responses", authed(responses.create), methods=["POST"]),
+        Route("/v1/responses/{response_id}", authed(responses.retrieve), methods=["GET"]),
+        Route("/v1/responses/{response_id}", authed(responses.delete), methods=["DELETE"]),
         Route("/generate", authed(sglang.generate), methods=["POST"]),
         Route("/get_model_info", authed(info.model_info), methods=["GET"]),
         Route("/model_info", authed(info.model_info), methods=["GET"]),
