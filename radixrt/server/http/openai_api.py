@@ -23,6 +23,7 @@ from radixrt.server.front_api import FrontApi
 from radixrt.server.http import schemas as api
 from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import MAX_CHOICES, Choice, Job, Prompt, json_response, sse_events
+from radixrt.server.http.tools import ChatTools, chat_tools, template_messages
 
 # apply_chat_template arguments a request's chat_template_kwargs may not set
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -60,6 +61,7 @@ class OpenAIApi:
         logprobs: bool,
         top_logprobs: int,
         index: int,
+        constraint: dict | None = None,
     ) -> SamplingParams:
         seed = body.seed
         if seed is not None and index:
@@ -77,7 +79,7 @@ class OpenAIApi:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt,
-            **api.constraint_fields(body),
+            **(api.constraint_fields(body) if constraint is None else constraint),
         )
         return self.http.make_params(fields, given=max_tokens is not None)
 
@@ -90,22 +92,8 @@ class OpenAIApi:
 
     # -------------------------------------------------------------- chat
 
-    def chat_ids(self, body: api.ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(body.messages):
-            if m.role == "tool" or m.tool_calls:
-                raise api.ApiError(
-                    400,
-                    "tool messages and tool calls are not supported",
-                    ErrorCode.INVALID_REQUEST,
-                    "messages",
-                )
-            messages.append(
-                {
-                    "role": "system" if m.role == "developer" else m.role,
-                    "content": self.message_text(m.content, i),
-                }
-            )
+    def chat_ids(self, body: api.ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+        messages = template_messages(body.messages, self.message_text)
         if not messages:
             raise api.ApiError(400, "messages is empty", ErrorCode.INVALID_REQUEST, "messages")
         kwargs = dict(body.chat_template_kwargs or {})
@@ -121,6 +109,8 @@ class OpenAIApi:
             kwargs.update(continue_final_message=True, add_generation_prompt=False)
         else:
             kwargs["add_generation_prompt"] = body.add_generation_prompt
+        if tools:
+            kwargs["tools"] = tools
         return self.front.encode(self.front.chat_prompt(messages, **kwargs))
 
     @staticmethod
@@ -167,7 +157,8 @@ class OpenAIApi:
     async def chat_completions(self, request: Request, key: str | None) -> Response:
         body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
-        ids = self.chat_ids(body)
+        tools = chat_tools(body, self.front.server)
+        ids = self.chat_ids(body, tools.template_tools)
         prompts = [
             Prompt(
                 ids,
@@ -178,6 +169,7 @@ class OpenAIApi:
                     body.logprobs,
                     body.top_logprobs or 0,
                     i,
+                    tools.constraint,
                 ),
             )
             for i in range(body.n)
@@ -192,15 +184,14 @@ class OpenAIApi:
             key,
             prompts,
             body.stream,
-            lambda job, first: self.chat_stream(job, first, body, meta),
+            lambda job, first: self.chat_stream(job, first, body, meta, tools),
         )
         if body.stream:
             return result
         choices = [
             api.ChatChoice(
                 i,
-                api.AssistantMessage(c.text),
-                c.finish_reason,
+                *tools.output.message(c.text, c.finish_reason),
                 self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 if body.logprobs
                 else None,
@@ -210,21 +201,28 @@ class OpenAIApi:
         return json_response(api.ChatCompletion(*meta, choices, self.usage(result.choices, body.n)))
 
     def chat_stream(
-        self, job: Job, first, body: api.ChatCompletionRequest, meta
+        self, job: Job, first, body: api.ChatCompletionRequest, meta, tools: ChatTools
     ) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
+        streams = [tools.output.stream() for _ in job.choices]
 
         def render(index: int, d) -> api.ChatCompletionChunk | None:
+            text, calls, reason = streams[index].step(d.text, d.finish_reason)
             if not (
-                d.text
-                or d.finish_reason is not None
+                text
+                or calls
+                or reason is not None
                 or index not in started
                 or d.token_ids
                 and body.logprobs
             ):
-                return None  # text held back (a stop string may begin there)
-            delta = api.ChatDelta(content=d.text, role=None if index in started else "assistant")
+                return None  # text held back (a stop string or a tool call may begin there)
+            delta = api.ChatDelta(
+                content=None if calls and not text else text,
+                role=None if index in started else "assistant",
+                tool_calls=calls or None,
+            )
             started.add(index)
             lp = (
                 self.chat_logprobs(d.token_ids, d.logprobs, d.top_logprobs)
@@ -233,7 +231,7 @@ class OpenAIApi:
             )
             usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
             return api.ChatCompletionChunk(
-                *meta, [api.ChatChunkChoice(index, delta, d.finish_reason, lp)], usage
+                *meta, [api.ChatChunkChoice(index, delta, reason, lp)], usage
             )
 
         def tail() -> api.ChatCompletionChunk | None:

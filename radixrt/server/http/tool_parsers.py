@@ -17,7 +17,7 @@ and what follows the marker is read again as text. After a call, anything but th
 CLOSE ends the region and is read again as text.
 
 ``parse(fmt, text)`` reads a whole text. ``ToolCallStream(fmt)`` reads it in pieces:
-``feed(text)`` and ``finish()`` return ``Deltas`` (content, and ``CallDelta``s: a call's name
+``feed(text, final)`` and ``finish()`` return ``Deltas`` (content, and ``CallDelta``s: a call's name
 first, then its arguments in pieces). Text that may still turn out to be a marker or the head
 of a call is held until it is known. Fed any split of a text, the stream's content and calls
 are ``parse``'s, except for a call that proves malformed after its name has gone out (arguments
@@ -305,18 +305,17 @@ class ToolCallStream:
         self.out_content: list[str] = []
         self.out_calls: list[CallDelta] = []
 
-    def feed(self, text: str) -> Deltas:
+    def feed(self, text: str, final: bool = False) -> Deltas:
+        """What ``text`` adds; ``final``: the text ends with it, and whatever was held is
+        decided now."""
         self.buf += text
+        self.done = self.done or final
         while self.state():
             pass
         return self._take()
 
     def finish(self) -> Deltas:
-        """The rest, once the text has ended: whatever was held is decided now."""
-        self.done = True
-        while self.state():
-            pass
-        return self._take()
+        return self.feed("", final=True)
 
     def _take(self) -> Deltas:
         calls: list[CallDelta] = []
