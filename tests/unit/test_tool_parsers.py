@@ -8,6 +8,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from radixrt.config import TOOL_CALL_PARSERS
 from radixrt.server.http.tool_parsers import (
@@ -210,3 +212,44 @@ def test_what_the_grammar_writes_parses_back(name: str) -> None:
     assert got.calls == [ToolCall("f", args[0]), ToolCall("g", args[1])]
     assert got.content.strip() == ""  # the joiner's whitespace, at most
     assert streamed(fmt, list(text)) == got
+
+
+FRAGMENTS = [
+    *(m for f in (HERMES, LLAMA3, MISTRAL) for m in f.markers),
+    "</tool_call>",
+    "[",
+    "]",
+    ",",
+    ";",
+    " ",
+    "\n",
+    "hi",
+    "{",
+    "}",
+    '"',
+    "<",
+    "<tool",
+    "[TOOL",
+    '{"a": 1}',
+    '{"name": "f", "arguments": {"s": "x}"}}',
+    '{"name":"g","parameters":{"n":[1,{}]}}',
+    '{"arguments": {"k": true}, "name": "h"}',
+    '{"name": "f", "arguments": 3}',
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(sorted(FORMATS)),
+    st.lists(st.sampled_from(FRAGMENTS), max_size=12),
+    st.randoms(use_true_random=False),
+)
+def test_any_mix_of_calls_and_text_streams_as_it_parses(name, fragments, rng) -> None:
+    """Texts made of whole calls, markers, separators and stray text: the stream, split
+    anywhere, gives what the whole text gives."""
+    fmt, text = FORMATS[name], "".join(fragments)
+    want = parse(fmt, text)
+    assert streamed(fmt, list(text)) == want
+    cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    assert streamed(fmt, pieces) == want

@@ -125,32 +125,33 @@ def check_function(fn: Any, where: str, names: set[str]) -> None:
 
 
 def read_choice(body: api.ChatCompletionRequest, tools: list[dict]) -> Choice:
-    choice, field = body.tool_choice, "tool_choice"
+    choice = body.tool_choice
     if choice is None:
         return Choice("auto" if tools else "none")
     if isinstance(choice, str):
         if choice not in CHOICES:
             raise _bad(
-                f"{field} must be one of {CHOICES} or {{'type': 'function', 'function': "
+                f"tool_choice must be one of {CHOICES} or {{'type': 'function', 'function': "
                 f"{{'name': ...}}}}, got {choice!r}",
-                field,
+                "tool_choice",
             )
         if choice == "required" and not tools:
-            raise _bad(f"{field} 'required' needs tools", field)
+            raise _bad("tool_choice 'required' needs tools", "tool_choice")
         return Choice(choice)
     fn = choice.get("function") if choice.get("type") == "function" else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise _bad(
-            f"{field} must name a function as {{'type': 'function', 'function': "
+            "tool_choice must name a function as {'type': 'function', 'function': "
             f"{{'name': ...}}}}, got {choice!r}",
-            field,
+            "tool_choice",
         )
     known = [t["function"]["name"] for t in tools]
     if name not in known:
         given = ", ".join(map(repr, known)) or "none"
         raise _bad(
-            f"{field} names the function {name!r}, which is not among the tools ({given})", field
+            f"tool_choice names the function {name!r}, which is not among the tools ({given})",
+            "tool_choice",
         )
     return Choice("named", name)
 
