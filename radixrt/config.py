@@ -40,6 +40,7 @@ SPECULATIVE_ALGORITHMS = ("NGRAM",)
 DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 64
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
+TOOL_CALL_PARSERS = ("hermes", "qwen25", "llama3", "llama3_json", "mistral")
 
 
 def setting(
@@ -450,6 +451,18 @@ class ServerConfig:
         "POST /v1/responses: stored responses kept for previous_response_id and GET (least "
         "recently used out first), over every API key",
     )
+    tool_call_parser: str | None = setting(
+        None,
+        "read tool calls out of chat completions written in this format: hermes or qwen25 "
+        "(<tool_call>{json}</tool_call>), llama3 or llama3_json ({json}; {json}), mistral "
+        "([TOOL_CALLS][...]); tool_choice auto, required and named need it",
+        unset="none",
+    )
+    enable_auto_tool_choice: bool = setting(
+        False,
+        "accept tool_choice auto (a request's default when it has tools): the model answers "
+        "or calls tools as it chooses (needs --tool-call-parser)",
+    )
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -488,6 +501,17 @@ class ServerConfig:
         if self.isolate_by_api_key and not self.api_keys:
             raise ValueError("isolate_by_api_key needs an api_key")
         self._check_data_parallel()
+        self._check_tools()
+
+    def _check_tools(self) -> None:
+        parser = self.tool_call_parser
+        if parser is not None and parser not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"tool_call_parser {parser!r} is not known; the parsers are "
+                f"{', '.join(TOOL_CALL_PARSERS)}"
+            )
+        if self.enable_auto_tool_choice and parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser")
 
     def _check_data_parallel(self) -> None:
         _check_positive("dp_size", self.dp_size)

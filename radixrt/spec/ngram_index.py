@@ -37,7 +37,12 @@ _OFFSET = np.uint64(0x2545F4914F6CDD1D)  # so that no token (0 included) mixes t
 _BASE = np.uint64(0x100000001B3)  # the polynomial hash's base (odd), mod 2**64
 
 _MASK = (1 << 64) - 1
-_MIX_INT, _MIX_SHIFT_INT, _OFFSET_INT, _BASE_INT = int(_MIX), int(_MIX_SHIFT), int(_OFFSET), int(_BASE)
+_MIX_INT, _MIX_SHIFT_INT, _OFFSET_INT, _BASE_INT = (
+    int(_MIX),
+    int(_MIX_SHIFT),
+    int(_OFFSET),
+    int(_BASE),
+)
 
 # A table maps a gram's hash to one position, or to several (a dict in insertion order).
 Bucket = int | dict[int, None]

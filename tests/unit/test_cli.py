@@ -104,6 +104,8 @@ FLAG_VALUES = {
     "kv_events_endpoint": (["--kv-events-endpoint", "tcp://*:5557"], "tcp://*:5557"),
     "reasoning_parser": (["--reasoning-parser", "qwen3"], "qwen3"),
     "responses_store_size": (["--responses-store-size", "7"], 7),
+    "tool_call_parser": (["--tool-call-parser", "hermes"], "hermes"),
+    "enable_auto_tool_choice": (["--enable-auto-tool-choice"], True),
 }
 
 
@@ -176,8 +178,8 @@ def test_each_flag_sets_its_field():
         got = getattr(engine if hasattr(engine, name) else server, name)
         assert got == want and type(got) is type(want), name
     for name, (args, want) in FLAG_VALUES.items():  # one at a time, next to the defaults
-        if name in ("isolate_by_api_key", "http_port"):
-            continue  # needs --api-key; 0 is covered above
+        if name in ("isolate_by_api_key", "http_port", "enable_auto_tool_choice"):
+            continue  # needs --api-key or --tool-call-parser; 0 is covered above
         engine, server = parse(*args)
         assert getattr(engine if hasattr(engine, name) else server, name) == want, name
 
@@ -297,6 +299,9 @@ def test_a_bad_toml_value_names_its_field(tmp_path):
         ("speculative_num_draft_tokens", 4),
         ("speculative_ngram_min_match_window_size", 0),
         ("speculative_ngram_branch_length", -1),
+        ("tool_call_parser", "json"),
+        ("tool_call_parser", ""),
+        ("enable_auto_tool_choice", "yes"),
     ],
 )
 def test_an_invalid_value_names_its_field(name, value):
@@ -310,6 +315,9 @@ def test_cross_field_checks():
     with pytest.raises(ValueError, match="isolate_by_api_key needs an api_key"):
         ServerConfig(isolate_by_api_key=True)
     assert ServerConfig(isolate_by_api_key=True, api_key="k").isolate_by_api_key
+    with pytest.raises(ValueError, match="enable_auto_tool_choice needs a tool_call_parser"):
+        ServerConfig(enable_auto_tool_choice=True)
+    assert ServerConfig(enable_auto_tool_choice=True, tool_call_parser="mistral")
     ServerConfig(port=8000, http_port=0)  # no HTTP: no clash
 
 
@@ -318,6 +326,10 @@ def test_the_command_line_reports_a_bad_setting(capsys):
     assert "radixrt: error: port must be a port number" in capsys.readouterr().err
     assert main(["launch", "--speculative-algorithm", "NGRAM", "--page-size", "4"]) == 2
     assert "speculative decoding needs page_size 1" in capsys.readouterr().err
+    assert main(["launch", "--tool-call-parser", "pythonic"]) == 2
+    err = capsys.readouterr().err
+    assert "tool_call_parser 'pythonic' is not known" in err
+    assert "hermes, qwen25, llama3, llama3_json, mistral" in err
 
 
 # ------------------------------------------------------------------ ServerConfig

@@ -89,7 +89,7 @@ def test_small_steps_fit_a_line_of_their_own():
     follows them, and a step slowed by another process counts only as an outlier."""
     cost = StepCost(1e-3, fixed=0.004, per_unit=1e-4)
     assert cost.unit_seconds_small() == 1e-4  # no line yet: per_unit stands in
-    for i in range(20):
+    for _ in range(20):
         cost.observe(0.004 + 1e-3 * cost.units(1, 300), 1, attention_pairs(300, 1))
     assert cost.small.b is None  # all of one size: no slope yet
     for i in range(200):
@@ -102,7 +102,7 @@ def test_small_steps_fit_a_line_of_their_own():
     assert cost.predict_small(4, pairs) == pytest.approx(
         0.004 + 1e-3 * cost.units(4, pairs), rel=0.1
     )
-    for i in range(200):  # then only decode steps: the slope stays, the line follows them
+    for _ in range(200):  # then only decode steps: the slope stays, the line follows them
         cost.observe(0.006 + 1e-3 * cost.units(1, 300), 1, attention_pairs(300, 1))
     assert cost.unit_seconds_small() == pytest.approx(1e-3, rel=0.1)
     assert cost.predict_small(1, 300) == pytest.approx(0.006 + 1e-3 * cost.units(1, 300), rel=0.02)

@@ -27,6 +27,7 @@ from radixrt.server.http import reasoning
 from radixrt.server.http import schemas as api
 from radixrt.server.http.context import HttpContext
 from radixrt.server.http.jobs import MAX_CHOICES, Choice, Job, Prompt, json_response, sse_events
+from radixrt.server.http.tools import ChatTools, chat_tools, template_messages
 
 # apply_chat_template arguments a request's chat_template_kwargs may not set
 RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -66,6 +67,7 @@ class OpenAIApi:
         top_logprobs: int,
         index: int,
         plan: reasoning.ChatReasoning | None = None,
+        constraint: dict | None = None,
     ) -> SamplingParams:
         seed = body.seed
         if seed is not None and index:
@@ -83,7 +85,7 @@ class OpenAIApi:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt,
-            **api.constraint_fields(body),
+            **(api.constraint_fields(body) if constraint is None else constraint),
         )
         sp = self.http.make_params(fields, given=max_tokens is not None)
         return sp if plan is None else plan.constrain(sp)
@@ -97,22 +99,8 @@ class OpenAIApi:
 
     # -------------------------------------------------------------- chat
 
-    def chat_ids(self, body: api.ChatCompletionRequest) -> list[int]:
-        messages = []
-        for i, m in enumerate(body.messages):
-            if m.role == "tool" or m.tool_calls:
-                raise api.ApiError(
-                    400,
-                    "tool messages and tool calls are not supported",
-                    ErrorCode.INVALID_REQUEST,
-                    "messages",
-                )
-            messages.append(
-                {
-                    "role": "system" if m.role == "developer" else m.role,
-                    "content": self.message_text(m.content, i),
-                }
-            )
+    def chat_ids(self, body: api.ChatCompletionRequest, tools: list[dict] | None) -> list[int]:
+        messages = template_messages(body.messages, self.message_text)
         if not messages:
             raise api.ApiError(400, "messages is empty", ErrorCode.INVALID_REQUEST, "messages")
         kwargs = dict(body.chat_template_kwargs or {})
@@ -128,6 +116,8 @@ class OpenAIApi:
             kwargs.update(continue_final_message=True, add_generation_prompt=False)
         else:
             kwargs["add_generation_prompt"] = body.add_generation_prompt
+        if tools:
+            kwargs["tools"] = tools
         return self.front.encode(self.front.chat_prompt(messages, **kwargs))
 
     @staticmethod
@@ -174,7 +164,8 @@ class OpenAIApi:
     async def chat_completions(self, request: Request, key: str | None) -> Response:
         body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
-        ids = self.chat_ids(body)
+        tools = chat_tools(body, self.front.server)
+        ids = self.chat_ids(body, tools.template_tools)
         plan = reasoning.chat_reasoning(self.reasoning_parser, body, ids, self.front.decode)
         prompts = [
             Prompt(
@@ -187,6 +178,7 @@ class OpenAIApi:
                     body.top_logprobs or 0,
                     i,
                     plan,
+                    tools.constraint,
                 ),
             )
             for i in range(body.n)
@@ -201,15 +193,14 @@ class OpenAIApi:
             key,
             prompts,
             body.stream,
-            lambda job, first: self.chat_stream(job, first, body, meta, plan),
+            lambda job, first: self.chat_stream(job, first, body, meta, plan, tools),
         )
         if body.stream:
             return result
         choices = [
             api.ChatChoice(
                 i,
-                self.chat_message(c.text, plan),
-                c.finish_reason,
+                *self.chat_message(c.text, c.finish_reason, plan, tools),
                 self.chat_logprobs(c.token_ids, c.logprobs, c.top_logprobs)
                 if body.logprobs
                 else None,
@@ -219,9 +210,15 @@ class OpenAIApi:
         return json_response(api.ChatCompletion(*meta, choices, self.usage(result.choices, body.n)))
 
     @staticmethod
-    def chat_message(text: str, plan: reasoning.ChatReasoning | None) -> api.AssistantMessage:
+    def chat_message(
+        text: str, finish_reason: str, plan: reasoning.ChatReasoning | None, tools: ChatTools
+    ) -> tuple[api.AssistantMessage, str]:
+        """A whole answer's message (reasoning split off first, then tool calls read from the
+        content) and its finish reason."""
         thought, content = reasoning.Split("", text) if plan is None else plan.split(text)
-        return api.AssistantMessage(content, reasoning_content=thought or msgspec.UNSET)
+        message, reason = tools.output.message(content, finish_reason)
+        message.reasoning_content = thought or msgspec.UNSET
+        return message, reason
 
     def chat_stream(
         self,
@@ -229,27 +226,32 @@ class OpenAIApi:
         first,
         body: api.ChatCompletionRequest,
         meta,
-        plan: reasoning.ChatReasoning | None = None,
+        plan: reasoning.ChatReasoning | None,
+        tools: ChatTools,
     ) -> AsyncIterator[bytes]:
         opts = body.stream_options or api.StreamOptions()
         started: set[int] = set()
         splits = reasoning.StreamSplits(plan)
+        streams = [tools.output.stream() for _ in job.choices]
 
         def render(index: int, d) -> api.ChatCompletionChunk | None:
             thought, text = splits.feed(index, d.text, d.finish_reason is not None)
+            text, calls, reason = streams[index].step(text, d.finish_reason)
             if not (
                 text
                 or thought
-                or d.finish_reason is not None
+                or calls
+                or reason is not None
                 or index not in started
                 or d.token_ids
                 and body.logprobs
             ):
-                return None  # text held back (a stop string may begin there)
+                return None  # text held back (a stop string or a tool call may begin there)
             delta = api.ChatDelta(
-                content=text if text or not thought else None,
+                content=None if (calls or thought) and not text else text,
                 role=None if index in started else "assistant",
                 reasoning_content=thought or None,
+                tool_calls=calls or None,
             )
             started.add(index)
             lp = (
@@ -259,7 +261,7 @@ class OpenAIApi:
             )
             usage = self.usage(job.choices, body.n) if opts.continuous_usage_stats else None
             return api.ChatCompletionChunk(
-                *meta, [api.ChatChunkChoice(index, delta, d.finish_reason, lp)], usage
+                *meta, [api.ChatChunkChoice(index, delta, reason, lp)], usage
             )
 
         def tail() -> api.ChatCompletionChunk | None:

@@ -4,7 +4,7 @@ Contract:
 - Request bodies decode strictly with ``decode_body``: a field of the wrong
   type, or a field the API does not define, is an ``ApiError`` (400) naming
   the field. OpenAI fields that radixrt cannot honour (penalties, logit
-  bias, tools, response formats other than text) are accepted at their
+  bias) are accepted at their
   neutral values only; any other value is a 400 that says so
   (``check_neutral``). SGLang's own request fields, which its router
   (``sglang-router``) writes into every body it forwards, are accepted the
@@ -266,8 +266,6 @@ def check_neutral(body: _Sampling) -> None:
         "repetition_penalty": (None, 1.0),
         "min_tokens": (None, 0),
         "logit_bias": (None, {}),
-        "tools": (None, []),
-        "functions": (None, []),
         "modalities": (None, ["text"]),
         "no_stop_trim": (False,),
         "return_hidden_states": (False,),
@@ -279,11 +277,6 @@ def check_neutral(body: _Sampling) -> None:
             f"best_of={body.best_of} is not supported (only best_of == n)",
             ErrorCode.INVALID_REQUEST,
             "best_of",
-        )
-    choice = getattr(body, "tool_choice", None)
-    if choice not in (None, "none", "auto"):
-        raise ApiError(
-            400, "tool_choice is not supported (no tools)", ErrorCode.INVALID_REQUEST, "tool_choice"
         )
     if getattr(body, "suffix", None):
         raise ApiError(400, "suffix is not supported", ErrorCode.INVALID_REQUEST, "suffix")
@@ -333,12 +326,24 @@ class ChoiceLogprobs(msgspec.Struct):
     refusal: None = None
 
 
+class FunctionCall(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class ToolCall(msgspec.Struct):
+    id: str
+    function: FunctionCall
+    type: str = "function"
+
+
 class AssistantMessage(msgspec.Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
     refusal: None = None
     # with --reasoning-parser (absent where there is none)
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -358,10 +363,25 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: None = None
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """A piece of a streamed tool call: ``id``, ``type`` and ``function.name`` in its first."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
     role: str | None = None
     reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
