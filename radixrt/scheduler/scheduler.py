@@ -208,8 +208,17 @@ class Scheduler:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token, or with
-        ``batch.layout`` its rows (prompt scores collected)."""
-        logits = self.runner.forward(batch.to_forward_batch(self.runner.pool))
+        ``batch.layout`` its rows (prompt scores collected); embedding requests get the final
+        hidden state of the rows they pool (``Req.hidden_rows``)."""
+        hidden = batch.hidden_layout()
+        fb = batch.to_forward_batch(self.runner.pool)
+        if hidden is None:
+            logits = self.runner.forward(fb)
+        else:
+            idx = torch.tensor(hidden.indices, dtype=torch.int64)
+            logits, rows = self.runner.forward_hidden(fb, idx)
+            for i, start, n in hidden.spans:
+                batch.reqs[i].hidden_rows.append(rows[start : start + n])
         if batch.layout is not None:
             self._collect_prompt_logprobs(batch, logits)
         return logits
@@ -326,6 +335,7 @@ class Scheduler:
             (common_prefix_len(ids, r.prompt_ids) for r in admitted if r.params.cache_salt == salt),
             default=0,
         )
+        shared = min(shared, req.match_limit)  # e.g. a mean-pooled embedding hits nothing
         return shared - self.kv.prefix_len_hint(req) >= DEDUP_MIN_TOKENS
 
     def _decode_reservation(self) -> int:
@@ -402,6 +412,8 @@ class Scheduler:
             self.kv.advanced(req)
             if req.kv_len == req.fill_len and not req.finished:
                 if req.prefill_only:
+                    if req.pooling is not None:
+                        req.pool_hidden()
                     finished.append(self._finish(req, "length"))
                     continue
                 rows.append(i), to_sample.append(req)
