@@ -5,6 +5,7 @@ Both speak ``radixrt.protocol`` over a ZeroMQ DEALER and handshake on connect
 ``req_id``; replies are dispatched by it, so one client can have many requests
 in flight (the sync client runs a receiver thread that owns the socket).
 
+``encode`` returns embeddings as ``radixrt.Engine.encode`` does.
 ``generate`` returns a ``GenerateOutput``, or with ``stream=True`` an iterator
 of ``StreamChunk`` (``text`` and ``token_ids`` deltas; the last chunk has
 ``finish_reason``, ``prompt_tokens``, ``cached_tokens`` and ``cached_tokens_details``).

@@ -34,6 +34,9 @@ class Engine:
     and seeded requests bit for bit), and each ``GenerateOutput`` counts its verifications
     (``spec_verify_ct``, ``spec_draft_tokens``, ``spec_accepted_tokens``).
 
+    ``encode`` (SGLang's name) answers embedding requests: each prompt's final hidden state,
+    pooled by ``embedding_pooling``, with the same exactness as generated tokens.
+
     A request the scheduler failed (a forward pass of its batch raised, or its
     own step did; see ``radixrt.scheduler.scheduler``) finishes with
     finish_reason "error" and the message in ``Req.error``. ``generate`` and

@@ -36,6 +36,11 @@ constrained request's draft holds only tokens its grammar takes, and each of its
 verification rows is masked as decoding would mask that position, so speculation changes
 neither its tokens nor where its grammar ends it.
 
+Embedding requests (``Req.pooling``) are prompts that sample nothing: a step that computes
+rows they pool runs ``runner.forward_hidden``, which also returns the final hidden state of
+those rows, and such a request pools them as its prompt completes, then leaves like any
+finished prefill (its KV cached).
+
 The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
 it in-process; the server runs the same loop behind sockets.
 """
@@ -217,6 +222,7 @@ class Scheduler:
         else:
             idx = torch.tensor(hidden.indices, dtype=torch.int64)
             logits, rows = self.runner.forward_hidden(fb, idx)
+            rows = rows.cpu()  # pooled on the CPU, in a fixed order (``Req.pool_hidden``)
             for i, start, n in hidden.spans:
                 batch.reqs[i].hidden_rows.append(rows[start : start + n])
         if batch.layout is not None:

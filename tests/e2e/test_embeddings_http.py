@@ -14,7 +14,8 @@ import pytest
 import torch
 from server_harness import Server, assert_idle_kv
 
-from radixrt.client import Client
+from radixrt.client import Client, ServerError
+from radixrt.protocol import GenerateRequest
 from radixrt.testing import tiny_model_path
 
 KEY = "k-embed"
@@ -83,6 +84,11 @@ def test_embedding_is_the_last_tokens_final_hidden_state(oai, tokenizer, hf_hidd
     torch.testing.assert_close(torch.tensor(item.embedding), want, rtol=0, atol=1e-4)
     with Client(server.address, api_key=KEY) as c:
         assert c.encode(TEXT)["embedding"] == item.embedding  # ZeroMQ: the same bits
+        listed = c.encode([OTHER[0], TEXT])
+        assert listed[1]["embedding"] == item.embedding
+        assert listed[1]["meta_info"]["prompt_tokens"] == len(ids)
+        with pytest.raises(ServerError, match="not streamed"):
+            c._call(GenerateRequest(req_id="streamed", prompt=TEXT, embed=True, stream=True))
         assert_idle_kv(c)
 
 
