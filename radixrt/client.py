@@ -5,6 +5,7 @@ Both speak ``radixrt.protocol`` over a ZeroMQ DEALER and handshake on connect
 ``req_id``; replies are dispatched by it, so one client can have many requests
 in flight (the sync client runs a receiver thread that owns the socket).
 
+``encode`` returns embeddings as ``radixrt.Engine.encode`` does.
 ``generate`` returns a ``GenerateOutput``, or with ``stream=True`` an iterator
 of ``StreamChunk`` (``text`` and ``token_ids`` deltas; the last chunk has
 ``finish_reason``, ``prompt_tokens``, ``cached_tokens`` and ``cached_tokens_details``).
@@ -85,6 +86,12 @@ def _generate_request(
         stream=stream,
         routing_key=routing_key,
     )
+
+
+def _embedding(out: GenerateOutput) -> dict:
+    """An embedding request's output as ``Engine.encode`` gives it."""
+    meta = {"id": out.rid, "prompt_tokens": out.prompt_tokens, "cached_tokens": out.cached_tokens}
+    return {"embedding": out.embedding, "meta_info": meta}
 
 
 def _batch_items(prompts, input_ids, messages) -> list[dict]:
@@ -255,6 +262,30 @@ class Client:
         deadline = self._deadline(timeout)
         outs = [self._result(req_id, q, deadline) for req_id, q in sent]
         return [(sum(o.prompt_logprobs or ()), len(c)) for o, c in zip(outs, conts)]
+
+    def encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+        timeout: float | None = None,
+        cache_salt: str | None = None,
+    ) -> dict | list[dict]:
+        """Each prompt's embedding, as ``radixrt.Engine.encode`` gives it (``{"embedding",
+        "meta_info"}``; one dict for a str prompt, else a list), pooled by the server's
+        ``embedding_pooling``. All prompts go out at once."""
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        sp = {"max_new_tokens": 0, "cache_salt": cache_salt}
+        sent = []
+        for item in _batch_items(prompts, input_ids, None):
+            req = _generate_request(
+                self._ids(), item.get("prompt"), sp, item.get("input_ids"), None, False
+            )
+            req.embed = True
+            sent.append((req.req_id, self._send(req)))
+        deadline = self._deadline(timeout)
+        outs = [_embedding(self._result(req_id, q, deadline)) for req_id, q in sent]
+        return outs[0] if isinstance(prompt, str) else outs
 
     def abort(self, rid: str) -> None:
         self._call(AbortRequest(req_id=self._ids(), target=rid))

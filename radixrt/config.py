@@ -37,6 +37,7 @@ LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "shortest_queue")
 HICACHE_WRITE_POLICIES = ("write_through", "write_back")
 DEFAULT_PREFILL_STEP_MS = 200.0
 SPECULATIVE_ALGORITHMS = ("NGRAM",)
+EMBEDDING_POOLINGS = ("last", "mean")
 DEFAULT_DRAFT_TOKENS = 8
 MAX_DRAFT_TOKENS = 64
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
@@ -204,6 +205,13 @@ class EngineConfig:
         False,
         "JSON-schema outputs are compact (', ' and ': ' between elements) instead of allowing "
         "any whitespace there",
+    )
+    embedding_pooling: str = setting(
+        "last",
+        "an embedding (/v1/embeddings, Engine.encode) is the prompt's final hidden state (after "
+        "the final norm) at its last token (last: a cached prefix is reused), or averaged over "
+        "every prompt token (mean: the whole prompt is computed)",
+        choices=EMBEDDING_POOLINGS,
     )
     speculative_algorithm: str | None = setting(
         None,

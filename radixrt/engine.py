@@ -13,7 +13,7 @@ from radixrt.model.default_model import resolve_model_path
 from radixrt.model.hf_config import ModelConfig
 from radixrt.model.runner import ModelRunner
 from radixrt.model.weights import model_fingerprint
-from radixrt.output import make_output
+from radixrt.output import embedding_output, make_output
 from radixrt.protocol import GenerateOutput
 from radixrt.sampling import SamplingParams, make_generator
 from radixrt.scheduler.req import Req
@@ -33,6 +33,9 @@ class Engine:
     (``radixrt.scheduler.speculative``): the outputs are those of decoding without it (greedy
     and seeded requests bit for bit), and each ``GenerateOutput`` counts its verifications
     (``spec_verify_ct``, ``spec_draft_tokens``, ``spec_accepted_tokens``).
+
+    ``encode`` (SGLang's name) answers embedding requests: each prompt's final hidden state,
+    pooled by ``embedding_pooling``, with the same exactness as generated tokens.
 
     A request the scheduler failed (a forward pass of its batch raised, or its
     own step did; see ``radixrt.scheduler.scheduler``) finishes with
@@ -82,13 +85,31 @@ class Engine:
         """One GenerateOutput per prompt, in order (a list also for a single str)."""
         ids = self._prompt_ids(prompts, input_ids)
         params = self._per_prompt_params(sampling_params, len(ids))
-        reqs = [self._make_req(p, sp) for p, sp in zip(ids, params)]
-        for req in reqs:
-            self.scheduler.add_request(req)
-        while not all(r.finished for r in reqs):
-            self.scheduler.step()
-        self._raise_if_failed(reqs)
+        reqs = self._run([self._make_req(p, sp) for p, sp in zip(ids, params)])
         return [self.make_output(r) for r in reqs]
+
+    def encode(
+        self,
+        prompt: str | Sequence[str] | None = None,
+        *,
+        input_ids: Sequence[Sequence[int]] | None = None,
+    ) -> dict | list[dict]:
+        """Each prompt's embedding, as SGLang's ``Engine.encode`` gives it: ``{"embedding":
+        [float, ...], "meta_info": {"id", "prompt_tokens", "cached_tokens"}}``, one dict for a
+        str prompt, else a list of them in order.
+
+        The embedding is the prompt's final hidden state (after the final norm: what the LM
+        head reads), in float32, pooled by ``embedding_pooling``: the last token's ("last",
+        which reuses a cached prefix) or the mean over every prompt token ("mean", which
+        computes the whole prompt). Its bits depend on the prompt alone, never on the batch
+        or the cache. The prompt's KV is cached as any finished prefill's.
+        """
+        ids = self._prompt_ids(prompt, input_ids)
+        sp = SamplingParams(max_new_tokens=0)
+        pooling = self.config.embedding_pooling
+        reqs = self._run([self._make_req(p, sp, pooling) for p in ids])
+        outs = [embedding_output(r) for r in reqs]
+        return outs[0] if isinstance(prompt, str) else outs
 
     def score(
         self,
@@ -110,9 +131,7 @@ class Engine:
         sp = SamplingParams(max_new_tokens=0, cache_salt=cache_salt)
         self.generate(input_ids=[prefix], sampling_params=sp)
         reqs = [self.add_request(prefix + c, sp, logprob_start_len=len(prefix)) for c in conts]
-        while not all(r.finished for r in reqs):
-            self.step()
-        self._raise_if_failed(reqs)
+        self._run(reqs, added=True)
         return [(sum(r.prompt_logprobs), len(c)) for r, c in zip(reqs, conts)]
 
     def add_request(
@@ -208,9 +227,21 @@ class Engine:
             raise ValueError(f"got {len(sp)} sampling_params for {n} prompts")
         return sp
 
-    def _make_req(self, ids: list[int], sp: SamplingParams) -> Req:
+    def _make_req(self, ids: list[int], sp: SamplingParams, pooling: str | None = None) -> Req:
         gen = make_generator(sp.seed) if sp.seed is not None else None
-        return Req(str(next(self._rids)), ids, sp, self.model_config.eos_token_ids, gen)
+        eos = self.model_config.eos_token_ids
+        return Req(str(next(self._rids)), ids, sp, eos, gen, pooling=pooling)
+
+    def _run(self, reqs: list[Req], added: bool = False) -> list[Req]:
+        """Queue reqs (unless ``added``) and step until every one has finished; raise if one
+        failed (``_raise_if_failed``)."""
+        if not added:
+            for req in reqs:
+                self.scheduler.add_request(req)
+        while not all(r.finished for r in reqs):
+            self.scheduler.step()
+        self._raise_if_failed(reqs)
+        return reqs
 
     @staticmethod
     def _raise_if_failed(reqs: list[Req]) -> None:

@@ -14,7 +14,8 @@ Contract:
   length, its cached tokens and how many of them were loaded from below the device
   (``cached_below``; ``cached_tokens_details`` makes the dict outputs give), and its
   speculative decoding counters so far (``spec_verify_ct``, ``spec_draft_tokens``,
-  ``spec_accepted_tokens``; 0 without speculation).
+  ``spec_accepted_tokens``; 0 without speculation). A finished embedding request's delta
+  carries its ``embedding`` (float32 values).
 - ``OutputTracker`` knows, per tracked request, how many output tokens were sent. A
   streamed request has a delta due whenever it has new tokens; an unstreamed one has a
   single delta, holding everything, when it finishes. A finished request's delta is its
@@ -62,6 +63,7 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
         prompt_top_logprobs=list(req.prompt_top_logprobs) if scored and top else None,
         **spec_counters(req),
+        embedding=embedding_values(req),
     )
 
 
@@ -85,7 +87,22 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
         top_logprobs=d.top_logprobs,
         prompt_top_logprobs=d.prompt_top_logprobs,
         **spec_counters(d),
+        embedding=d.embedding,
     )
+
+
+def embedding_values(req: Req) -> list[float] | None:
+    """A finished embedding request's embedding as float32 values (None for any other)."""
+    if req.embedding is None or not req.finished:
+        return None
+    return req.embedding.tolist()
+
+
+def embedding_output(req: Req) -> dict:
+    """A finished embedding request as SGLang's ``encode`` answers: ``{"embedding": [...],
+    "meta_info": {"id", "prompt_tokens", "cached_tokens"}}``."""
+    meta = {"id": req.rid, "prompt_tokens": len(req.prompt_ids), "cached_tokens": req.cached_tokens}
+    return {"embedding": embedding_values(req), "meta_info": meta}
 
 
 def cached_tokens_details(cached_tokens: int, cached_below: tuple[int, int]) -> dict[str, int]:
@@ -230,6 +247,7 @@ class Detokenizer:
             prompt_top_logprobs=item.prompt_top_logprobs,
             first_token_at=item.first_token_at,
             **spec_counters(item),
+            embedding=item.embedding,
         )
 
     def decode(self, ids: list[int]) -> str:

@@ -79,6 +79,8 @@ class GenerateOutput(msgspec.Struct, kw_only=True):
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # An embedding request's (``embed``): its prompt's pooled final hidden state, float32 values.
+    embedding: list[float] | None = None
 
 
 class _Msg(msgspec.Struct, tag_field="type", kw_only=True):
@@ -108,6 +110,9 @@ class GenerateRequest(_Msg, tag="generate"):
     # Requests with the same key go to one data-parallel replica while any is in flight
     # (a program's forks, a batch sharing a prefix).
     routing_key: str | None = None
+    # An embedding request: no tokens, the output's ``embedding`` (the server's
+    # ``embedding_pooling``); its sampling_params count for cache_salt only.
+    embed: bool = False
 
 
 class AbortRequest(_Msg, tag="abort"):
@@ -193,6 +198,7 @@ class TokenizedRequest(_Msg, tag="tokenized"):
     sampling_params: SamplingParams
     logprob_start_len: int | None = None
     stream: bool = True  # False: the scheduler sends the output once, when it finishes
+    embed: bool = False  # an embedding request (max_new_tokens 0), pooled by embedding_pooling
 
 
 class AbortRid(_Msg, tag="abort_rid"):
@@ -219,6 +225,7 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     spec_verify_ct: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # on an embedding request's final delta
 
 
 class BatchTokenOut(_Msg, tag="batch_tokens"):
@@ -244,6 +251,7 @@ class TextDelta(msgspec.Struct, kw_only=True):
     spec_verify_ct: int = 0  # the speculative counters, as TokenDelta's
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    embedding: list[float] | None = None  # as TokenDelta's
 
 
 class BatchTextOut(_Msg, tag="batch_text"):

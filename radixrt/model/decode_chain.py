@@ -103,14 +103,21 @@ class DecodeChain:
         return m <= self.max_rows and self._plan(m) is not None
 
     @torch.inference_mode()
-    def logits(self, batch: ForwardBatch) -> torch.Tensor:
-        """The model's float32 logits for the batch (as ``model(batch)`` gives them)."""
+    def body(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's ``body`` over the batch's embedded tokens, replayed: (the last layer's
+        output, the residual before it), in the chain's arena (read before the next replay)."""
         m = batch.input_ids.shape[0]
         plan = self._plan(m)
         self.hidden[:m].copy_(self.model.embed(batch.input_ids))
         self.positions[:m].copy_(batch.positions)
         plan.run(batch.attn_metadata, batch.out_cache_loc)
+        return plan.outputs
+
+    @torch.inference_mode()
+    def logits(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's float32 logits for the batch (as ``model(batch)`` gives them)."""
+        h, residual = self.body(batch)
         idx = batch.logits_indices
         if idx is None:  # a decode batch: every row's, no gather
             idx = slice(None) if batch.mode is ForwardMode.DECODE else batch.last_token_indices()
-        return self.model.head(*plan.outputs, idx)
+        return self.model.head(h, residual, idx)

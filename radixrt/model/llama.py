@@ -271,11 +271,17 @@ class LlamaForCausalLM(nn.Module):
         it)."""
         return self.model(h, positions, batch)
 
+    def final_hidden(self, h: torch.Tensor, residual: torch.Tensor, idx) -> torch.Tensor:
+        """The final hidden state (h + residual after the final norm: what the LM head reads)
+        of the rows ``idx``, in the model's dtype. An index tensor gathers (h and residual are
+        left as they were); a slice is a view, and the fused add-norm writes the sum into it."""
+        normed, _ = self.model.norm(h[idx], residual[idx])
+        return normed
+
     def head(self, h: torch.Tensor, residual: torch.Tensor, idx) -> torch.Tensor:
         """float32 logits of the rows ``idx`` (an index tensor or a slice) of the final hidden
         state h + residual."""
-        normed, _ = self.model.norm(h[idx], residual[idx])
-        return self.logit_softcap(self.lm_head(normed))
+        return self.logit_softcap(self.lm_head(self.final_hidden(h, residual, idx)))
 
     def logits(
         self,

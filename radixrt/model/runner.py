@@ -271,16 +271,44 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """float32 logits [B, vocab] for each request's last token."""
-        batch.attn_backend = self.attn_backend
-        self.attn_backend.init_forward_metadata(batch)
+        self._prepare(batch)
         chain = self.decode_chain
         if chain is not None and chain.takes(batch):
             logits = chain.logits(batch)
         else:
             logits = self.model(batch)
-        if self.heap is not None:  # new activation memory: into huge pages too, once
-            self.heap.maybe_collapse()
+        self._settle()
         return logits
+
+    @torch.inference_mode()
+    def forward_hidden(
+        self, batch: ForwardBatch, hidden_indices: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s logits, and the final hidden state (after the final norm: what the LM
+        head reads) of the tokens at ``hidden_indices`` (int64 [N], into the batch's tokens),
+        float32 [N, hidden]. The same model arithmetic as ``forward`` (eager where the model is
+        compiled), so each row has the bits ``forward``'s LM head reads there."""
+        self._prepare(batch)
+        chain, model = self.decode_chain, self.model
+        if chain is not None and chain.takes(batch):
+            h, residual = chain.body(batch)
+        else:
+            h, residual = model.body(model.embed(batch.input_ids), batch.positions, batch)
+        hidden = model.final_hidden(h, residual, hidden_indices.to(h.device)).float()
+        idx = batch.logits_indices
+        logits = model.head(h, residual, idx if idx is not None else batch.last_token_indices())
+        self._settle()
+        return logits, hidden
+
+    def _prepare(self, batch: ForwardBatch) -> None:
+        """The step's attention metadata, before its forward."""
+        batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(batch)
+
+    def _settle(self) -> None:
+        """After a forward: new activation memory goes into huge pages too, once."""
+        if self.heap is not None:
+            self.heap.maybe_collapse()
 
     def _compile_graphs(self) -> None:
         """Compile before serving, not in a request's forward. Dynamo gives token and logit

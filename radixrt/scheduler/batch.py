@@ -36,6 +36,15 @@ class LogitsLayout(NamedTuple):
     draft_rows: dict[int, int] = {}
 
 
+class HiddenLayout(NamedTuple):
+    """Final hidden state rows of a step in which embedding requests compute prompt tokens:
+    ``indices``: the token index (into the step's T tokens) of each row; ``spans``: (request
+    index, first row, rows) of each request that pools some."""
+
+    indices: list[int]
+    spans: list[tuple[int, int, int]]
+
+
 @dataclass
 class DraftRows:
     """A running request's draft in a step. Branch b computes ``[its last token, *tokens[b]]``
@@ -115,6 +124,20 @@ class ScheduledBatch:
             extend_lens=[len(ids) for *_, ids in rows],
             decode_rows=self.decode_rows - len(self.drafts),
         )
+
+    def hidden_layout(self) -> HiddenLayout | None:
+        """The rows embedding requests pool in this step (``Req.pooled_rows``); None if
+        none."""
+        if not any(r.pooling is not None for r in self.reqs):
+            return None
+        indices, spans, offset = [], [], 0
+        for i, (req, n) in enumerate(zip(self.reqs, self.extend_lens)):
+            rows = req.pooled_rows(n) if self.prefills(i) else range(0)
+            if rows:
+                spans.append((i, len(indices), len(rows)))
+                indices.extend(offset + j for j in rows)
+            offset += sum(self.drafts[i].lens()) if i in self.drafts else n
+        return HiddenLayout(indices, spans) if spans else None
 
     def _logits_layout(self) -> LogitsLayout | None:
         """None unless a request scores prompt tokens or verifies a draft in this extend.

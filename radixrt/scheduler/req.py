@@ -7,6 +7,12 @@ KV ownership of a running request (row r of req_to_token):
 ``fill_ids = prompt_ids + output_ids``; tokens ``fill_ids[kv_len:]`` still need
 computing. While decoding, ``kv_len == len(fill_ids) - 1``: the newest token's
 KV is written by the next step.
+
+An embedding request (``pooling`` "last" or "mean") computes its prompt and samples
+nothing (``max_new_tokens`` 0): each step hands it the final hidden state of the rows it
+pools (``hidden_rows``; "last": the prompt's last token, "mean": every prompt token, so
+its prefix match stops at 0), and ``pool_hidden`` turns them into ``embedding`` as it
+finishes.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import enum
 import torch
 
 from radixrt.cache.radix_cache import TreeNode
+from radixrt.config import EMBEDDING_POOLINGS
 from radixrt.grammar import Matcher
 from radixrt.sampling import SamplingParams
 from radixrt.spec.backoff import Backoff
@@ -36,8 +43,18 @@ class Req:
         eos_ids: tuple[int, ...] = (),
         generator: torch.Generator | None = None,
         logprob_start_len: int | None = None,
+        pooling: str | None = None,
     ) -> None:
+        if pooling not in (*EMBEDDING_POOLINGS, None):
+            raise ValueError(
+                f"pooling must be one of {EMBEDDING_POOLINGS} or None, got {pooling!r}"
+            )
+        if pooling is not None and params.max_new_tokens != 0:
+            raise ValueError("an embedding request (pooling set) needs max_new_tokens 0")
         self.rid = rid
+        self.pooling = pooling
+        self.hidden_rows: list[torch.Tensor] = []  # float32 [n, hidden] per step, in order
+        self.embedding: torch.Tensor | None = None  # float32 [hidden], once pooled
         # Prompt scoring: log p(prompt_ids[j] | prompt_ids[:j]) for j >= logprob_start_len
         # is collected into prompt_logprobs (positions j-1 are always recomputed), and with
         # params.top_logprobs = k the k most likely (ids, logprobs) there into prompt_top_logprobs.
@@ -99,6 +116,8 @@ class Req:
     def match_limit(self) -> int:
         """Longest prefix that may come from the tree (the rest is computed)."""
         limit = self.fill_len - 1
+        if self.pooling == "mean":  # every prompt position's hidden state is computed
+            return 0
         if self.logprob_start_len is not None:
             limit = min(limit, self.logprob_start_len - 1)
         return limit
@@ -107,6 +126,28 @@ class Req:
     def prefill_only(self) -> bool:
         """Compute (and cache) the prompt, sample nothing (max_new_tokens == 0)."""
         return self.params.max_new_tokens == 0
+
+    def pooled_rows(self, n: int) -> range:
+        """Which of the n tokens this request computes next (from ``kv_len``) it pools."""
+        if self.pooling == "mean":
+            return range(n)
+        if self.pooling == "last" and self.kv_len + n == self.fill_len:
+            return range(n - 1, n)
+        return range(0)
+
+    def pool_hidden(self) -> None:
+        """``embedding`` from the collected rows: the last one, or their mean (summed in
+        order, in float64); the rows are dropped."""
+        rows = torch.cat(self.hidden_rows)
+        assert self.pooling == "last" or rows.shape[0] == len(self.prompt_ids), (
+            f"mean pooling over {rows.shape[0]} of {len(self.prompt_ids)} prompt tokens"
+        )
+        if self.pooling == "last":
+            self.embedding = rows[-1].clone()
+        else:
+            total = rows.double().cumsum(0)[-1]  # a fixed order, whatever the thread count
+            self.embedding = (total / rows.shape[0]).float()
+        self.hidden_rows = []
 
     @property
     def fill_len(self) -> int:

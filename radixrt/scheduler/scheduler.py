@@ -36,6 +36,11 @@ constrained request's draft holds only tokens its grammar takes, and each of its
 verification rows is masked as decoding would mask that position, so speculation changes
 neither its tokens nor where its grammar ends it.
 
+Embedding requests (``Req.pooling``) are prompts that sample nothing: a step that computes
+rows they pool runs ``runner.forward_hidden``, which also returns the final hidden state of
+those rows, and such a request pools them as its prompt completes, then leaves like any
+finished prefill (its KV cached).
+
 The scheduler is independent of how requests arrive: ``radixrt.Engine`` calls
 it in-process; the server runs the same loop behind sockets.
 """
@@ -208,8 +213,18 @@ class Scheduler:
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """Logits ``[len(batch.reqs), vocab]`` of each request's last computed token, or with
-        ``batch.layout`` its rows (prompt scores collected)."""
-        logits = self.runner.forward(batch.to_forward_batch(self.runner.pool))
+        ``batch.layout`` its rows (prompt scores collected); embedding requests get the final
+        hidden state of the rows they pool (``Req.hidden_rows``)."""
+        hidden = batch.hidden_layout()
+        fb = batch.to_forward_batch(self.runner.pool)
+        if hidden is None:
+            logits = self.runner.forward(fb)
+        else:
+            idx = torch.tensor(hidden.indices, dtype=torch.int64)
+            logits, rows = self.runner.forward_hidden(fb, idx)
+            rows = rows.cpu()  # pooled on the CPU, in a fixed order (``Req.pool_hidden``)
+            for i, start, n in hidden.spans:
+                batch.reqs[i].hidden_rows.append(rows[start : start + n])
         if batch.layout is not None:
             self._collect_prompt_logprobs(batch, logits)
         return logits
@@ -326,6 +341,7 @@ class Scheduler:
             (common_prefix_len(ids, r.prompt_ids) for r in admitted if r.params.cache_salt == salt),
             default=0,
         )
+        shared = min(shared, req.match_limit)  # e.g. a mean-pooled embedding hits nothing
         return shared - self.kv.prefix_len_hint(req) >= DEDUP_MIN_TOKENS
 
     def _decode_reservation(self) -> int:
@@ -402,6 +418,8 @@ class Scheduler:
             self.kv.advanced(req)
             if req.kv_len == req.fill_len and not req.finished:
                 if req.prefill_only:
+                    if req.pooling is not None:
+                        req.pool_hidden()
                     finished.append(self._finish(req, "length"))
                     continue
                 rows.append(i), to_sample.append(req)

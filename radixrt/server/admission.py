@@ -46,8 +46,8 @@ class Admission:
         given = (key or "").encode()
         return any(hmac.compare_digest(given, k) for k in self.api_keys)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)

@@ -66,8 +66,8 @@ class Front:
     def authorized(self, key: str | None) -> bool:
         return self.admission.authorized(key)
 
-    def encode(self, text: str) -> list[int]:
-        return self.admission.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.admission.encode(text, add_special_tokens)
 
     def decode(self, ids: list[int]) -> str:
         return self.admission.decode(ids)
@@ -103,9 +103,15 @@ class Front:
         stream: bool = False,
         sink: asyncio.Queue | None = None,
         index: int = 0,
+        embed: bool = False,
         routing_key: str | None = None,
     ) -> str:
-        """Validate one request (after ``check_admission``) and send it to a replica; its rid."""
+        """Validate one request (after ``check_admission``) and send it to a replica; its rid.
+        ``embed``: an embedding request (``sp`` counts for its cache salt only)."""
+        if embed and stream:
+            raise RequestError(ErrorCode.INVALID_REQUEST, "an embedding request is not streamed")
+        if embed:
+            sp = SamplingParams(max_new_tokens=0, cache_salt=sp.cache_salt)
         sp = self.admission.isolate(sp, api_key)
         self.admission.validate(ids, logprob_start_len, self.replicas.limits)
         replica = self.replicas.choose(ids, sp.cache_salt, routing_key)
@@ -117,6 +123,7 @@ class Front:
             sampling_params=sp,
             logprob_start_len=logprob_start_len,
             stream=stream,
+            embed=embed,
         )
         replica.send(encode(msg))
         return rid

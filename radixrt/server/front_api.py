@@ -58,8 +58,9 @@ class FrontApi(Protocol):
     def authorized(self, key: str | None) -> bool:
         """Whether ``key`` may use the server (always, when it has no API key)."""
 
-    def encode(self, text: str) -> list[int]:
-        """The token ids of ``text``."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of ``text`` (with the tokenizer's special tokens, e.g. BOS, unless
+        ``add_special_tokens`` is False)."""
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` (special tokens kept)."""
@@ -87,9 +88,11 @@ class FrontApi(Protocol):
         stream: bool = False,
         sink: asyncio.Queue | None = None,
         index: int = 0,
+        embed: bool = False,
     ) -> str:
         """Validate one request and send it to a replica; its server rid (RequestError if
-        refused)."""
+        refused). ``embed``: an embedding request (no tokens; its final delta carries the
+        embedding), whose ``sp`` counts for ``cache_salt`` only."""
 
     def abort(self, rid: str) -> None:
         """Stop a request still in flight and free its KV; nothing if it finished."""

@@ -132,5 +132,6 @@ class Responses:
             top_logprobs=item.top_logprobs,
             prompt_top_logprobs=item.prompt_top_logprobs,
             **spec_counters(item),
+            embedding=item.embedding,
         )
         return GenerateReply(req_id=st.req_id, output=out)

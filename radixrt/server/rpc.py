@@ -167,6 +167,7 @@ class RpcServer:
             logprob_start_len=msg.logprob_start_len,
             stream=msg.stream,
             routing_key=msg.routing_key,
+            embed=msg.embed,
         )
 
     def sampling(self, msg: GenerateRequest) -> SamplingParams:

@@ -127,6 +127,8 @@ class SchedulerProcess:
             "attention_backend": eng.runner.attn_backend.name,
             "attention": eng.runner.attn_backend.describe(),
             "decode_chain": eng.runner.decode_chain_info,
+            "embedding_pooling": eng.config.embedding_pooling,
+            "hidden_size": eng.model_config.hidden_size,
             **self.scheduler.spec.describe(),
             **eng.runner.exactness.info(),
             "replica": self.replica,
@@ -222,6 +224,7 @@ class SchedulerProcess:
             self.engine.model_config.eos_token_ids,
             gen,
             msg.logprob_start_len,
+            pooling=self.engine.config.embedding_pooling if msg.embed else None,
         )
         self.scheduler.add_request(req)
         self.outputs.add(req, stream=msg.stream)

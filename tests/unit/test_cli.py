@@ -62,6 +62,7 @@ FLAG_VALUES = {
         ["--constrained-json-disable-any-whitespace"],
         True,
     ),
+    "embedding_pooling": (["--embedding-pooling", "mean"], "mean"),
     "speculative_algorithm": (["--speculative-algorithm", "NGRAM"], "NGRAM"),
     "speculative_num_draft_tokens": (
         ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "4"],

@@ -1,7 +1,9 @@
 """The HTTP application: routes, API keys, errors, and the endpoints that only read state.
 
 ``build_app`` routes each endpoint to its handler: ``OpenAIApi``, ``ResponsesApi`` and
-``SGLangApi`` handle the generating endpoints, ``InfoApi`` those that read
+``SGLangApi`` handle the generating endpoints, ``EmbeddingsApi`` and
+``TokenizeApi`` (``embeddings_api``) ``/v1/embeddings``, ``/tokenize`` and
+``/detokenize``, ``InfoApi`` those that read
 state or send a control request; all share one ``HttpContext`` over the
 ``FrontApi`` the TokenizerManager hands ``serve_http``, which runs it on that
 process's asyncio loop (uvicorn). ``/health`` and ``/metrics`` answer without
@@ -27,6 +29,7 @@ from radixrt.protocol import ErrorCode
 from radixrt.server.front_api import FrontApi, RequestError
 from radixrt.server.http import schemas as api
 from radixrt.server.http.context import HttpContext
+from radixrt.server.http.embeddings_api import EmbeddingsApi, TokenizeApi
 from radixrt.server.http.jobs import ClientGone, error_response, json_response
 from radixrt.server.http.openai_api import OpenAIApi
 from radixrt.server.http.responses_api import ResponsesApi
@@ -43,6 +46,7 @@ def build_app(front: FrontApi) -> Starlette:
     http = HttpContext(front)
     openai, sglang, info = OpenAIApi(http, front), SGLangApi(http, front), InfoApi(http, front)
     responses = ResponsesApi(http, front)
+    embeddings, tokens = EmbeddingsApi(http, front), TokenizeApi(http, front)
 
     def authed(handler: Handler):
         return with_key(http, handler)
@@ -56,6 +60,9 @@ def build_app(front: FrontApi) -> Starlette:
         Route("/v1/responses", authed(responses.create), methods=["POST"]),
         Route("/v1/responses/{response_id}", authed(responses.retrieve), methods=["GET"]),
         Route("/v1/responses/{response_id}", authed(responses.delete), methods=["DELETE"]),
+        Route("/v1/embeddings", authed(embeddings.embeddings), methods=["POST"]),
+        Route("/tokenize", authed(tokens.tokenize), methods=["POST"]),
+        Route("/detokenize", authed(tokens.detokenize), methods=["POST"]),
         Route("/generate", authed(sglang.generate), methods=["POST"]),
         Route("/get_model_info", authed(info.model_info), methods=["GET"]),
         Route("/model_info", authed(info.model_info), methods=["GET"]),

@@ -57,6 +57,7 @@ class Prompt(msgspec.Struct):
     params: SamplingParams
     logprob_start_len: int | None = None
     text: str | None = None  # the prompt's text, for echo
+    embed: bool = False  # an embedding request (``FrontApi.submit``'s ``embed``)
 
 
 class Choice:
@@ -74,6 +75,7 @@ class Choice:
         "prompt_logprobs",
         "prompt_top_logprobs",
         "spec",
+        "embedding",
     )
 
     def __init__(self) -> None:
@@ -87,6 +89,7 @@ class Choice:
         self.prompt_logprobs: list[float] | None = None
         self.prompt_top_logprobs: list | None = None
         self.spec: dict[str, int] = {}  # the speculative counters (``spec_counters``)
+        self.embedding: list[float] | None = None  # an embedding request's, when it finished
 
     def add(self, d: TextDelta) -> None:
         self.texts.append(d.text)
@@ -97,6 +100,8 @@ class Choice:
         self.prompt_tokens, self.cached_tokens = d.prompt_tokens, d.cached_tokens
         self.cached_below = d.cached_below
         self.spec = spec_counters(d)
+        if d.embedding is not None:
+            self.embedding = d.embedding
         if d.prompt_logprobs is not None:
             self.prompt_logprobs, self.prompt_top_logprobs = (
                 d.prompt_logprobs,
@@ -163,6 +168,7 @@ class Job:
                         stream=self.stream,
                         sink=self.queue,
                         index=i,
+                        embed=p.embed,
                     )
                 )
                 self.choices.append(Choice())

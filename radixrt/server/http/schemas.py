@@ -454,7 +454,7 @@ class ErrorResponse(msgspec.Struct):
 # ------------------------------------------------------------ encoding
 
 _encoder = msgspec.json.Encoder()
-_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)")
+_PATH = re.compile(r"at `\$\.([A-Za-z_][A-Za-z0-9_]*)|unknown field `([A-Za-z_][A-Za-z0-9_]*)`$")
 
 
 def encode(obj: Any) -> bytes:
@@ -479,7 +479,7 @@ def decode_body(body: bytes, cls: type[msgspec.Struct]) -> Any:
             400,
             f"invalid request body: {e}",
             ErrorCode.INVALID_REQUEST,
-            match.group(1) if match else None,
+            (match.group(1) or match.group(2)) if match else None,
         ) from None
     except (msgspec.DecodeError, RecursionError, UnicodeDecodeError) as e:
         raise ApiError(400, f"malformed JSON body: {e}", ErrorCode.MALFORMED) from None
