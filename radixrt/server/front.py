@@ -72,6 +72,9 @@ class Front:
     def decode(self, ids: list[int]) -> str:
         return self.admission.decode(ids)
 
+    def special_tokens(self) -> list[str]:
+        return list(self.admission.tokenizer.all_special_tokens)
+
     def chat_prompt(self, messages: list[dict], **template_kwargs: Any) -> str:
         return self.admission.chat_prompt(messages, **template_kwargs)
 

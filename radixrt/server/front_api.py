@@ -65,6 +65,9 @@ class FrontApi(Protocol):
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` (special tokens kept)."""
 
+    def special_tokens(self) -> list[str]:
+        """The texts of the tokenizer's special tokens (end of turn, end of text, ...)."""
+
     def chat_prompt(self, messages: list[dict], **template_kwargs: Any) -> str:
         """The chat template applied to ``messages``; RequestError when the template fails."""
 

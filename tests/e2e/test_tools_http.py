@@ -371,3 +371,39 @@ def test_langchain_bind_tools_gets_a_call(server) -> None:
         [call] = msg.tool_calls[:1]
         assert call["name"] == "get_weather" and call["id"].startswith("call_")
         assert call["args"]["city"] in ("Paris", "Oslo") and call["args"]["unit"] in ("c", "f")
+
+
+def flat(tool: dict) -> dict:
+    """A chat tool in the Responses API's shape."""
+    return {"type": "function", **tool["function"]}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "add"}])
+def test_responses_call_tools_and_continue_with_their_results(oai, choice) -> None:
+    first = oai.responses.create(
+        model="tiny",
+        input="Add 4 and 5.",
+        tools=[flat(t) for t in TOOLS],
+        tool_choice=choice,
+        parallel_tool_calls=False,
+        temperature=0,
+        max_output_tokens=80,
+    )
+    calls = [o for o in first.output if o.type == "function_call"]
+    assert len(calls) == 1 and first.status == "completed", first.output
+    call = calls[0]
+    if isinstance(choice, dict):
+        assert call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    nxt = oai.responses.create(
+        model="tiny",
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "9"}],
+        previous_response_id=first.id,
+        tools=[flat(t) for t in TOOLS],
+        tool_choice="none",
+        temperature=0,
+        max_output_tokens=8,
+    )
+    assert not [o for o in nxt.output if o.type == "function_call"]
+    # the first turn's prompt and call (but its last token) came from the cache
+    assert nxt.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens

@@ -34,6 +34,7 @@ from radixrt.server.http.jobs import ClientGone, error_response, json_response
 from radixrt.server.http.openai_api import OpenAIApi
 from radixrt.server.http.responses_api import ResponsesApi
 from radixrt.server.http.sglang_api import SGLangApi
+from radixrt.server.http.tools import ResponsesToolCalls
 from radixrt.server.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def build_app(front: FrontApi) -> Starlette:
     """The Starlette application of every endpoint, over ``front``."""
     http = HttpContext(front)
     openai, sglang, info = OpenAIApi(http, front), SGLangApi(http, front), InfoApi(http, front)
-    responses = ResponsesApi(http, front)
+    responses = ResponsesApi(http, front, tool_calls=ResponsesToolCalls(front.server))
     embeddings, tokens = EmbeddingsApi(http, front), TokenizeApi(http, front)
 
     def authed(handler: Handler):

@@ -295,7 +295,11 @@ def conversation_prompt(
     head = [{"role": "system", "content": instructions}] if instructions else []
     kwargs: dict[str, Any] = {"tools": tools} if tools else {}
     text = front.chat_prompt(head + convo, add_generation_prompt=True, **kwargs)
-    ids = extended_ids(front, prev, text) if prev is not None else None
+    ids = None
+    if prev is not None:
+        ids = extended_ids(front, prev, text)
+        if ids is None:
+            ids = reply_kept_ids(front, prev, text, head, kwargs)
     return ConversationPrompt(front.encode(text) if ids is None else ids, text, convo)
 
 
@@ -308,6 +312,27 @@ def extended_ids(front: FrontApi, prev: StoredResponse, text: str) -> list[int] 
         return None
     base = prev.ids[:-1] if prev.ends_with_stop else prev.ids
     return [*base, *plain_ids(front, text[len(seen) :])]
+
+
+def reply_kept_ids(
+    front: FrontApi, prev: StoredResponse, text: str, head: list[dict], kwargs: dict
+) -> list[int] | None:
+    """Where the template writes ``prev``'s reply its own way (a tool call's JSON as it
+    dumps it): ``prev``'s prompt and its reply's own tokens, then the tokens of the
+    template's rendering from the last special token it writes in the reply's turn (its end
+    of turn) on. The stop token that ended the reply gives way to the template's (its KV was
+    never computed: nothing is lost). None unless the reply ended with a stop token and
+    ``text`` begins with the template's rendering of ``prev``'s conversation."""
+    if not prev.ends_with_stop:
+        return None
+    rendered = front.chat_prompt([*head, *prev.messages], add_generation_prompt=False, **kwargs)
+    if not (rendered.startswith(prev.prompt_text) and text.startswith(rendered)):
+        return None
+    reply = rendered[len(prev.prompt_text) :]
+    at = max((reply.rfind(t) for t in front.special_tokens() if t), default=-1)
+    if at < 0:
+        return None
+    return [*prev.ids[:-1], *plain_ids(front, reply[at:] + text[len(rendered) :])]
 
 
 def plain_ids(front: FrontApi, text: str) -> list[int]:

@@ -27,6 +27,8 @@ among the tools; ``auto`` without ``--enable-auto-tool-choice`` (vLLM's rule and
 ``required`` and named without ``--tool-call-parser``; a ``response_format``, ``regex`` or
 ``ebnf`` next to ``required`` or a named function (both would constrain the output).
 
+``ResponsesToolCalls(server)`` gives ``/v1/responses`` the same checks, grammar and parsing.
+
 ``template_messages`` turns the request's messages into the template's: an assistant message's
 ``tool_calls`` with their arguments parsed into objects (as Hugging Face templates expect),
 a ``tool`` message with its ``tool_call_id`` (required).
@@ -44,6 +46,7 @@ from radixrt import grammar
 from radixrt.config import ServerConfig
 from radixrt.protocol import ErrorCode
 from radixrt.server.http import schemas as api
+from radixrt.server.http.responses_output import FunctionCall
 from radixrt.server.http.tool_parsers import FORMATS, CallFormat, ToolCallStream, parse
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -373,3 +376,29 @@ class ToolStream:
             return ""
         text, self.held = self.held, None
         return text
+
+
+class ResponsesToolCalls:
+    """Tool calling for ``/v1/responses`` (``responses_api.ToolCalls``): the same checks,
+    grammar and format as chat completions, over the tools and tool_choice in the Chat
+    Completions shapes."""
+
+    def __init__(self, server: ServerConfig) -> None:
+        self.server = server
+
+    def constraint(
+        self, tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool
+    ) -> dict[str, Any]:
+        body = api.ChatCompletionRequest(
+            messages=[],
+            tools=tools or None,
+            tool_choice=tool_choice,
+            parallel_tool_calls=parallel_tool_calls,
+        )
+        return chat_tools(body, self.server).constraint or {}
+
+    def parse(self, text: str, tools: list[dict]) -> tuple[str, list[FunctionCall]]:
+        if self.server.tool_call_parser is None or not tools:
+            return text, []
+        parsed = parse(FORMATS[self.server.tool_call_parser], text)
+        return parsed.content, [FunctionCall(c.name, c.arguments) for c in parsed.calls]
