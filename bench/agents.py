@@ -11,7 +11,8 @@ call's arguments against the tool's schema, runs the tool (a seeded fake: a JSON
 - ``chat``: the client keeps the conversation and sends all of it every turn (assistant
   ``tool_calls`` and ``tool`` messages), as agents built on chat completions do;
 - ``responses``: the client sends only the new items (the first turn's message, then each
-  ``function_call_output``) with ``previous_response_id``; the server keeps the conversation.
+  ``function_call_output``) with ``previous_response_id`` and the same ``instructions``
+  (a turn's own, as OpenAI defines them); the server keeps the conversation.
 
 Reports per endpoint: request bytes the client sent per turn (first, last, and their ratio),
 prompt tokens, prefill tokens computed (``prompt - cached``), the cache hit rate, new tokens
@@ -161,7 +162,7 @@ def carries_output(event: dict) -> bool:
 async def chat_turn(client, args, messages: list[dict], required: bool) -> tuple[Turn, dict]:
     turn = Turn(required=required)
     body = {
-        "model": "default",
+        "model": args.served_model,
         "messages": messages,
         "tools": [{"type": "function", "function": t} for t in TOOLS],
         "tool_choice": "required" if required else "none",
@@ -224,7 +225,7 @@ async def chat_agent(client, args, k: int) -> Agent:
 async def responses_turn(client, args, items, previous: str | None, required: bool):
     turn = Turn(required=required)
     body = {
-        "model": "default",
+        "model": args.served_model,
         "input": items,
         "tools": [{"type": "function", **t} for t in TOOLS],
         "tool_choice": "required" if required else "none",
@@ -232,10 +233,9 @@ async def responses_turn(client, args, items, previous: str | None, required: bo
         "temperature": 0,
         "max_output_tokens": args.max_tokens,
         "stream": True,
+        "instructions": SYSTEM,  # a turn's own (OpenAI does not carry them over)
     }
-    if previous is None:
-        body["instructions"] = SYSTEM
-    else:
+    if previous is not None:
         body["previous_response_id"] = previous
     response = None
     async for event in sse(client, "/v1/responses", body, turn, time.perf_counter()):
@@ -321,6 +321,7 @@ def summarize(agents: list[Agent], wall: float) -> dict:
         "required_turns_with_a_call": sum(t.calls > 0 for t in required),
         "tool_calls": calls,
         "valid_share": sum(t.valid for t in required) / calls if calls else 0.0,
+        "turns_by_agent": [[asdict(t) for t in a.turns] for a in agents],
     }
 
 
@@ -416,6 +417,9 @@ def main(argv=None) -> None:
     server = routing.Launched(args, *flags)
     try:
         info = httpx.get(server.http + "/server_info", timeout=30).json()
+        args.served_model = httpx.get(server.http + "/v1/models", timeout=30).json()["data"][0][
+            "id"
+        ]
         results = {
             name: asyncio.run(run_endpoint(server.http, args, name))
             for name in args.endpoints.split(",")
@@ -435,6 +439,9 @@ def main(argv=None) -> None:
     print(f"CPU: {report['cpu']}\n")
     print(table(results))
     print()
+    for name, s in results.items():
+        for e in s["errors"]:
+            print(f"ERROR ({name}) {e}")
     for name, ok in report["checks"].items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")
 
