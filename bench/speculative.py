@@ -46,7 +46,7 @@ seen before, in the prompt or earlier in the output: a greedy small model may lo
 outputs), a Markdown table on stdout and a PNG (with matplotlib).
 
     python bench/speculative.py --scale 0.25 --targets radixrt,llama,llama-ngram-simple
-    python bench/speculative.py --repeats 2 --speculative-num-draft-tokens 8
+    python bench/speculative.py --repeats 2 --speculative-num-draft-tokens 16
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ Contract (``Backoff``, one per request):
 - ``record(drafted, accepted)``: a verified round's outcome. A round is low when it accepts
   fewer than ``max(1, LOW_ACCEPTANCE * drafted)`` tokens; after ``LOW_ROUNDS`` low rounds in
   a row the request pauses for ``2**level`` steps and ``level`` grows (up to ``MAX_LEVEL``);
-  a round that is not low resets the count and lowers ``level`` by one (text where drafts
-  only now and then hit stays paused long). A step whose proposer found nothing is no round: it
-  verified nothing and cost only the look-up, so the request asks again next step (text
-  that starts repeating is drafted at once).
+  a round that is not low resets the count and the level (text that copies again after an
+  edit drafts at once; ``p`` and the cost rule keep the next drafts short). A step whose
+  proposer found nothing is no round: it verified nothing and cost only the look-up, so the
+  request asks again next step (text that starts repeating is drafted at once).
 - ``p``: the chance that the request's next draft token is accepted once the ones before it
   were, an exponential moving average over the draft tokens its rounds examined (each
   accepted one a 1, the first refused one a 0; ``PRIOR`` before any). The scheduler's cost
@@ -65,7 +65,7 @@ class Backoff:
         for seen in [1.0] * accepted + ([0.0] if accepted < drafted else []):
             self.p += EMA * (seen - self.p)
         if accepted >= max(1.0, LOW_ACCEPTANCE * drafted):
-            self.low, self.level = 0, max(self.level - 1, 0)
+            self.low, self.level = 0, 0
             return
         self.low += 1
         if self.low >= LOW_ROUNDS:

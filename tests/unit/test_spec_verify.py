@@ -198,7 +198,7 @@ def test_make_proposer_drafts_from_own_tokens_and_the_cache():
     assert make_proposer(short).propose([1, 2, 3, 4, 5, 1, 2], None).tokens == [3, 4]
 
 
-def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
+def test_backoff_pauses_longer_after_each_low_run_and_starts_over_on_a_good_round():
     b = Backoff()
     pauses = []
     for _ in range(9):
@@ -210,11 +210,8 @@ def test_backoff_pauses_longer_after_each_low_run_and_resets_on_a_good_round():
             wait += 1
         pauses.append(wait)
     assert pauses == [1, 2, 4, 8, 16, 32, 64, 128, 128]
-    b.record(8, 4)  # a good round: one level down, the count reset
-    assert (b.level, b.low, b.wait) == (backoff.MAX_LEVEL - 1, 0, 0) and b.p > 0
-    for _ in range(backoff.MAX_LEVEL - 1):
-        b.record(8, 8)
-    assert b.level == 0
+    b.record(8, 4)  # a good round: the pauses start over, the count reset
+    assert (b.level, b.low, b.wait) == (0, 0, 0) and b.p > 0
     b.record(2, 1)  # one of two: not low
     b.record(8, 1)
     assert b.low == 1
@@ -802,7 +799,7 @@ def test_tokens_worth_drafting_are_those_whose_chance_beats_the_price(p, price):
 
 def test_defaults_and_refused_pools():
     assert EngineConfig().draft_tokens == 0
-    assert EngineConfig(speculative_algorithm="NGRAM").draft_tokens == 8
+    assert EngineConfig(speculative_algorithm="NGRAM").draft_tokens == 16
     config = EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3)
     assert config.draft_tokens == 3
     sched = make(speculative_algorithm=None)
