@@ -60,3 +60,47 @@ def test_triton_backend_matches_torch(tiny_llama, engine_factory):
     assert [ids for ids, _ in got] == [list(o.token_ids) for o in want]
     assert [cached for _, cached in got] == [o.cached_tokens for o in want]
     assert sum(cached for _, cached in got) > 0, "no request extended a cached prefix"
+
+
+SPEC_CHILD = f"""
+import json, sys
+import torch
+torch.set_num_threads(2)
+from radixrt import Engine, SamplingParams
+path, prompts, new = json.loads(sys.argv[1])
+args = dict(dtype="float32", max_total_tokens=2048, device="cpu", attention_backend="triton",
+            enable_deterministic_inference=True, max_prefill_step_ms=0)
+sp = SamplingParams(max_new_tokens=new, temperature=0.0, ignore_eos=True, logprobs=True)
+got = []
+for extra in ({{}}, {{"speculative_algorithm": "NGRAM"}}):
+    eng = Engine(model=path, **args, **extra)
+    outs = [eng.generate(p, sp)[0] for p in prompts]  # the second drafts from the first
+    eng.check_memory()
+    got.append([[list(o.token_ids), o.logprobs, o.spec_verify_ct] for o in outs])
+    eng.shutdown()
+print({MARK!r} + json.dumps(got))
+"""
+
+
+def test_triton_kernels_verify_speculative_drafts_exactly(tiny_llama):
+    """NGRAM verification rows through the Triton kernels (deterministic mode): a second
+    request of a prompt drafts from the first's output in the tree, and gets the same tokens
+    and logprobs as decoding without speculation. (No time budget: the step cost stays
+    unknown, so every draft is admitted.)"""
+    args = json.dumps([tiny_llama, [PROMPTS[0], PROMPTS[0]], 12])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONFAULTHANDLER": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", SPEC_CHILD, args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(MARK)]
+    assert proc.returncode == 0 and lines, (
+        f"triton engine subprocess failed (exit {proc.returncode}):\n"
+        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    plain, spec = json.loads(lines[-1][len(MARK) :])
+    assert [(ids, lps) for ids, lps, _ in spec] == [(ids, lps) for ids, lps, _ in plain]
+    assert sum(ct for _, _, ct in spec) > 0, "nothing was verified"
