@@ -58,6 +58,8 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
         cached_tokens=req.cached_tokens,
         cached_below=req.cached_below,
         stop=req.params.stop if first else None,
+        skip_special_tokens=req.params.skip_special_tokens,
+        ends_on_stop_token=ends_on_stop_token(req, n),
         first_token_at=(req.first_token_at or 0.0) if first else 0.0,
         prompt_logprobs=list(req.prompt_logprobs) if scored else None,
         top_logprobs=req.output_top_logprobs[n0:n] if top else None,
@@ -67,7 +69,7 @@ def token_delta(req: Req, n0: int, n: int) -> TokenDelta:
     )
 
 
-def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
+def make_output(req: Req, decode: Callable[[list[int], bool], str]) -> GenerateOutput:
     """Everything req produced, as one output; finish_reason "abort" while it is unfinished.
 
     Its fields are those of the concatenation of req's deltas (``token_delta``), and its
@@ -76,7 +78,7 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
     d = token_delta(req, 0, len(req.output_ids))
     return GenerateOutput(
         rid=req.rid,
-        text=cut_at_stop(decode(d.token_ids), req.params.stop),
+        text=cut_at_stop(decode(*text_ids(d.token_ids, d)), req.params.stop),
         token_ids=d.token_ids,
         prompt_tokens=d.prompt_tokens,
         cached_tokens=d.cached_tokens,
@@ -89,6 +91,22 @@ def make_output(req: Req, decode: Callable[[list[int]], str]) -> GenerateOutput:
         **spec_counters(d),
         embedding=d.embedding,
     )
+
+
+def ends_on_stop_token(req: Req, n: int) -> bool:
+    """Whether output token n - 1 is the last and the stop token that ended req."""
+    ids = req.output_ids
+    return bool(
+        req.finished and req.finish_reason == "stop" and n == len(ids) and ids[-1] in req.stop_ids
+    )
+
+
+def text_ids(ids: list[int], d: TokenDelta) -> tuple[list[int], bool]:
+    """The ids whose text a request's output is, and whether special tokens are skipped: all
+    of them, but the stop token that ended it where special tokens are kept as text."""
+    if d.skip_special_tokens or not d.ends_on_stop_token:
+        return ids, d.skip_special_tokens
+    return ids[:-1], False
 
 
 def embedding_values(req: Req) -> list[float] | None:
@@ -161,15 +179,16 @@ def cut_at_stop(text: str, stop: list[str] | None) -> str:
 
 
 class DecodeState:
-    __slots__ = ("ids", "prefix_offset", "read_offset", "text", "sent", "stop")
+    __slots__ = ("ids", "prefix_offset", "read_offset", "text", "sent", "stop", "skip")
 
-    def __init__(self, stop: list[str] | None) -> None:
+    def __init__(self, stop: list[str] | None, skip: bool = True) -> None:
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids[:prefix_offset] are decoded into text for good
         self.read_offset = 0  # ids[:read_offset] are decoded into text
         self.text = ""
         self.sent = ""
         self.stop = stop
+        self.skip = skip  # skip special tokens
 
 
 class Detokenizer:
@@ -223,10 +242,10 @@ class Detokenizer:
         """item with its new text; a final item's state is dropped."""
         st = self.states.get(item.rid)
         if st is None:
-            st = self.states[item.rid] = DecodeState(item.stop)
+            st = self.states[item.rid] = DecodeState(item.stop, item.skip_special_tokens)
         st.ids.extend(item.token_ids)
         if item.finish_reason is not None:
-            text = cut_at_stop(self.decode(st.ids), st.stop)
+            text = cut_at_stop(self.decode(*text_ids(st.ids, item)), st.stop)
             del self.states[item.rid]
         else:
             self.advance(st)
@@ -250,14 +269,14 @@ class Detokenizer:
             embedding=item.embedding,
         )
 
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def decode(self, ids: list[int], skip: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip)
 
     def advance(self, st: DecodeState) -> None:
         """Append the newly complete text of st.ids to st.text."""
-        new = self.decode(st.ids[st.prefix_offset :])
+        new = self.decode(st.ids[st.prefix_offset :], st.skip)
         old = (
-            self.decode(st.ids[st.prefix_offset : st.read_offset])
+            self.decode(st.ids[st.prefix_offset : st.read_offset], st.skip)
             if st.read_offset > st.prefix_offset
             else ""
         )

@@ -216,6 +216,10 @@ class TokenDelta(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     cached_below: tuple[int, int] = (0, 0)  # of cached_tokens, loaded from the (host, storage) tier
     stop: list[str] | None = None  # set on a request's first delta
+    # The request's SamplingParams.skip_special_tokens; False: special tokens are text, but
+    # for the stop token that ended the request (``ends_on_stop_token``, on the final delta).
+    skip_special_tokens: bool = True
+    ends_on_stop_token: bool = False
     prompt_logprobs: list[float] | None = None  # on the first delta of a scoring request
     # One (ids, logprobs) per token of token_ids, descending.
     top_logprobs: list[tuple[list[int], list[float]]] | None = None

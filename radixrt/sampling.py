@@ -97,6 +97,7 @@ class SamplingParams:
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | dict[str, Any] | None = None
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -154,7 +155,7 @@ class SamplingParams:
         self.min_p = float(self.min_p)
 
     def _check_flags(self) -> None:
-        for name in ("ignore_eos", "logprobs"):
+        for name in ("ignore_eos", "logprobs", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise _bad(name, getattr(self, name), "a bool")
         s = self.seed

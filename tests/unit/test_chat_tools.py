@@ -268,3 +268,13 @@ def test_messages_for_the_template() -> None:
         with pytest.raises(api.ApiError) as e:
             template_messages(request(messages=[bad]).messages, text_of)
         assert words in e.value.message and e.value.param == "messages"
+
+
+def test_a_format_whose_markers_are_special_tokens_keeps_them_as_text():
+    from radixrt.server.http.tool_parsers import FORMATS
+    from radixrt.server.http.tools import PlainOutput, ToolOutput
+
+    assert ToolOutput(FORMATS["mistral"]).reads_special(["</s>", "[TOOL_CALLS]"])
+    assert ToolOutput(FORMATS["llama3"]).reads_special(["<|eot_id|>", "<|python_tag|>"])
+    assert not ToolOutput(FORMATS["hermes"]).reads_special(["<|im_end|>", "<|endoftext|>"])
+    assert not PlainOutput().reads_special(["[TOOL_CALLS]"])

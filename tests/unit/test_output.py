@@ -19,7 +19,7 @@ class ByteTokenizer:
         return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
 
 
-def decode(ids: list[int]) -> str:
+def decode(ids: list[int], skip_special_tokens: bool = True) -> str:
     return ByteTokenizer().decode(ids)
 
 
@@ -180,3 +180,36 @@ def test_make_output_equals_the_concatenated_deltas():
     finish(plain, "length")
     got = make_output(plain, decode)
     assert got.logprobs is None and got.top_logprobs is None and got.prompt_logprobs is None
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_special_tokens_are_text_when_kept_but_the_ending_stop_token(skip):
+    """skip_special_tokens=False: a special token the model wrote is text (a tool-call marker,
+    for instance), the stop token that ended the request is not; streamed deltas add up to
+    the output's text."""
+    from transformers import AutoTokenizer
+
+    from radixrt.testing import tiny_model_path
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path("llama"))
+    special, eos = tok.convert_tokens_to_ids("<|endoftext|>"), tok.eos_token_id
+    assert special != eos
+    sp = SamplingParams(max_new_tokens=32, skip_special_tokens=skip)
+    req = Req("r", [5, 6], sp)
+    req.stop_ids = {eos}
+    words = tok.encode("hello world", add_special_tokens=False)
+    outputs, detok, texts = OutputTracker(), Detokenizer(tok), []
+    outputs.add(req)
+    for tokens in [words[:1], [special], words[1:], [eos]]:
+        sample(req, *tokens)
+        if tokens == [eos]:
+            finish(req, "stop")
+        for _, d in outputs.collect():
+            texts.append(detok.process(BatchTokenOut(items=[d])).items[0].text)
+
+    def engine_decode(ids, skip_special_tokens=True):
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    want = tok.decode(req.output_ids[:-1], skip_special_tokens=skip)
+    assert "".join(texts) == make_output(req, engine_decode).text == want
+    assert ("<|endoftext|>" in want) != skip and "<|im_end|>" not in want

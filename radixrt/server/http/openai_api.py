@@ -85,6 +85,7 @@ class OpenAIApi:
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             cache_salt=body.cache_salt,
+            skip_special_tokens=body.skip_special_tokens,
             **(api.constraint_fields(body) if constraint is None else constraint),
         )
         sp = self.http.make_params(fields, given=max_tokens is not None)
@@ -165,6 +166,8 @@ class OpenAIApi:
         body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
         tools = chat_tools(body, self.front.server)
+        if tools.output.reads_special(self.front.special_tokens()):
+            body.skip_special_tokens = False  # the call markers are special tokens here
         ids = self.chat_ids(body, tools.template_tools)
         plan = reasoning.chat_reasoning(self.reasoning_parser, body, ids, self.front.decode)
         prompts = [

@@ -280,13 +280,6 @@ def check_neutral(body: _Sampling) -> None:
         )
     if getattr(body, "suffix", None):
         raise ApiError(400, "suffix is not supported", ErrorCode.INVALID_REQUEST, "suffix")
-    if not body.skip_special_tokens:
-        raise ApiError(
-            400,
-            "skip_special_tokens=false is not supported",
-            ErrorCode.INVALID_REQUEST,
-            "skip_special_tokens",
-        )
 
 
 # ------------------------------------------------------------- responses

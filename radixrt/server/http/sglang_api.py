@@ -46,7 +46,6 @@ class SGLangApi:
         fields = dict(raw)
         neutral = {
             "n": 1,
-            "skip_special_tokens": True,
             "spaces_between_special_tokens": True,
             "no_stop_trim": False,
             "frequency_penalty": 0.0,

@@ -306,6 +306,10 @@ class PlainOutput:
     """A choice's text as it is: no tools, or tool_choice none."""
 
     @staticmethod
+    def reads_special(special: list[str]) -> bool:
+        return False
+
+    @staticmethod
     def message(text: str, finish_reason: str) -> tuple[api.AssistantMessage, str]:
         return api.AssistantMessage(text), finish_reason
 
@@ -325,6 +329,11 @@ class ToolOutput:
 
     def __init__(self, fmt: CallFormat) -> None:
         self.fmt = fmt
+
+    def reads_special(self, special: list[str]) -> bool:
+        """Whether a marker of the format is one of the tokenizer's special tokens (``special``):
+        then the text must keep special tokens for the parser to see it."""
+        return any(m in special for m in (*self.fmt.markers, self.fmt.trigger))
 
     def message(self, text: str, finish_reason: str) -> tuple[api.AssistantMessage, str]:
         """The assistant message of a whole text, and its finish reason."""
