@@ -56,6 +56,8 @@ class Front:
         self.server, self.admission, self.requests = server, admission, requests
         self.replicas, self.controls, self.drain = replicas, controls, drain
         self.server_metrics, self.pids = metrics, dict(pids)
+        # the texts of the tokenizer's special tokens (end of turn, end of text, ...)
+        self.special_tokens = tuple(admission.tokenizer.all_special_tokens)
 
     @property
     def model(self) -> Mapping[str, Any]:
@@ -71,9 +73,6 @@ class Front:
 
     def decode(self, ids: list[int]) -> str:
         return self.admission.decode(ids)
-
-    def special_tokens(self) -> list[str]:
-        return list(self.admission.tokenizer.all_special_tokens)
 
     def chat_prompt(self, messages: list[dict], **template_kwargs: Any) -> str:
         return self.admission.chat_prompt(messages, **template_kwargs)

@@ -46,6 +46,8 @@ class FrontApi(Protocol):
     when it fails; the last delta has a ``finish_reason``.
     """
 
+    special_tokens: tuple[str, ...]  # the texts of the tokenizer's special tokens
+
     @property
     def server(self) -> ServerConfig:
         """The server's settings."""
@@ -64,9 +66,6 @@ class FrontApi(Protocol):
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` (special tokens kept)."""
-
-    def special_tokens(self) -> list[str]:
-        """The texts of the tokenizer's special tokens (end of turn, end of text, ...)."""
 
     def chat_prompt(self, messages: list[dict], **template_kwargs: Any) -> str:
         """The chat template applied to ``messages``; RequestError when the template fails."""

@@ -166,7 +166,7 @@ class OpenAIApi:
         body = await self.http.read(request, api.ChatCompletionRequest)
         max_tokens = self.check_chat(body)
         tools = chat_tools(body, self.front.server)
-        if tools.output.reads_special(self.front.special_tokens()):
+        if tools.output.reads_special(self.front.special_tokens):
             body.skip_special_tokens = False  # the call markers are special tokens here
         ids = self.chat_ids(body, tools.template_tools)
         plan = reasoning.chat_reasoning(self.reasoning_parser, body, ids, self.front.decode)

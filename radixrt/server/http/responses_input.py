@@ -329,7 +329,7 @@ def reply_kept_ids(
     if not (rendered.startswith(prev.prompt_text) and text.startswith(rendered)):
         return None
     reply = rendered[len(prev.prompt_text) :]
-    at = max((reply.rfind(t) for t in front.special_tokens() if t), default=-1)
+    at = max((reply.rfind(t) for t in front.special_tokens if t), default=-1)
     if at < 0:
         return None
     return [*prev.ids[:-1], *plain_ids(front, reply[at:] + text[len(rendered) :])]

@@ -306,7 +306,7 @@ class PlainOutput:
     """A choice's text as it is: no tools, or tool_choice none."""
 
     @staticmethod
-    def reads_special(special: list[str]) -> bool:
+    def reads_special(special: tuple[str, ...]) -> bool:
         return False
 
     @staticmethod
@@ -330,7 +330,7 @@ class ToolOutput:
     def __init__(self, fmt: CallFormat) -> None:
         self.fmt = fmt
 
-    def reads_special(self, special: list[str]) -> bool:
+    def reads_special(self, special: tuple[str, ...]) -> bool:
         """Whether a marker of the format is one of the tokenizer's special tokens (``special``):
         then the text must keep special tokens for the parser to see it."""
         return any(m in special for m in (*self.fmt.markers, self.fmt.trigger))
