@@ -92,6 +92,10 @@
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
 #define AKB (2 * KB)   /* keys per softmax step in the AMX path */
+/* K/V lines are fetched ahead into L2, not L1: L1 has few miss buffers, so fetching a block's
+ * scattered lines into it leaves most of them waiting on memory; L2 keeps many more in flight. */
+#define PREFETCH_LOCALITY 2
+#define AHEAD 2 /* blocks of keys a work item fetches ahead of the one it computes */
 #define EXACT_STEP AKB /* exact mode: a shared prefix is a multiple of this many keys (every path's step) */
 
 #define RB 4  /* query rows computed together (independent accumulator chains) ... */
@@ -335,6 +339,18 @@ static inline vf block_max(const vf (*st)[QV], int v, int64_t nk, vf m) {
     return vsel(b > a, b, a);
 }
 
+/* Fetch the K/V rows (of KV head j, row_bytes each) of keys from .. from + count - 1 ahead. */
+static inline void prefetch_rows(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
+                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t row_bytes) {
+    for (int64_t t = from; t < n_keys && t < from + count; t++) {
+        const int64_t off = (slots[t] * kh + j) * row_bytes;
+        for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+            __builtin_prefetch((const char *)k_buf + off + byte, 0, PREFETCH_LOCALITY);
+            __builtin_prefetch((const char *)v_buf + off + byte, 0, PREFETCH_LOCALITY);
+        }
+    }
+}
+
 /* A work item with the item's query rows as the vector lanes of the scores (q transposed once
  * per item, so keys need no transposing), float32 math. */
 static void attend_item(const struct call *c, const struct item *it) {
@@ -375,8 +391,11 @@ static void attend_item(const struct call *c, const struct item *it) {
     }
     seed_rows(c, it, &acc[0][0], DMAX, 0, (float *)m, (float *)l);
     const int64_t rb_end = (nq + RB - 1) / RB * RB;
+    const int64_t row_bytes = d * (is_bf16 ? 2 : 4);
+    prefetch_rows(k_buf, v_buf, slots, first_block(it, KB), AHEAD * KB, n_keys, kh, j, row_bytes);
     for (int64_t k0 = first_block(it, KB); k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
+        prefetch_rows(k_buf, v_buf, slots, k0 + AHEAD * KB, KB, n_keys, kh, j, row_bytes);
         for (int64_t t = 0; t < nk; t++) {
             if (k0 + t < it->k_from) { /* seen by none of the rows: not read */
                 memset(kf[t], 0, (size_t)d * sizeof(float));
@@ -443,12 +462,12 @@ static inline int64_t key_lines(const bf16 *k_buf, const void *v_buf, const int6
     return n;
 }
 
-/* Prefetch those lines of keys from .. from + count - 1 (count <= 2·KB) at once. */
+/* Prefetch those lines of keys from .. from + count - 1 (count <= AHEAD·KB) at once. */
 static inline void prefetch_keys(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
                                  int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
-    const char *lines[2 * KB * 2 * DMAX / 32];
+    const char *lines[AHEAD * KB * 2 * DMAX / 32];
     const int64_t n = key_lines(k_buf, v_buf, slots, from, count, n_keys, kh, j, d, lines);
-    for (int64_t i = 0; i < n; i++) __builtin_prefetch(lines[i]);
+    for (int64_t i = 0; i < n; i++) __builtin_prefetch(lines[i], 0, PREFETCH_LOCALITY);
 }
 
 /* Transpose a 16 × 16 matrix of 32-bit elements held as 16 rows. */
@@ -582,7 +601,7 @@ static inline __attribute__((always_inline)) void rows_step(
     const int64_t per = (n_ahead + d / 2 - 1) / (d / 2); /* lines fetched per dim pair */
     for (int64_t cp = 0, next = 0; cp < d / 2; cp++) {
         for (const int64_t to = next + per < n_ahead ? next + per : n_ahead; next < to; next++)
-            __builtin_prefetch(ahead[next]);
+            __builtin_prefetch(ahead[next], 0, PREFETCH_LOCALITY);
         for (int rr = 0; rr < rb; rr++) {
             const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qpair[r0 + rr][cp]);
             for (int hf = 0; hf < halves; hf++)
@@ -642,7 +661,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
      * its score products */
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     row_froms(c, it, rows, from);
-    prefetch_keys(k_buf, v_buf, slots, start, 2 * KB, n_keys, kh, j, d);
+    prefetch_keys(k_buf, v_buf, slots, start, AHEAD * KB, n_keys, kh, j, d);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     seed_rows(c, it, &acc[0][0], DMAX, 1, m, l);
     for (int64_t k0 = start; k0 < n_keys; k0 += KB) {
@@ -655,7 +674,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
         for (int64_t r0 = 0; r0 < rows; r0 += rb) {
             const char *ahead[KB * 2 * DMAX / 32];
             const int64_t n_ahead =
-                key_lines(k_buf, v_buf, slots, k0 + 2 * KB + r0 / rb * share, share, n_keys, kh, j, d, ahead);
+                key_lines(k_buf, v_buf, slots, k0 + AHEAD * KB + r0 / rb * share, share, n_keys, kh, j, d, ahead);
             if (rb == RB_WIDE)
                 rows_step(RB_WIDE, r0, k0, nk, halves, c, it, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
                           n_ahead);
