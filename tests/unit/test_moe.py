@@ -115,9 +115,11 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("family", list(FAMILY_KWARGS))
 def test_the_block_is_transformers_block(family: str) -> None:
-    """From the checkpoint save_pretrained writes, on PyTorch's linears: the bits of the
-    transformers model's block (grouped_mm: rank order), but for qwen2_moe's shared expert,
-    whose gate and up run as one matmul here (within 1e-6); its eager loop within 1e-6."""
+    """From the checkpoint save_pretrained writes, on PyTorch's linears: the transformers
+    model's block (grouped_mm) and its eager loop, each within 1e-6. Not bit for bit: which
+    float32 GEMM kernel PyTorch's grouped and plain matmuls reach depends on the CPU (on some
+    they share one and the bits agree; on others transformers' two implementations differ from
+    each other by as much)."""
     model = hf_model(family)
     hf_block = model.model.layers[0].mlp
     assert model.config._experts_implementation == "grouped_mm"
@@ -128,10 +130,7 @@ def test_the_block_is_transformers_block(family: str) -> None:
         want = hf_block(x[None])[0]
         model.config._experts_implementation = "eager"
         eager = hf_block(x[None])[0]
-    if family == "qwen2_moe":
-        assert relative_error(got, want) < 1e-6
-    else:
-        assert torch.equal(got, want)
+    assert relative_error(got, want) < 1e-6
     assert relative_error(got, eager) < 1e-6
 
 
