@@ -339,14 +339,23 @@ static inline vf block_max(const vf (*st)[QV], int v, int64_t nk, vf m) {
     return vsel(b > a, b, a);
 }
 
-/* Fetch the K/V rows (of KV head j, row_bytes each) of keys from .. from + count - 1 ahead. */
-static inline void prefetch_rows(const void *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
-                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t row_bytes) {
+/* Fetch the K/V rows (of KV head j, row_bytes each) of keys from .. from + count - 1 ahead:
+ * into L2 (PREFETCH_LOCALITY), or with into_l1 into L1 (the AMX path's items). */
+static inline __attribute__((always_inline)) void prefetch_rows(const void *k_buf, const void *v_buf,
+                                                                const int64_t *slots, int64_t from, int64_t count,
+                                                                int64_t n_keys, int64_t kh, int64_t j,
+                                                                int64_t row_bytes, const int into_l1) {
     for (int64_t t = from; t < n_keys && t < from + count; t++) {
-        const int64_t off = (slots[t] * kh + j) * row_bytes;
+        const char *k = (const char *)k_buf + (slots[t] * kh + j) * row_bytes;
+        const char *v = (const char *)v_buf + (slots[t] * kh + j) * row_bytes;
         for (int64_t byte = 0; byte < row_bytes; byte += 64) {
-            __builtin_prefetch((const char *)k_buf + off + byte, 0, PREFETCH_LOCALITY);
-            __builtin_prefetch((const char *)v_buf + off + byte, 0, PREFETCH_LOCALITY);
+            if (into_l1) {
+                __builtin_prefetch(k + byte);
+                __builtin_prefetch(v + byte);
+            } else {
+                __builtin_prefetch(k + byte, 0, PREFETCH_LOCALITY);
+                __builtin_prefetch(v + byte, 0, PREFETCH_LOCALITY);
+            }
         }
     }
 }
@@ -392,10 +401,10 @@ static void attend_item(const struct call *c, const struct item *it) {
     seed_rows(c, it, &acc[0][0], DMAX, 0, (float *)m, (float *)l);
     const int64_t rb_end = (nq + RB - 1) / RB * RB;
     const int64_t row_bytes = d * (is_bf16 ? 2 : 4);
-    prefetch_rows(k_buf, v_buf, slots, first_block(it, KB), AHEAD * KB, n_keys, kh, j, row_bytes);
+    prefetch_rows(k_buf, v_buf, slots, first_block(it, KB), AHEAD * KB, n_keys, kh, j, row_bytes, 0);
     for (int64_t k0 = first_block(it, KB); k0 < n_keys; k0 += KB) {
         const int64_t nk = n_keys - k0 < KB ? n_keys - k0 : KB;
-        prefetch_rows(k_buf, v_buf, slots, k0 + AHEAD * KB, KB, n_keys, kh, j, row_bytes);
+        prefetch_rows(k_buf, v_buf, slots, k0 + AHEAD * KB, KB, n_keys, kh, j, row_bytes, 0);
         for (int64_t t = 0; t < nk; t++) {
             if (k0 + t < it->k_from) { /* seen by none of the rows: not read */
                 memset(kf[t], 0, (size_t)d * sizeof(float));
@@ -460,14 +469,6 @@ static inline int64_t key_lines(const bf16 *k_buf, const void *v_buf, const int6
         }
     }
     return n;
-}
-
-/* Prefetch those lines of keys from .. from + count - 1 (count <= AHEAD·KB) at once. */
-static inline void prefetch_keys(const bf16 *k_buf, const void *v_buf, const int64_t *slots, int64_t from,
-                                 int64_t count, int64_t n_keys, int64_t kh, int64_t j, int64_t d) {
-    const char *lines[AHEAD * KB * 2 * DMAX / 32];
-    const int64_t n = key_lines(k_buf, v_buf, slots, from, count, n_keys, kh, j, d, lines);
-    for (int64_t i = 0; i < n; i++) __builtin_prefetch(lines[i], 0, PREFETCH_LOCALITY);
 }
 
 /* Transpose a 16 × 16 matrix of 32-bit elements held as 16 rows. */
@@ -661,7 +662,7 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
      * its score products */
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     row_froms(c, it, rows, from);
-    prefetch_keys(k_buf, v_buf, slots, start, AHEAD * KB, n_keys, kh, j, d);
+    prefetch_rows(k_buf, v_buf, slots, start, AHEAD * KB, n_keys, kh, j, d * (int64_t)sizeof(bf16), 0);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     seed_rows(c, it, &acc[0][0], DMAX, 1, m, l);
     for (int64_t k0 = start; k0 < n_keys; k0 += KB) {
@@ -726,7 +727,7 @@ static void attend_item_amx(const struct call *c, const struct item *it) {
     for (int64_t k0 = first_block(it, AKB); k0 < n_keys; k0 += AKB) {
         const int64_t nk = n_keys - k0 < AKB ? n_keys - k0 : AKB;
         const int blocks = nk > KB ? 2 : 1, quarters = 2 * blocks;
-        prefetch_keys(k_buf, v_buf, slots, k0 + AKB, AKB, n_keys, kh, j, d);
+        prefetch_rows(k_buf, v_buf, slots, k0 + AKB, AKB, n_keys, kh, j, d * (int64_t)sizeof(bf16), 1);
         for (int bl = 0; bl < blocks; bl++) {
             const int64_t k1 = k0 + KB * bl, nb = nk - KB * bl < KB ? nk - KB * bl : KB;
             key_pairs_transposed(k_buf, slots + k1, it->k_from - k1, nb, 2, kh, j, d, kt[bl]);
