@@ -161,7 +161,7 @@ class EngineConfig:
     )
     disable_decode_chain: bool = setting(
         False,
-        "run forwards of up to 64 tokens layer by layer on the CPU, not as one C call (the "
+        "run forwards of up to 512 tokens layer by layer on the CPU, not as one C call (the "
         "decode chain: the same logits, fewer fixed costs)",
     )
     enable_hierarchical_cache: bool = setting(

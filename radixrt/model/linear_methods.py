@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu.capture import small_side
 
 
 class LinearMethod:
@@ -206,7 +207,7 @@ class ByRows(LinearMethod):
 
     def _side(self, x: torch.Tensor, w: torch.Tensor):
         """(the method for x's row count, the weight in its layout)."""
-        if x.shape[0] <= self.threshold:
+        if small_side(x.shape[0], self.threshold):
             return self.small, w if self.small_w is None else self.small_w
         return self.large, w
 
@@ -386,7 +387,7 @@ def packed_linear(
     if torch.compiler.is_compiling():
         r = rope or cpu_linear.Rope(None, None, None, 0, 0)
         return _packed_linear_op(x, packed, bias, out_features, float_out, gated, *r, *kernels)
-    kernel = kernels.small if x.shape[0] <= kernels.threshold else kernels.large
+    kernel = kernels.small if small_side(x.shape[0], kernels.threshold) else kernels.large
     return cpu_linear.linear(
         cpu_library.loaded(), x, packed, out_features, bias, float_out, gated, rope, kernel
     )

@@ -21,6 +21,7 @@ import torch
 from radixrt.model.calibrate import QuantChoice
 from radixrt.quant.formats import QuantTensor
 from radixrt_kernels.cpu import quant as cpu_quant
+from radixrt_kernels.cpu.capture import small_side
 
 
 class QuantLinear:
@@ -89,7 +90,7 @@ class QuantLinear:
                 qtype,
                 p.view(shape),
                 rows,
-                None if c is None else c.small if m <= c.rows else c.large,
+                None if c is None else c.small if small_side(m, c.rows) else c.large,
             )
             for qtype, rows, p, shape, c in zip(
                 self.types, self.rows, w.split(sizes), self.shapes, self.paths

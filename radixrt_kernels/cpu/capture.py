@@ -15,6 +15,12 @@ and where it was called, as does a kernel call a chain has no step for
 (the AMX linear, a packed linear's float32 output, a copy the wrapper would make
 of a badly strided input).
 
+A capture at m rows also serves other row counts: the code chooses by row
+count only through ``small_side`` (a call of at most a threshold's rows takes
+one kernel or path, a larger one another), which notes each choice on the
+recorder, so ``Recorder.rows`` is the range of row counts that choose as m
+did. A replay runs any row count in that range up to m with the same steps.
+
 ``chain.replay(lib, recorder, outputs)`` turns a finished capture into a
 chain that replays it. This module imports nothing of the library, so every
 wrapper can ask ``capturing()`` first.
@@ -89,6 +95,15 @@ class Recorder(TorchFunctionMode):
         self.steps: list[Step] = []
         self.allocated: dict[int, torch.Tensor] = {}  # storage address → tensor allocated here
         self.in_kernel = False
+        self.rows = (1, None)  # the row counts that choose as this capture's did (None: no limit)
+
+    def chose(self, threshold: int, small: bool) -> None:
+        """Note a choice between at most ``threshold`` rows (``small``) and more."""
+        low, high = self.rows
+        if small:
+            self.rows = (low, threshold if high is None else min(high, threshold))
+        else:
+            self.rows = (max(low, threshold + 1), high)
 
     # ---- the guard: views and metadata pass, anything that computes is refused ----------------
 
@@ -195,6 +210,17 @@ class Recorder(TorchFunctionMode):
 
 
 _active: Recorder | None = None
+
+
+def small_side(rows: int, threshold: int) -> bool:
+    """Whether a call of ``rows`` rows takes the side of a choice for at most ``threshold`` rows
+    (a decode-sized kernel or path) rather than the side for more. Every choice by row count in
+    the code a chain captures goes through here, so that a capture knows which row counts its
+    steps serve (``Recorder.rows``)."""
+    small = rows <= threshold
+    if _active is not None:
+        _active.chose(threshold, small)
+    return small
 
 
 def capturing() -> Recorder | None:

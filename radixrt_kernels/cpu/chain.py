@@ -41,6 +41,11 @@ LINEAR, NORM, ROPE, ATTENTION, QUANT, SILU_MUL = 1, 2, 3, 4, 5, 6  # chain.c's s
 _VEC_KERNEL = {"fma": 0, "avx512_bf16": 1}
 KERNELS = CHAIN_LINEAR_KERNELS  # the linear kernels a chain runs
 ALIGN = 64  # bytes: every tensor of a replay's arena starts on a cache line
+STEP_FIELDS = (
+    "kind kernel x x_stride w bias y y_stride y_f32 gated positions rope_cos "
+    "rope_sin rope_dim rope_cols m n k residual eps path"
+).split()  # a step's row of the table: chain.c's struct step
+ROWS_FIELD = STEP_FIELDS.index("m")
 
 
 def _rows(t: torch.Tensor, what: str, width: int) -> int:
@@ -70,13 +75,7 @@ class Chain:
         self._table: torch.Tensor | None = None
 
     def _add(self, tensors, **f) -> None:
-        row = dict.fromkeys(
-            (
-                "kind kernel x x_stride w bias y y_stride y_f32 gated positions rope_cos "
-                "rope_sin rope_dim rope_cols m n k residual eps path"
-            ).split(),
-            0,
-        )
+        row = dict.fromkeys(STEP_FIELDS, 0)
         row.update(f)
         if len(row) != self.fields:
             raise RuntimeError("chain: the library's step has another layout")
@@ -309,10 +308,14 @@ class Chain:
             residual=v_buf.data_ptr(),
         )
 
-    def run(self, threads: int | None = None) -> None:
-        """Every step, in order, on ``threads`` threads (default: PyTorch's)."""
+    def run(self, threads: int | None = None, rows: torch.Tensor | None = None) -> None:
+        """Every step, in order, on ``threads`` threads (default: PyTorch's). ``rows``: int64
+        [steps], each step's row count for this run instead of the one it was added with (at
+        most that; 0 for an attention step, whose arguments name their rows)."""
         if self._table is None:
             self._table = torch.tensor(self.steps, dtype=torch.int64).reshape(-1, self.fields)
+        if rows is not None:
+            self._table[:, ROWS_FIELD] = rows
         rc = self.lib.radixrt_chain(
             self._table.data_ptr(), len(self.steps), threads or torch.get_num_threads()
         )
@@ -323,14 +326,19 @@ class Chain:
 # ---- a captured forward, replayed ---------------------------------------------------------------
 
 
-def replay(lib: ctypes.CDLL, recorder: Recorder, outputs: tuple[torch.Tensor, ...]) -> Replay:
-    """A finished capture (``capture.capture``) as a chain over one arena; ``outputs`` (what
-    the captured code returned) become the tensors the chain leaves its results in."""
+def replay(
+    lib: ctypes.CDLL, recorder: Recorder, outputs: tuple[torch.Tensor, ...], rows: int
+) -> Replay:
+    """A finished capture (``capture.capture``) of a forward of ``rows`` tokens as a chain over
+    one arena; ``outputs`` (what the captured code returned) become the tensors the chain
+    leaves its results in. It runs any row count of ``recorder.rows`` up to ``rows``."""
     if capturing() is recorder:
         raise RuntimeError("replay: the capture has not ended")
     arena = _Arena(recorder.allocated, recorder.steps, outputs)
     steps = [Step(s.kind, arena.move(s.args)) for s in recorder.steps]
-    return Replay(lib, steps, arena, outputs)
+    low, high = recorder.rows
+    serves = (low, rows if high is None else min(high, rows))
+    return Replay(lib, steps, arena, outputs, rows, serves)
 
 
 class _Arena:
@@ -396,11 +404,22 @@ class _Attention(NamedTuple):
 
 
 class Replay:
-    """A captured forward as one chain: ``run(segments, slots)`` computes what the forward
-    computed on the inputs now in its input buffers, into ``outputs``."""
+    """A captured forward of ``rows`` tokens as one chain: ``run(segments, slots, m)``
+    computes what the forward of the first m of them (m in ``serves``, the row counts whose
+    choices are the capture's) computes on the inputs now in its input buffers, into the first
+    m rows of ``outputs``. Every step's rows are the forward's tokens (or a multiple of them,
+    heads as rows), so a run of fewer tokens runs each step on its first rows."""
 
-    def __init__(self, lib: ctypes.CDLL, steps: list[Step], arena: _Arena, outputs) -> None:
-        self.lib, self.arena = lib, arena
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        steps: list[Step],
+        arena: _Arena,
+        outputs,
+        rows: int,
+        serves: tuple[int, int],
+    ) -> None:
+        self.lib, self.arena, self.rows, self.serves = lib, arena, rows, serves
         self.outputs = arena.move(tuple(outputs))
         self.chain = Chain(lib)
         self.attention: dict[tuple, _Attention] = {}  # steps with equal arguments share them
@@ -416,6 +435,16 @@ class Replay:
                 self._add_attention(*step.args)
             else:
                 getattr(self.chain, step.kind)(*step.args)
+        per_token = []  # each step's rows per token (0: an attention step)
+        for row in self.chain.steps:
+            m = 0 if row[0] == ATTENTION else row[ROWS_FIELD]
+            if m % rows:
+                raise ValueError(f"chain: a step of {m} rows in a forward of {rows} tokens")
+            per_token.append(m // rows)
+        self.per_token = torch.tensor(per_token, dtype=torch.int64)
+        tokens = [t for a in self.attention.values() for t in (a.q, a.new_k, a.new_v, a.out)]
+        if any(t.shape[0] != rows for t in (*tokens, *self.outputs)):
+            raise ValueError("chain: an attention or an output without a row per token")
 
     def _add_attention(
         self, q, k_buf, v_buf, new_k, new_v, out, scaling, bf16_dots, window, softcap
@@ -436,20 +465,25 @@ class Replay:
             )
         self.chain.attention(self.attention[key].args, k_buf, v_buf)
 
-    def run(self, segments: cpu_attention.Segments | None, slots: torch.Tensor | None) -> None:
-        """Every step, the attentions over ``segments`` storing the new K/V at ``slots``."""
+    def run(
+        self, segments: cpu_attention.Segments | None, slots: torch.Tensor | None, m: int
+    ) -> None:
+        """Every step over the first m tokens, the attentions over ``segments`` storing the new
+        K/V at ``slots``."""
+        if not self.serves[0] <= m <= self.serves[1]:
+            raise ValueError(f"chain: a replay of {self.serves} rows cannot run {m}")
         for a in self.attention.values():
             call = cpu_attention.AttentionCall(
                 self.lib,
-                a.q,
+                a.q[:m],
                 a.k_buf,
                 segments,
                 a.scaling,
-                (a.new_k, a.new_v, slots),
+                (a.new_k[:m], a.new_v[:m], slots),
                 a.bf16_dots,
-                a.out,
+                a.out[:m],
                 a.window,
                 a.softcap,
             )
             a.args.copy_(torch.tensor(call.fields, dtype=torch.int64))
-        self.chain.run()
+        self.chain.run(rows=self.per_token * m)

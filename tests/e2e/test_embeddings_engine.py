@@ -1,6 +1,6 @@
 """``Engine.encode`` on the tiny llama: the pooled final hidden state against transformers'
 ``hidden_states[-1]`` in float32, and its bits whatever the batch, the cache and the chunking
-(float32, and bfloat16, whose forwards of up to 64 tokens replay the decode chain)."""
+(float32, and bfloat16, whose forwards of up to 512 tokens replay the decode chain)."""
 
 from __future__ import annotations
 

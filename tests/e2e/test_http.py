@@ -430,9 +430,9 @@ def test_models_and_sglang_info_endpoints(oai, http):
     assert kernels["linear"] and {"rms_norm", "rotary", "silu_mul"} <= set(kernels)
     assert state["attention_backend"] in ("cpu", "torch")
     assert state["gc_frozen_objects"] > 1000  # the scheduler froze what it built at start
-    # whether small forwards run as one C call per step (the tiny model's calibrated paths decide)
+    # whether forwards run as one C call per step (the tiny model's calibrated paths decide)
     chain = state["decode_chain"]
-    assert chain.startswith("off: ") or chain.endswith("forwards of up to 64 tokens"), chain
+    assert chain.startswith("off: ") or re.search(r"forwards of up to \d+ tokens$", chain), chain
     assert http.post("/flush_cache").status_code == 200
     assert http.get("/get_server_info").json()["internal_states"][0]["evictable_tokens"] == 0
 

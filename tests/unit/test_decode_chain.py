@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from radixrt import Engine, SamplingParams
+from radixrt.model.calibrate import THRESHOLD
 from radixrt.model.decode_chain import decode_chain_for
 from radixrt.model.layers import RMSNorm
 from radixrt.model.llama import LlamaDecoderLayer
@@ -17,6 +18,7 @@ from radixrt.testing import tiny_model_path
 from radixrt_kernels.cpu import chain as cpu_chain
 from radixrt_kernels.cpu import library as cpu_library
 from radixrt_kernels.cpu import linear as cpu_linear
+from radixrt_kernels.cpu.capture import small_side
 
 PROMPTS = [
     "The same long system prompt for everyone. Then question one?",
@@ -197,9 +199,11 @@ def test_a_new_decoder_step_runs_in_the_chain_or_is_refused_by_name(tiny_llama: 
             layer.post_norm.weight.data = weight.bfloat16()
         runner.decode_chain, info = decode_chain_for(model, runner.attn_backend, lib)
         assert runner.decode_chain is not None, info
-        steps = len(runner.decode_chain.plans[runner.decode_chain.max_rows].chain.steps)
+        steps = len(runner.decode_chain.plans[-1].chain.steps)
+        ran, logits = [], runner.decode_chain.logits
+        runner.decode_chain.logits = lambda batch: ran.append(batch.mode) or logits(batch)
         chained = greedy(eng)
-        assert len(runner.decode_chain.plans) > 1  # the decode batches ran as chains
+        assert len(ran) >= 6  # the forwards ran as chains
         runner.decode_chain = None
         eng.flush_cache()
         assert greedy(eng) == chained
@@ -207,5 +211,92 @@ def test_a_new_decoder_step_runs_in_the_chain_or_is_refused_by_name(tiny_llama: 
     with Engine(
         model=tiny_llama, dtype="bfloat16", max_total_tokens=1024, linear_kernel=kernels[0]
     ) as eng:
-        plain = eng.runner.decode_chain.plans[eng.runner.decode_chain.max_rows]
+        plain = eng.runner.decode_chain.plans[-1]
         assert steps == len(plain.chain.steps) + len(layers)
+
+
+LONG_PROMPTS = [
+    " ".join(f"w{(i + 2) * j % 97}" for j in range(n)) for i, n in enumerate((40, 90, 150))
+]
+
+
+def test_prefill_steps_run_in_the_chain_one_capture_per_class(tiny_llama: str, kernel) -> None:
+    """Extends above the decode-sized rows (a prompt alone, several together, a prefill beside
+    decode rows) replay too, with the layer-by-layer logits; the row counts of one class share
+    one capture."""
+    chained_prefills_equal(tiny_llama, kernel, classes=2)
+
+
+def test_a_gguf_model_s_prefill_steps_run_in_the_chain(tmp_path) -> None:
+    """Quantized linears whose path changes with the row count: a class per path choice."""
+    if cpu_library.load(cache_dir()) is None:
+        pytest.skip("no kernels' library")
+    gguf = write_gguf(tiny_model_path("llama"), tmp_path / "m.gguf", "Q4_1")
+    chained_prefills_equal(str(gguf), "auto", classes=None)
+
+
+def chained_prefills_equal(model: str, kernel: str, classes: int | None) -> None:
+    """Greedy tokens and logprobs with the chain equal those without, prefill steps of more than
+    THRESHOLD tokens ran in it, and (``classes``) it holds at most that many captures."""
+    prompts = LONG_PROMPTS + [p + " and more" for p in LONG_PROMPTS]
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+
+    def outputs(eng: Engine) -> list:
+        got = eng.generate(prompts[:1], sp)  # a prompt alone
+        got += eng.generate(prompts[1:], sp)  # the rest together
+        return [(o.token_ids, o.logprobs) for o in got]
+
+    config = dict(
+        model=model,
+        dtype="bfloat16",
+        max_total_tokens=2048,
+        linear_kernel=kernel,
+        chunked_prefill_size=160,
+    )
+    with Engine(**config) as eng:
+        chain = eng.runner.decode_chain
+        assert chain.describe().endswith(f"forwards of up to {chain.max_rows} tokens")
+        rows, logits = [], chain.logits
+        chain.logits = lambda batch: rows.append(batch.input_ids.shape[0]) or logits(batch)
+        chained = outputs(eng)
+        assert len({m for m in rows if m > THRESHOLD}) >= 2, str(rows)
+        assert classes is None or len(chain.plans) <= classes
+    with Engine(**config, disable_decode_chain=True) as eng:
+        assert outputs(eng) == chained
+
+
+class LargeInPyTorch(LlamaDecoderLayer):
+    """A decoder step that, above THRESHOLD rows, computes on PyTorch's kernels (as a kernel
+    without a chain step would, the AMX linear): that class is refused, the smaller one runs."""
+
+    def forward(self, positions, h, residual, batch):
+        h, residual = super().forward(positions, h, residual, batch)
+        if not small_side(h.shape[0], THRESHOLD):
+            h = h * 1.0
+        return h, residual
+
+
+def test_a_class_the_chain_refuses_runs_layer_by_layer(tiny_llama: str) -> None:
+    kernels = chain_kernels()
+    if not kernels:
+        pytest.skip("no linear kernel a chain runs works here")
+    lib = cpu_library.load(cache_dir())
+    sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True, logprobs=True)
+    with Engine(
+        model=tiny_llama, dtype="bfloat16", max_total_tokens=2048, linear_kernel=kernels[0]
+    ) as eng:
+        runner = eng.runner
+        for layer in runner.model.model.layers:
+            layer.__class__ = LargeInPyTorch
+        chain, info = decode_chain_for(runner.model, runner.attn_backend, lib)
+        assert info.endswith(f"forwards of up to {THRESHOLD} tokens"), info
+        refused = [why for low, _, why in chain.classes if low > THRESHOLD]
+        assert refused and "mul at test_decode_chain.py" in refused[0], chain.classes
+        runner.decode_chain = chain
+        rows, logits = [], chain.logits
+        chain.logits = lambda batch: rows.append(batch.input_ids.shape[0]) or logits(batch)
+        chained = [(o.token_ids, o.logprobs) for o in eng.generate(LONG_PROMPTS, sp)]
+        assert rows and max(rows) <= THRESHOLD  # the prefill ran layer by layer
+        runner.decode_chain = None
+        eng.flush_cache()
+        assert [(o.token_ids, o.logprobs) for o in eng.generate(LONG_PROMPTS, sp)] == chained
