@@ -10,13 +10,13 @@ Workloads (each one forward step of the model runner, built here as the schedule
 - ``chunk256``: one request's second 256-token chunk after 256 cached tokens;
 - ``mixed``: 32 decode rows of 1 token (544 cached each) and a 256-token chunk after 256 cached
   tokens, as one extend;
-- ``decode``: the 32 decode rows alone (a W2 decode step). Where the runner has a decode chain
-  it runs the step as one C call, which the hooks do not see: its parts fall under ``other``,
-  and its wall time is the step's.
+- ``decode``: the 32 decode rows alone (a W2 decode step).
 
 Each step runs ``--warmup`` times untimed, then ``--repeats`` times with a timer around every
 part of the forward (forward hooks on the model's modules, a wrapper around the attention
-backend), then ``--repeats`` times without them (the forward's own wall time). Parts:
+backend; where the runner has a decode chain, whose one C call the hooks cannot see, those
+runs go layer by layer), then ``--repeats`` times without them (the forward's own wall time,
+in the chain where it runs: up to 512 tokens). Parts:
 ``embedding``; the linears ``qkv`` (rotary embedding included where the kernel fuses it),
 ``o``, ``gate_up`` (SiLU-and-mul included where fused), ``down``; ``attention`` (the backend's
 call: the K/V store and the kernel); ``metadata`` (the step's attention segments); ``norms``;
@@ -186,9 +186,11 @@ def timed_parts(runner, timer: PartTimer) -> Iterator[None]:
     for (obj, name), part in wrapped.items():
         saved[obj, name] = vars(obj).get(name)  # None: the class's
         setattr(obj, name, _timed(getattr(obj, name), part, timer))
+    chain, runner.decode_chain = runner.decode_chain, None  # its one C call hides the parts
     try:
         yield
     finally:
+        runner.decode_chain = chain
         for h in handles:
             h.remove()
         for (obj, name), own in saved.items():

@@ -439,6 +439,6 @@ def test_a_captured_windowed_attention_replays_with_its_window() -> None:
         out = cpu_attention.attention(
             lib, q, w.k_buf, w.v_buf, None, SCALING, new_kv, True, window=16, softcap=30.0
         )
-    plan = cpu_chain.replay(lib, recorder, (out,))
-    plan.run(seg, slots)
+    plan = cpu_chain.replay(lib, recorder, (out,), len(reqs))
+    plan.run(seg, slots, len(reqs))
     assert torch.equal(plan.outputs[0], want)

@@ -66,7 +66,8 @@ def test_a_replay_gives_the_calls_results_and_reuses_memory(lib) -> None:
     with cpu_capture.capture() as recorder:
         outputs = body(h_in, res_in)
     assert [s.kind for s in recorder.steps] == ["norm", "linear", "linear"] * 3
-    replay = cpu_chain.replay(lib, recorder, outputs)
+    replay = cpu_chain.replay(lib, recorder, outputs, rows)
+    assert replay.serves == (1, rows)  # no choice by row count: any row count up to its own
     # nine intermediate tensors, at most two alive at once: they share memory
     allocated = sum(t.untyped_storage().nbytes() for t in recorder.allocated.values())
     assert len(recorder.allocated) == 9
@@ -78,10 +79,31 @@ def test_a_replay_gives_the_calls_results_and_reuses_memory(lib) -> None:
         want_h, want_res = body(h, res.clone())
         h_in.copy_(h)
         res_in.copy_(res)
-        replay.run(None, None)
+        replay.run(None, None, rows)
         got_h, got_res = replay.outputs
         assert got_res.data_ptr() == res_in.data_ptr()  # an input buffer, as captured
         assert torch.equal(got_h, want_h) and torch.equal(got_res, want_res)
+    # fewer rows: every step on the first rows of its buffers
+    h, res = torch.randn(2, rows, HIDDEN, generator=gen).bfloat16()
+    want_h, want_res = body(h[:3], res[:3].clone())
+    h_in.copy_(h), res_in.copy_(res)
+    replay.run(None, None, 3)
+    got_h, got_res = replay.outputs
+    assert torch.equal(got_h[:3], want_h) and torch.equal(got_res[:3], want_res)
+    assert torch.equal(got_res[3:], res[3:])  # rows past the run's are not touched
+    with pytest.raises(ValueError, match="cannot run 6"):
+        replay.run(None, None, rows + 1)
+
+
+def test_a_capture_notes_the_row_counts_that_choose_as_it_did(lib) -> None:
+    """A choice by row count (``small_side``) narrows the rows a capture serves: at most the
+    threshold on the small side, more than it on the other."""
+    with cpu_capture.capture() as recorder:
+        assert cpu_capture.small_side(5, 16)
+        assert not cpu_capture.small_side(5, 2)
+        assert cpu_capture.small_side(5, 8)
+    assert recorder.rows == (3, 8)
+    assert cpu_capture.small_side(100, 16) is False  # outside a capture: only the answer
 
 
 @pytest.mark.parametrize(
@@ -131,5 +153,5 @@ def test_captures_do_not_nest_and_a_replay_waits_for_the_end(lib) -> None:
                 pass
         assert cpu_capture.capturing() is recorder
         with pytest.raises(RuntimeError, match="has not ended"):
-            cpu_chain.replay(lib, recorder, ())
+            cpu_chain.replay(lib, recorder, (), 1)
     assert cpu_capture.capturing() is None

@@ -51,12 +51,11 @@ def test_linear_flops_count_every_layer_s_four_linears(profile) -> None:
 def test_the_split_covers_the_step_and_the_timers_go_away(profile, tiny_llama, monkeypatch) -> None:
     monkeypatch.setitem(profile.WORKLOADS, "small", [(0, 20), (8, 5)])
     args = Namespace(warmup=1, repeats=2)
-    # A 25-token step would run as the decode chain's one C call where the CPU has one: the
-    # parts are timed on the model's modules, so the chain is off here.
-    with Engine(
-        model=tiny_llama, dtype="bfloat16", max_total_tokens=512, disable_decode_chain=True
-    ) as eng:
+    # Where the CPU has a decode chain, the timed runs go layer by layer (the chain's one C call
+    # hides the parts), and the chain is back afterwards.
+    with Engine(model=tiny_llama, dtype="bfloat16", max_total_tokens=512) as eng:
         runner = eng.runner
+        chain = runner.decode_chain
         backend = runner.attn_backend
         rec = profile.profile_workload(runner, "small", args)
         assert rec["tokens"] == 25
@@ -65,6 +64,7 @@ def test_the_split_covers_the_step_and_the_timers_go_away(profile, tiny_llama, m
         assert set(parts) == {*profile.PARTS, "other"}
         assert "forward" not in vars(backend) and "init_forward_metadata" not in vars(backend)
         assert not any(m._forward_hooks or m._forward_pre_hooks for m in runner.model.modules())
+        assert runner.decode_chain is chain
         batch = profile.make_batch(runner, profile.WORKLOADS["small"], seed=1)
         assert batch.seq_lens == [20, 13] and batch.extend_lens == [20, 5]
         assert torch.equal(batch.positions[20:], torch.arange(8, 13))
