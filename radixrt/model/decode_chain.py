@@ -70,8 +70,8 @@ class DecodeChain:
     most rows the class has (up to ``max_rows``), so its buffers hold any of them. The
     constructor captures every class, from ``max_rows`` down, and raises
     ``capture.ChainRefused`` where the class of ``THRESHOLD`` rows (decode batches) cannot be
-    replayed; another class may be refused on its own (a kernel without a chain step above
-    ``THRESHOLD`` rows, as AMX's), and its forwards run layer by layer."""
+    replayed; another class may be refused on its own (a kernel without a chain step on its
+    side of a threshold), and its forwards run layer by layer."""
 
     def __init__(self, model, backend, lib, max_rows: int = MAX_ROWS) -> None:
         self.model, self.backend, self.lib, self.max_rows = model, backend, lib, max_rows
