@@ -25,6 +25,8 @@ forwards run layer by layer."""
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import torch
 
 from radixrt.attention.base import ForwardBatch, ForwardMode
@@ -88,7 +90,8 @@ class DecodeChain:
     @property
     def plans(self) -> list[cpu_chain.Replay]:
         """The replays captured so far, fewest rows first."""
-        return sorted((p for _, _, p in self.classes if not isinstance(p, str)), key=_rows)
+        replays = (p for _, _, p in self.classes if not isinstance(p, str))
+        return sorted(replays, key=attrgetter("rows"))
 
     @property
     def kernels(self) -> list[str]:
@@ -132,7 +135,7 @@ class DecodeChain:
 
     def _class_of(self, m: int) -> cpu_chain.Replay | str:
         """The replay for m rows (or why m's class is refused), captured at the most rows of
-        its class when first met."""
+        its class if no capture holds m yet."""
         for low, high, plan in self.classes:
             if low <= m <= high:
                 return plan
@@ -171,7 +174,3 @@ class DecodeChain:
         if idx is None:  # a decode batch: every row's, no gather
             idx = slice(None) if batch.mode is ForwardMode.DECODE else batch.last_token_indices()
         return self.model.head(h, residual, idx)
-
-
-def _rows(plan: cpu_chain.Replay) -> int:
-    return plan.rows

@@ -21,7 +21,7 @@ one kernel or path, a larger one another), which notes each choice on the
 recorder, so ``Recorder.rows`` is the range of row counts that choose as m
 did. A replay runs any row count in that range up to m with the same steps.
 
-``chain.replay(lib, recorder, outputs)`` turns a finished capture into a
+``chain.replay(lib, recorder, outputs, rows)`` turns a finished capture into a
 chain that replays it. This module imports nothing of the library, so every
 wrapper can ask ``capturing()`` first.
 """

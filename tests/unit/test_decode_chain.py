@@ -259,10 +259,12 @@ def chained_prefills_equal(model: str, kernel: str, classes: int | None) -> None
         rows, logits = [], chain.logits
         chain.logits = lambda batch: rows.append(batch.input_ids.shape[0]) or logits(batch)
         chained = outputs(eng)
+        eng.check_memory()
         assert len({m for m in rows if m > THRESHOLD}) >= 2, str(rows)
         assert classes is None or len(chain.plans) <= classes
     with Engine(**config, disable_decode_chain=True) as eng:
         assert outputs(eng) == chained
+        eng.check_memory()
 
 
 class LargeInPyTorch(LlamaDecoderLayer):
