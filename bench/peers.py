@@ -57,6 +57,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,7 +80,31 @@ GROUPS, STREAMS = 4, 4  # W1's shared prefixes; the burst run's long streams
 POLL_S = 0.01  # how often the burst run looks at the streams' progress
 WARM_UP = list(range(1000, 1016))
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
-BUILD_ENV = ("RADIXRT_KERNEL_CFLAGS", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+BUILD_ENV = (
+    "RADIXRT_KERNEL_CFLAGS",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "ATEN_CPU_CAPABILITY",
+)
+# --isa avx2: every library of radixrt and vLLM held to AVX2 and FMA (an AVX2-only CPU's code on
+# this one): radixrt's kernels built without AVX-512 or AMX, oneDNN, MKL and PyTorch's own kernels
+# at AVX2, and vLLM's AVX2 extension (it picks by what torch.cpu reports: AVX2_SITE).
+AVX2_ENV = {
+    "RADIXRT_KERNEL_CFLAGS": " ".join(
+        f"-mno-{x}" for x in ("avx512f", "amx-tile", "amx-bf16", "amx-int8", "avx512bf16")
+    ),
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+}
+AVX2_SITE = """\
+# Written by radixrt's bench/peers.py --isa avx2: a vLLM process on this path sees no
+# AVX-512 or AMX, so it loads its AVX2 extension and picks its AVX2 attention.
+import torch.cpu
+
+for _name in ("avx512", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_fp16"):
+    setattr(torch.cpu, f"_is_{_name}_supported", lambda: False)
+"""
 
 
 # ------------------------------------------------------------ workloads
@@ -524,9 +549,14 @@ class ClientTarget:
     """A target reached through a backend of serving.py (``backend()`` makes one)."""
 
     def __init__(
-        self, name: str, backend: Callable[[], Any], restart: Callable[[], None] | None = None
+        self,
+        name: str,
+        backend: Callable[[], Any],
+        restart: Callable[[], None] | None = None,
+        extra: Callable[[], dict] | None = None,
     ) -> None:
         self.name, self.backend, self.restart = name, backend, restart
+        self.extra = extra  # more of info(), from outside the server's API
 
     async def prepare(self) -> None:
         """A warm-up request, then a cold cache."""
@@ -545,7 +575,7 @@ class ClientTarget:
 
     async def info(self) -> dict:
         async with self.backend() as b:
-            return await b.server_info()
+            return await b.server_info() | (self.extra() if self.extra else {})
 
 
 class EngineTarget(serving.WorkerProcess):
@@ -639,6 +669,39 @@ def peer_env(**extra: str) -> dict:
     return env | extra
 
 
+def mapped_libraries(pid: int, part: str) -> list[str]:
+    """The file names of the libraries, their paths containing ``part``, that process ``pid``
+    and its descendants have loaded (which of a peer's builds runs)."""
+    names, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            with open(f"/proc/{p}/maps") as maps:
+                names |= {Path(ln.split()[-1]).name for ln in maps if part in ln}
+            for task in os.listdir(f"/proc/{p}/task"):
+                todo += [
+                    int(c) for c in Path(f"/proc/{p}/task/{task}/children").read_text().split()
+                ]
+        except OSError:
+            continue
+    return sorted(names)
+
+
+def avx2_site() -> Path:
+    """A folder whose sitecustomize.py (AVX2_SITE) narrows a vLLM process to AVX2."""
+    folder = Path(tempfile.mkdtemp(prefix="peers-avx2-"))
+    (folder / "sitecustomize.py").write_text(AVX2_SITE)
+    return folder
+
+
+def narrowed_to_avx2(argv: list[str]) -> None:
+    """Run this script again (same arguments) with AVX2_ENV, unless it already has it: the
+    environment must be there before PyTorch loads, and every process started inherits it."""
+    if all(os.environ.get(k) == v for k, v in AVX2_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable, __file__, *argv], os.environ | AVX2_ENV)
+
+
 def cpu_list() -> str:
     """This process's CPUs as a list of ranges (``0-1``; ``0-3,8-11``)."""
     cpus, spans = sorted(os.sched_getaffinity(0)), []
@@ -718,9 +781,13 @@ class VllmGroup:
         cmd += ["--gpu-memory-utilization", str(self.args.vllm_memory)]
         cmd += shlex.split(self.args.vllm_args)
         env = peer_env(VLLM_CPU_OMP_THREADS_BIND=self.args.cpus, VLLM_SERVER_DEV_MODE="1")
+        if self.args.isa == "avx2":
+            env["PYTHONPATH"] = str(avx2_site())
         self.proc = Spawned(cmd, env, url, log_path(self.name), self.args.ready_timeout)
-        timeout, model = self.args.timeout, self.model_dir
-        return [ClientTarget(self.name, lambda: VllmBackend(url, timeout, False, model=model))]
+        timeout, model, pid = self.args.timeout, self.model_dir, self.proc.proc.pid
+        backend = lambda: VllmBackend(url, timeout, False, model=model)  # noqa: E731
+        extra = lambda: {"extensions": mapped_libraries(pid, "vllm/_C")}  # noqa: E731
+        return [ClientTarget(self.name, backend, extra=extra)]
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -980,6 +1047,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--llama-server", default=None, help="the llama-server binary")
     add("--gguf", action="append", default=[], help="a GGUF file for llama-server (repeatable)")
     add("--llama-args", default="", help="added to llama-server (--llama-args=--no-repack)")
+    add(
+        "--isa",
+        choices=("native", "avx2"),
+        default="native",
+        help="avx2: radixrt and vLLM held to AVX2 and FMA (AVX2_ENV; an AVX2-only CPU's code "
+        "paths on this one); llama-server keeps its own build, so it is refused here",
+    )
     add("--cpus", default=cpu_list(), help="VLLM_CPU_OMP_THREADS_BIND (default: this process's)")
     add("--ready-timeout", type=float, default=900.0, help="s for a peer to come up")
     add("--timeout", type=float, default=3600.0, help="s for one request")
@@ -991,6 +1065,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     bad = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or bad:
         ap.error(f"unknown targets {unknown} or workloads {bad}")
+    if args.isa == "avx2" and LLAMA in args.targets:
+        ap.error("--isa avx2 cannot narrow llama-server's build; leave it out of --targets")
     return args
 
 
@@ -1004,7 +1080,10 @@ def default_targets(args: argparse.Namespace) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.isa == "avx2":
+        narrowed_to_avx2(argv)
     from radixrt.model.default_model import resolve_model_path
 
     model_dir = resolve_model_path(args.model, "bfloat16")  # the peers read its bf16 folder

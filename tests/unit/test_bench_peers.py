@@ -273,3 +273,60 @@ def test_table_marks_missing_workloads(peers):
 def test_cpu_list(peers, monkeypatch):
     monkeypatch.setattr(peers.os, "sched_getaffinity", lambda pid: {0, 1, 2, 5, 8, 9})
     assert peers.cpu_list() == "0-2,5,8-9"
+
+
+# ------------------------------------------------------------ --isa avx2
+
+
+def test_avx2_site_hides_avx512_from_a_peer(peers):
+    """A process on avx2_site()'s path sees no AVX-512 or AMX through torch.cpu (where vLLM
+    picks its extension and attention)."""
+    import subprocess
+
+    probe = (
+        "import torch.cpu as c; print(c._is_avx512_supported(), "
+        "c._is_avx512_bf16_supported(), c._is_amx_tile_supported())"
+    )
+    env = peers.peer_env(PYTHONPATH=str(peers.avx2_site()))
+    out = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.split() == ["False", "False", "False"]
+
+
+def test_isa_avx2_refuses_llama_server(peers, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--isa", "avx2", "--targets", "radixrt-engine,llama-server"])
+    assert "llama-server" in capsys.readouterr().err
+    assert peers.parse_args(["--isa", "avx2", "--targets", "radixrt-engine"]).isa == "avx2"
+
+
+def test_isa_avx2_runs_the_script_again_narrowed(peers, monkeypatch):
+    calls = []
+    monkeypatch.setattr(peers.os, "execve", lambda *a: calls.append(a))
+    for k in peers.AVX2_ENV:
+        monkeypatch.delenv(k, raising=False)
+    peers.narrowed_to_avx2(["--isa", "avx2"])
+    ((exe, argv, env),) = calls
+    assert argv[1:] == [peers.__file__, "--isa", "avx2"] and env.items() >= peers.AVX2_ENV.items()
+    for k, v in peers.AVX2_ENV.items():
+        monkeypatch.setenv(k, v)
+    peers.narrowed_to_avx2(["--isa", "avx2"])  # already narrowed: runs on
+    assert len(calls) == 1
+
+
+def test_mapped_libraries_of_a_process_tree(peers):
+    """A library loaded by a grandchild is found from the top process (vLLM's engine core
+    runs in a child of its server)."""
+    import subprocess
+
+    child = f"{sys.executable} -c 'import _decimal, time; print(1, flush=True); time.sleep(60)'"
+    proc = subprocess.Popen(["sh", "-c", child], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "1"
+        assert any(n.startswith("_decimal") for n in peers.mapped_libraries(proc.pid, "_decimal"))
+        assert peers.mapped_libraries(proc.pid, "no-such-library") == []
+    finally:
+        subprocess.run(["pkill", "-P", str(proc.pid)])
+        proc.kill()
+        proc.wait()
