@@ -406,7 +406,9 @@ static inline __attribute__((always_inline)) void dp_rows(int mr, const bf16 *x,
 
 static void dp_block(const bf16 *x, int64_t xs, const uint32_t *w, int64_t chunks, int rows,
                      float (*acc)[NB]) {
-    const int pf = rows <= MR_DP ? PF_NEAR : PF_FAR; /* the first panel fetches ahead */
+    /* The first panel fetches ahead into L2 (PF_FAR) whatever the rows, a lone panel too: L2
+     * keeps more lines in flight than L1's miss buffers, and this kernel's stream needs them. */
+    const int pf = PF_FAR;
     int r = 0;
     for (; r + MR_DP <= rows; r += MR_DP) dp_rows(MR_DP, x + r * xs, xs, w, chunks, r == 0 ? pf : 0, acc + r);
     switch (rows - r) {
