@@ -76,6 +76,8 @@ DEDUP_MIN_TOKENS = 32
 MIN_PREFILL_TOKENS = 64
 # A mixed step takes at most this many times the decode step of its running requests.
 ITL_FACTOR = 4.0
+# A prompt's chunk takes its rest too where the rest is at most this share of the chunk.
+TAIL_FRACTION = 0.25
 GRAMMAR_POLL_S = 0.005  # how long an otherwise idle step waits for a grammar to compile
 
 
@@ -231,7 +233,9 @@ class Scheduler:
 
     def schedule_prefill(self, decode: ScheduledBatch | None = None) -> ScheduledBatch | None:
         """Prompts to prefill this step (the chunked one first), within the token budgets and
-        the step time left beside ``decode`` (the running requests' rows of a mixed step)."""
+        the step time left beside ``decode`` (the running requests' rows of a mixed step). While
+        no request decodes, a step that completes the chunked prompt holds nothing else, so
+        that prompt's first token waits for no other's chunk."""
         if self.chunked is None and not self.waiting:
             return None
         budget = _Budget(self.config.prefill_budget, self._step_units(decode))
@@ -246,6 +250,8 @@ class Scheduler:
             budget.take(self.cost, req, n)
             if n < req.fill_len - req.kv_len:
                 return self._chunk(req, reqs, lens)
+            if not self.decoding:  # its first token ends this step: no request decodes to wait
+                return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
         reserved = self._decode_reservation()
         for req in order_waiting(self.config.schedule_policy, self.waiting, self.kv):
             full = len(self.decoding) + len(reqs) >= self.config.running_limit
@@ -320,15 +326,20 @@ class Scheduler:
 
     def _extend_len(self, req: Req, budget: _Budget, first: bool) -> int:
         """Tokens of req to compute now: everything, or what the budgets leave when chunking
-        applies (at least ``MIN_PREFILL_TOKENS`` for a step's first prompt)."""
-        n = req.fill_len - req.kv_len
-        if self.config.chunked_prefill_size is not None:
-            n = min(n, max(budget.tokens, 1))
+        applies (at least ``MIN_PREFILL_TOKENS`` for a step's first prompt). A prompt whose
+        rest after the time budget's chunk is at most ``TAIL_FRACTION`` of that chunk is taken
+        whole, so its first token does not wait a step for a short tail; the token budgets
+        stay hard caps."""
+        n = whole = req.fill_len - req.kv_len
         if self.config.max_prefill_step_ms > 0:
             fits = self.cost.prefill_tokens(budget.units, req.kv_len)
             floor = min(MIN_PREFILL_TOKENS, self.config.prefill_budget) if first else 0
-            n = min(n, max(fits, floor))
-        return n
+            n = max(fits, floor)
+            if whole - n <= n * TAIL_FRACTION:
+                n = whole
+        if self.config.chunked_prefill_size is not None:
+            n = min(n, max(budget.tokens, 1))
+        return min(n, whole)
 
     def _shares_unbuilt_prefix(self, req: Req, admitted: list[Req]) -> bool:
         """True if req would hit much more of the tree once an admitted request's prompt is in

@@ -18,7 +18,7 @@ from radixrt.cache import KVPool
 from radixrt.config import EngineConfig
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.req import Req
-from radixrt.scheduler.scheduler import ITL_FACTOR, MIN_PREFILL_TOKENS, Scheduler
+from radixrt.scheduler.scheduler import ITL_FACTOR, MIN_PREFILL_TOKENS, TAIL_FRACTION, Scheduler
 from radixrt.scheduler.step_cost import StepCost
 
 VOCAB = 97
@@ -473,7 +473,8 @@ def test_a_step_prefills_what_its_time_buys_and_running_requests_ride_along():
     assert [len(r.output_ids) for r in reqs] == [1, 0, 0]  # the first token as its prompt ends
     drive(sched, reqs)
     batches = sched.runner.batches
-    assert batches[:2] == [("extend", [100]), ("extend", [50, 50])]
+    # the step completing request 0's prompt holds nothing else: nothing decodes to wait
+    assert batches[:2] == [("extend", [100]), ("extend", [50])]
     # Request 0 decodes: each step holds its token and as much prompt as ITL_FACTOR times its
     # decode step buys, at least MIN_PREFILL_TOKENS.
     fits = max(int(ITL_FACTOR * 1) - 1, MIN_PREFILL_TOKENS)
@@ -481,6 +482,30 @@ def test_a_step_prefills_what_its_time_buys_and_running_requests_ride_along():
     assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_tokens"] == 450
     for r, p in zip(reqs, prompts):
         assert r.output_ids == reference(p, 4)
+
+
+def test_a_short_tail_goes_with_its_prompts_chunk():
+    """A prompt whose rest after the time budget's chunk is at most TAIL_FRACTION of it runs
+    whole in that step, so its first token does not wait a step for the tail; a longer rest,
+    and the chunk size (a hard cap), still split it."""
+    sched = make_timed(max_prefill_step_ms=100)  # 100 tokens a step
+    within = int(100 * (1 + TAIL_FRACTION))
+    prompts = [[(11 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((within, within + 1))]
+    sp = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+    reqs = [Req(str(i), p, sp) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    sched.step()
+    assert [len(r.output_ids) for r in reqs] == [1, 0]
+    assert sched.runner.batches[0] == ("extend", [within])
+    drive(sched, reqs)
+    mode, lens = sched.runner.batches[1]  # request 0 decodes; the longer prompt is chunked
+    assert mode == "extend" and lens[0] == 1 and lens[1] < within + 1
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == reference(p, 2)
+    capped = make_timed(max_prefill_step_ms=100, chunked_prefill_size=100)
+    run(capped, prompts[:1], 2)
+    assert capped.runner.batches[:2] == [("extend", [100]), ("extend", [within - 100])]
 
 
 def test_without_a_time_budget_prompts_are_not_chunked():
@@ -495,7 +520,7 @@ def test_without_mixed_steps_running_requests_wait_for_a_decode_step():
     prompts = [[(5 * i + j) % VOCAB for j in range(150)] for i in range(3)]
     reqs = run(sched, prompts, 4, check_every_step=True)
     batches = sched.runner.batches
-    assert batches[:3] == [("extend", [100]), ("extend", [50, 50]), ("extend", [100])]
+    assert batches[:3] == [("extend", [100]), ("extend", [50]), ("extend", [100])]
     assert sched.stats["mixed_steps"] == 0
     assert all(mode == "decode" or all(n > 1 for n in lens) for mode, lens in batches)
     assert [r.output_ids for r in reqs] == [reference(p, 4) for p in prompts]
