@@ -82,7 +82,7 @@
 
 #include "common.h"
 #include "parts.h"
-#ifdef __AVX512BF16__
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -113,6 +113,30 @@ static inline void load_row(const void *buf, int64_t row, int64_t d, int is_bf16
     }
 }
 
+/* a·b + c, fused where the build has FMA, whatever the compiler would choose: a score's chain
+ * must round the same way in every loop of scores() (decode and extend items reach different
+ * ones), and a compiler free to fuse may fuse the same expression in one loop and not in the
+ * next. */
+static inline vf vbcast(float x) { /* x in every lane */
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(x);
+#elif VL == 8
+    return (vf)_mm256_set1_ps(x);
+#else
+    return (vf){x, x, x, x};
+#endif
+}
+
+static inline vf vfma(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && VL == 8
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    return a * b + c;
+#endif
+}
+
 /* Scores of keys [0, nk) of the block for nv·VL query rows: st[t][lanes] = Σ_i qt[i][lanes]·kf[t][i].
  * ks keys at a time, so ks·nv accumulator chains run side by side (4·nv with AVX-512's 16
  * lanes; 8 with narrower vectors, which have fewer registers). */
@@ -129,7 +153,7 @@ static inline __attribute__((always_inline)) void scores(const int nv, const vf 
         for (int64_t i = 0; i < d; i++) {
             for (int v = 0; v < nv; v++) {
                 const vf qv = qt[i][v];
-                for (int u = 0; u < ks; u++) a[u][v] += qv * kf[t + u][i];
+                for (int u = 0; u < ks; u++) a[u][v] = vfma(qv, vbcast(kf[t + u][i]), a[u][v]);
             }
         }
         for (int u = 0; u < ks; u++)
@@ -139,7 +163,7 @@ static inline __attribute__((always_inline)) void scores(const int nv, const vf 
         vf a[QV];
         for (int v = 0; v < nv; v++) a[v] = (vf){0};
         for (int64_t i = 0; i < d; i++)
-            for (int v = 0; v < nv; v++) a[v] += qt[i][v] * kf[t][i];
+            for (int v = 0; v < nv; v++) a[v] = vfma(qt[i][v], vbcast(kf[t][i]), a[v]);
         for (int v = 0; v < nv; v++) st[t][v] = a[v];
     }
 }

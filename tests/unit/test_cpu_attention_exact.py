@@ -2,10 +2,11 @@
 query token's output has the same bits alone (its request decoded by itself) as in any decode
 batch around it (groups sharing a prefix of any length with it or among themselves, a split
 asked for), and as the j-th new token of an extend after any number of cached keys, in a batch
-of extends. float32 and bf16 on each bf16 path: AMX where the native build has it, and a build
-without AMX for AVX512-BF16 dot products and float32 FMA. Bits compared with torch.equal. The
-same under a sliding window (and a soft cap): a token alone, in any decode batch, in an extend
-chunked any way, and with its window's dropped slots full of NaN."""
+of extends. float32 and bf16 on each bf16 path: AMX where the native build has it, a build
+without AMX for AVX512-BF16 dot products and float32 FMA, and a build without AVX-512 (FMA on
+8-lane vectors). Bits compared with torch.equal. The same under a sliding window (and a soft
+cap): a token alone, in any decode batch, in an extend chunked any way, and with its window's
+dropped slots full of NaN."""
 
 from __future__ import annotations
 
@@ -39,9 +40,10 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module", params=["native", "-mno-amx-tile"])
+@pytest.fixture(scope="module", params=["native", "-mno-amx-tile", "-mno-avx512f"])
 def lib(request, tmp_path_factory):
-    """The library as built here, and as built for a CPU without AMX (its bf16 paths)."""
+    """The library as built here, as built for a CPU without AMX (its bf16 paths), and as built
+    for an AVX2 CPU (float32 FMA on 8-lane vectors)."""
     if request.param == "native":
         built = cpu_library.load(cache_dir())
     else:
