@@ -278,7 +278,12 @@ def compile_library(sources: list[Path], folder: Path, name: str) -> Path:
 
 
 def _build_and_load(folder: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(compile_library(SOURCES, folder, "radixrt-cpu")))
+    return load_file(compile_library(SOURCES, folder, "radixrt-cpu"))
+
+
+def load_file(path: Path) -> ctypes.CDLL:
+    """A built library at ``path``, its functions given this module's signatures."""
+    lib = ctypes.CDLL(str(path))
     for name, argtypes in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int

@@ -1,0 +1,43 @@
+"""bench/ab_kernels.py: two builds of this tree's kernels (the same flags: one library) give
+the same outputs in every case, and a folder without the kernels' sources is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("gcc") is None and shutil.which("cc") is None,
+    reason="no C compiler: the CPU kernels cannot be built here",
+)
+
+
+@pytest.fixture(scope="module")
+def ab():
+    spec = importlib.util.spec_from_file_location("ab_kernels", BENCH / "ab_kernels.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["ab_kernels"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_null_ab_runs_every_case_with_equal_outputs(ab, tmp_path):
+    out = tmp_path / "ab.json"
+    argv = ["--rows", "1", "3", "--runs", "2", "--requests", "3", "--keys", "96"]
+    rows = ab.main([*argv, "--out", str(out)])
+    cases = [r["case"] for r in rows]
+    assert len(cases) == 4 and cases[0].startswith("linear") and cases[-1].startswith("attention")
+    assert all(r["same"] and r["a_ms"] > 0 and r["b_ms"] > 0 for r in rows)
+    assert json.loads(out.read_text())["cases"] == rows
+
+
+def test_a_folder_without_the_sources_is_refused(ab, tmp_path):
+    with pytest.raises(SystemExit, match="missing"):
+        ab.build(tmp_path, "")
