@@ -57,7 +57,6 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -688,8 +687,10 @@ def mapped_libraries(pid: int, part: str) -> list[str]:
 
 
 def avx2_site() -> Path:
-    """A folder whose sitecustomize.py (AVX2_SITE) narrows a vLLM process to AVX2."""
-    folder = Path(tempfile.mkdtemp(prefix="peers-avx2-"))
+    """A folder whose sitecustomize.py (AVX2_SITE) narrows a vLLM process to AVX2 (beside the
+    peers' logs)."""
+    folder = log_path("avx2_site").with_suffix("")
+    folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(AVX2_SITE)
     return folder
 

@@ -113,10 +113,6 @@ static inline void load_row(const void *buf, int64_t row, int64_t d, int is_bf16
     }
 }
 
-/* a·b + c, fused where the build has FMA, whatever the compiler would choose: a score's chain
- * must round the same way in every loop of scores() (decode and extend items reach different
- * ones), and a compiler free to fuse may fuse the same expression in one loop and not in the
- * next. */
 static inline vf vbcast(float x) { /* x in every lane */
 #if defined(__AVX512F__)
     return (vf)_mm512_set1_ps(x);
@@ -127,6 +123,10 @@ static inline vf vbcast(float x) { /* x in every lane */
 #endif
 }
 
+/* a·b + c, fused where the build has FMA, whatever the compiler would choose: a score's chain
+ * must round the same way in every loop of scores() (decode and extend items reach different
+ * ones), and a compiler free to fuse may fuse the same expression in one loop and not in the
+ * next. */
 static inline vf vfma(vf a, vf b, vf c) {
 #if defined(__AVX512F__)
     return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);

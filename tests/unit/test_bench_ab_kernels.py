@@ -3,15 +3,10 @@ the same outputs in every case, and a folder without the kernels' sources is ref
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 pytestmark = pytest.mark.skipif(
     shutil.which("gcc") is None and shutil.which("cc") is None,
@@ -20,12 +15,8 @@ pytestmark = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def ab():
-    spec = importlib.util.spec_from_file_location("ab_kernels", BENCH / "ab_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["ab_kernels"] = module
-    spec.loader.exec_module(module)
-    return module
+def ab(bench_module):
+    return bench_module("ab_kernels")
 
 
 def test_a_null_ab_runs_every_case_with_equal_outputs(ab, tmp_path):

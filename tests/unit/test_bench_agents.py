@@ -2,23 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.fixture(scope="module")
-def ab():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("agents", BENCH / "agents.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["agents"] = module
-    spec.loader.exec_module(module)
-    return module
+def ab(bench_module):
+    return bench_module("agents")
 
 
 def agent(ab, cached_of, bytes_of, valid=1):

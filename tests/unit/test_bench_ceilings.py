@@ -3,9 +3,7 @@ flags and headers) and measure something; the product's library carries no bench
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,15 +16,10 @@ pytestmark = pytest.mark.skipif(
     reason="no C compiler: the ceilings cannot be built here",
 )
 
-CEILINGS = Path(__file__).resolve().parents[2] / "bench" / "ceilings.py"
-
 
 @pytest.fixture(scope="module")
-def ceilings():
-    spec = importlib.util.spec_from_file_location("ceilings", CEILINGS)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ceilings(bench_module):
+    return bench_module("ceilings")
 
 
 def test_ceilings_build_and_measure(ceilings) -> None:

@@ -4,23 +4,15 @@ streaming backend and a fake Engine), the figures of a run and the issue's check
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def peers():
-    spec = importlib.util.spec_from_file_location("peers", BENCH / "peers.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peers"] = module
-    spec.loader.exec_module(module)
-    return module
+def peers(bench_module):
+    return bench_module("peers")
 
 
 # ------------------------------------------------------------ workloads

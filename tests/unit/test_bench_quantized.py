@@ -5,24 +5,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def qb():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("quantized", BENCH / "quantized.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quantized"] = module
-    spec.loader.exec_module(module)
-    return module
+def qb(bench_module):
+    return bench_module("quantized")
 
 
 # ------------------------------------------------------------ arguments

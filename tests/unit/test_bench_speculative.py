@@ -4,24 +4,14 @@ servers' responses, the acceptance figures, the outputs compared and the issue's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-
 
 @pytest.fixture(scope="module")
-def sb():
-    sys.path.insert(0, str(BENCH))
-    spec = importlib.util.spec_from_file_location("speculative", BENCH / "speculative.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["speculative"] = module
-    spec.loader.exec_module(module)
-    return module
+def sb(bench_module):
+    return bench_module("speculative")
 
 
 # ------------------------------------------------------------ workloads

@@ -3,27 +3,19 @@ split covers the whole timed step, and the timers leave the model as they found 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 from argparse import Namespace
-from pathlib import Path
 
 import pytest
 import torch
 
 from radixrt import Engine
 
-PROFILE = Path(__file__).resolve().parents[2] / "bench" / "prefill_profile.py"
-
 
 @pytest.fixture(scope="module")
-def profile():
-    spec = importlib.util.spec_from_file_location("prefill_profile", PROFILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["prefill_profile"] = module
-    spec.loader.exec_module(module)
-    yield module
+def profile(bench_module):
+    yield bench_module("prefill_profile")
     del sys.modules["prefill_profile"]
 
 
