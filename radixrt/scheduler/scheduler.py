@@ -8,10 +8,11 @@ One ``step()`` runs one model forward:
 A step's prompt tokens are bounded by the token budgets (``max_prefill_tokens``,
 ``chunked_prefill_size``) and by time: ``max_prefill_step_ms``, converted to tokens
 with what steps cost on this machine (``step_cost``, measured at start and as it
-runs), and while requests decode, ``ITL_FACTOR`` times their decode step, so their
-inter-token latency stays bounded during a burst of prompts. A prompt the budget
-cannot take whole is chunked, and a request's first token is sampled in the step
-that completes its own prompt.
+runs), and while requests decode, ``ITL_FACTOR`` times their decode step where a
+waiting prompt arrived after one of them was streaming, so their inter-token latency
+stays bounded during a burst of prompts (a burst's own members do not hold up its
+prefill). A prompt the budget cannot take whole is chunked, and a request's first token
+is sampled in the step that completes its own prompt.
 Admission is also bounded by ``max_running_requests`` and the KV
 that running requests are still expected to need. When decode runs out of KV
 it evicts, then retracts the requests with the fewest generated tokens; they
@@ -113,6 +114,7 @@ class Scheduler:
     # ------------------------------------------------------------ requests
 
     def add_request(self, req: Req) -> None:
+        req.queued_at = time.monotonic()
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt_ids)
         if req.params.constraint is not None and req.matcher is None:
@@ -283,8 +285,9 @@ class Scheduler:
 
     def _step_units(self, decode: ScheduledBatch | None) -> float:
         """The cost units (``step_cost``) left for prompt tokens in this step: what
-        ``max_prefill_step_ms`` buys, held to ``ITL_FACTOR`` times the running requests' decode
-        step while they decode in it, less their rows (infinite: no time budget)."""
+        ``max_prefill_step_ms`` buys, less the running requests' rows where they decode in it,
+        and held to ``ITL_FACTOR`` times their decode step while a waiting prompt came after
+        one of them was streaming (infinite: no time budget)."""
         ms = self.config.max_prefill_step_ms
         if ms == 0 or not self.cost.known:
             return math.inf
@@ -292,8 +295,20 @@ class Scheduler:
         if decode is None:
             return self.cost.budget_units(target)
         tokens, pairs = decode.work()
-        target = min(target, ITL_FACTOR * self.cost.predict(tokens, pairs))
+        if self._interrupts(decode):
+            target = min(target, ITL_FACTOR * self.cost.predict(tokens, pairs))
         return self.cost.budget_units(target) - self.cost.units(tokens, pairs)
+
+    def _interrupts(self, decode: ScheduledBatch) -> bool:
+        """Whether a prompt waiting now arrived after a request of ``decode`` had its first
+        token: those prompts may slow a stream by ``ITL_FACTOR`` at most. Prompts that were
+        already queued when every running request started streaming arrived with them (one
+        burst), and the burst's prefill runs in full-size steps."""
+        prompts = self.waiting + ([self.chunked] if self.chunked is not None else [])
+        newest = max((r.queued_at for r in prompts if r.queued_at is not None), default=None)
+        if newest is None:
+            return True  # a prompt of unknown arrival: keep the cap
+        return any(r.first_token_at is not None and r.first_token_at < newest for r in decode.reqs)
 
     def _admit(self, req: Req, budget: _Budget, reserve: int, busy: bool, first: bool) -> int:
         """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run

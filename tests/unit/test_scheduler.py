@@ -18,7 +18,13 @@ from radixrt.cache import KVPool
 from radixrt.config import EngineConfig
 from radixrt.sampling import SamplingParams
 from radixrt.scheduler.req import Req
-from radixrt.scheduler.scheduler import ITL_FACTOR, MIN_PREFILL_TOKENS, TAIL_FRACTION, Scheduler
+from radixrt.scheduler.scheduler import (
+    DEDUP_MIN_TOKENS,
+    ITL_FACTOR,
+    MIN_PREFILL_TOKENS,
+    TAIL_FRACTION,
+    Scheduler,
+)
 from radixrt.scheduler.step_cost import StepCost
 
 VOCAB = 97
@@ -117,11 +123,18 @@ def test_outputs_follow_the_kv(cfg):
 @pytest.mark.parametrize("step_ms", [0, 30, 100])
 def test_in_batch_dedup_computes_each_shared_prefix_once(policy, step_ms):
     """Whatever the time budget (none; steps that chunk the prefixes; steps of a few
-    prompts), requests wait for a shared prefix another one is computing."""
+    prompts), requests wait for a shared prefix another one is computing, unless less than
+    DEDUP_MIN_TOKENS of it is left to compute: one request per group computes its prefix,
+    the others hit all of it but such a rest in the tree."""
     prompts = shared_prompts(groups=3, per=4, system=64, q=6)
     sched = make_timed(max_prefill_step_ms=step_ms, schedule_policy=policy)
     reqs = run(sched, prompts, 2)
-    assert sched.get_stats()["prefill_tokens"] == 3 * 64 + len(prompts) * 6
+    cached = sorted(r.cached_tokens for r in reqs)
+    assert cached[:3] == [0, 0, 0]
+    assert all(64 - DEDUP_MIN_TOKENS < c <= 64 for c in cached[3:])
+    assert sched.get_stats()["prefill_tokens"] == sum(70 - c for c in cached)
+    if step_ms == 0:  # no chunks: every prefix is whole in the tree before its group runs
+        assert cached[3:] == [64] * 9
     assert [r.output_ids for r in reqs] == [reference(p, 2) for p in prompts]
 
 
@@ -462,24 +475,34 @@ def make_timed(**cfg) -> Scheduler:
 
 
 def test_a_step_prefills_what_its_time_buys_and_running_requests_ride_along():
+    """Prompts that arrived together run in full time-budget steps, the first one's decoding
+    riding along; a prompt that arrives while a request streams gets only ITL_FACTOR times
+    that request's decode step."""
     sched = make_timed(max_prefill_step_ms=100)  # 100 tokens a step
-    prompts = [[(7 * i + j) % VOCAB for j in range(150)] for i in range(3)]
+    prompts = [[(7 * i + j) % VOCAB for j in range(150)] for i in range(4)]
     sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     reqs = [Req(str(i), p, sp) for i, p in enumerate(prompts)]
-    for r in reqs:
+    for r in reqs[:3]:
         sched.add_request(r)
     sched.step()
     sched.step()
-    assert [len(r.output_ids) for r in reqs] == [1, 0, 0]  # the first token as its prompt ends
-    drive(sched, reqs)
+    assert [len(r.output_ids) for r in reqs] == [1, 0, 0, 0]  # the first token as its prompt ends
+    sched.step()
     batches = sched.runner.batches
     # the step completing request 0's prompt holds nothing else: nothing decodes to wait
     assert batches[:2] == [("extend", [100]), ("extend", [50])]
-    # Request 0 decodes: each step holds its token and as much prompt as ITL_FACTOR times its
-    # decode step buys, at least MIN_PREFILL_TOKENS.
-    fits = max(int(ITL_FACTOR * 1) - 1, MIN_PREFILL_TOKENS)
-    assert batches[2] == ("extend", [1, min(fits, 100)])
-    assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_tokens"] == 450
+    # request 0 decodes in a step of the whole budget: the prompts waiting came with it
+    assert batches[2] == ("extend", [1, 99])
+    sched.add_request(reqs[3])  # arrives while request 0 streams
+    sched.step()
+    sched.step()
+    # each step now holds the running requests' tokens and as much prompt as ITL_FACTOR times
+    # their decode step buys, at least MIN_PREFILL_TOKENS
+    assert batches[3] == ("extend", [1, min(51, MIN_PREFILL_TOKENS)])  # request 1's rest
+    fits = max(int(ITL_FACTOR * 2) - 2, MIN_PREFILL_TOKENS)
+    assert batches[4] == ("extend", [1, 1, min(fits, 100)])
+    drive(sched, reqs)
+    assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_tokens"] == 600
     for r, p in zip(reqs, prompts):
         assert r.output_ids == reference(p, 4)
 
