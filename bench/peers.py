@@ -373,17 +373,22 @@ def summarize(wl: Workload, run: Run) -> dict:
 
 
 def burst_summary(wl: Workload, run: Run) -> dict:
-    """The streams' ITL before the gated requests went and while they ran (up to the last
-    one's end), and the gated requests' TTFTs."""
+    """The streams' ITL alone (between tokens after every stream had its first one, so their
+    own start-up is not counted, and before the gated requests went) and while the gated
+    requests ran (up to the last one's end), and the gated requests' TTFTs."""
     pct = serving.percentile
     pairs = list(zip(wl.requests, run.samples))
     burst = [s for r, s in pairs if r.gated]
+    streams = [s for r, s in pairs if not r.gated]
     end = max(s.sent + s.rec.latency for s in burst)
+    streaming = max((token_times(s)[0] for s in streams if s.rec.ttft), default=0.0)
     alone, during = [], []
-    for s in (s for r, s in pairs if not r.gated):
-        for t, gap in zip(token_times(s)[1:], s.rec.itl):
+    for s in streams:
+        times = token_times(s)
+        for before, t, gap in zip(times, times[1:], s.rec.itl):
             if t <= run.gate_at:
-                alone.append(gap)
+                if before >= streaming:
+                    alone.append(gap)
             elif t <= end:
                 during.append(gap)
     ttft = [s.rec.ttft for s in burst if s.rec.error is None and s.rec.output_tokens]

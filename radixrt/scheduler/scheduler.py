@@ -73,8 +73,10 @@ from radixrt.spec.verify import Verdict, verify
 # A waiting request sharing at least this many more tokens with a request admitted
 # in the same round than it hits in the tree waits one round (in-batch prefix caching).
 DEDUP_MIN_TOKENS = 32
-# A step's first prompt computes at least this many tokens, whatever the time budget says.
+# A step's first prompt computes at least this many tokens, whatever the time budget says ...
 MIN_PREFILL_TOKENS = 64
+# ... and at least this many in a step held to ITL_FACTOR times streaming requests' decode step.
+MIN_CAPPED_TOKENS = 16
 # A mixed step takes at most this many times the decode step of its running requests.
 ITL_FACTOR = 4.0
 # A prompt's chunk takes its rest too where the rest is at most this share of the chunk.
@@ -175,7 +177,7 @@ class Scheduler:
         self.stats["prefill_forward_s" if batch.prefilling else "decode_forward_s"] += elapsed
         self.forward_failures = 0
         finished = self.process_output(batch, logits)
-        self.cost.observe(time.perf_counter() - start, *work)
+        self.cost.observe(time.perf_counter() - start, *work, prompt=batch.prefilling)
         return failed + finished
 
     def _schedule(self) -> ScheduledBatch | None:
@@ -240,7 +242,7 @@ class Scheduler:
         that prompt's first token waits for no other's chunk."""
         if self.chunked is None and not self.waiting:
             return None
-        budget = _Budget(self.config.prefill_budget, self._step_units(decode))
+        budget = self._step_budget(decode)
         reqs, lens = [], []
         if self.chunked is not None:
             req, self.chunked = self.chunked, None
@@ -283,32 +285,49 @@ class Scheduler:
         self.waiting = [r for r in self.waiting if r.row is None]
         return ScheduledBatch(ForwardMode.EXTEND, reqs, lens)
 
-    def _step_units(self, decode: ScheduledBatch | None) -> float:
-        """The cost units (``step_cost``) left for prompt tokens in this step: what
-        ``max_prefill_step_ms`` buys, less the running requests' rows where they decode in it,
-        and held to ``ITL_FACTOR`` times their decode step while a waiting prompt came after
-        one of them was streaming (infinite: no time budget)."""
+    def _step_budget(self, decode: ScheduledBatch | None) -> _Budget:
+        """What this step has for prompt tokens: the token budget, and the cost units
+        (``step_cost``) that ``max_prefill_step_ms`` buys, less the running requests' rows where
+        they decode in it (infinite: no time budget). While a waiting prompt arrived after some
+        of them were streaming, the step is held to ``ITL_FACTOR`` times those streams' own
+        decode step (the small steps' line: what their tokens cost without the prompt), and
+        its first prompt's floor is ``MIN_CAPPED_TOKENS``."""
+        tokens = self.config.prefill_budget
         ms = self.config.max_prefill_step_ms
         if ms == 0 or not self.cost.known:
-            return math.inf
+            return _Budget(tokens, math.inf, MIN_PREFILL_TOKENS)
         target = ms / 1e3
         if decode is None:
-            return self.cost.budget_units(target)
-        tokens, pairs = decode.work()
-        if self._interrupts(decode):
-            target = min(target, ITL_FACTOR * self.cost.predict(tokens, pairs))
-        return self.cost.budget_units(target) - self.cost.units(tokens, pairs)
+            return _Budget(tokens, self.cost.budget_units(target), MIN_PREFILL_TOKENS)
+        streams, floor = self._interrupted(decode), MIN_PREFILL_TOKENS
+        if streams is not None:
+            target = min(target, ITL_FACTOR * self.cost.predict_small(*streams.work()))
+            floor = MIN_CAPPED_TOKENS
+        units = self.cost.budget_units(target) - self.cost.units(*decode.work())
+        return _Budget(tokens, units, floor)
 
-    def _interrupts(self, decode: ScheduledBatch) -> bool:
-        """Whether a prompt waiting now arrived after a request of ``decode`` had its first
-        token: those prompts may slow a stream by ``ITL_FACTOR`` at most. Prompts that were
-        already queued when every running request started streaming arrived with them (one
-        burst), and the burst's prefill runs in full-size steps."""
+    def _interrupted(self, decode: ScheduledBatch) -> ScheduledBatch | None:
+        """The rows of ``decode`` whose requests had their first token before a prompt waiting
+        now arrived: such prompts may slow those streams by ``ITL_FACTOR`` at most, measured
+        against their own decode step. Requests that started streaming after every waiting
+        prompt arrived came in one burst with them: they hold up neither the burst's prefill
+        nor, by their own rows, the streams before it (None: no such rows)."""
         prompts = self.waiting + ([self.chunked] if self.chunked is not None else [])
         newest = max((r.queued_at for r in prompts if r.queued_at is not None), default=None)
-        if newest is None:
-            return True  # a prompt of unknown arrival: keep the cap
-        return any(r.first_token_at is not None and r.first_token_at < newest for r in decode.reqs)
+        rows = [
+            i
+            for i, r in enumerate(decode.reqs)
+            if r.first_token_at is not None and (newest is None or r.first_token_at < newest)
+        ]
+        if not rows:
+            return None
+        return ScheduledBatch(
+            decode.mode,
+            [decode.reqs[i] for i in rows],
+            [decode.extend_lens[i] for i in rows],
+            decode_rows=len(rows) if decode.decode_rows else 0,
+            drafts={k: decode.drafts[i] for k, i in enumerate(rows) if i in decode.drafts},
+        )
 
     def _admit(self, req: Req, budget: _Budget, reserve: int, busy: bool, first: bool) -> int:
         """Give req a row, its cached prefix and slots for its next extend; 0 if it can't run
@@ -341,14 +360,14 @@ class Scheduler:
 
     def _extend_len(self, req: Req, budget: _Budget, first: bool) -> int:
         """Tokens of req to compute now: everything, or what the budgets leave when chunking
-        applies (at least ``MIN_PREFILL_TOKENS`` for a step's first prompt). A prompt whose
+        applies (at least the budget's floor for a step's first prompt). A prompt whose
         rest after the time budget's chunk is at most ``TAIL_FRACTION`` of that chunk is taken
         whole, so its first token does not wait a step for a short tail; the token budgets
         stay hard caps."""
         n = whole = req.fill_len - req.kv_len
         if self.config.max_prefill_step_ms > 0:
             fits = self.cost.prefill_tokens(budget.units, req.kv_len)
-            floor = min(MIN_PREFILL_TOKENS, self.config.prefill_budget) if first else 0
+            floor = min(budget.floor, self.config.prefill_budget) if first else 0
             n = max(fits, floor)
             if whole - n <= n * TAIL_FRACTION:
                 n = whole
@@ -673,8 +692,9 @@ class _Budget:
     """What a step has left for prompt tokens: ``tokens`` (``max_prefill_tokens``, the chunk
     size) and cost ``units`` (its time, ``step_cost``)."""
 
-    def __init__(self, tokens: int, units: float) -> None:
+    def __init__(self, tokens: int, units: float, floor: int) -> None:
         self.tokens, self.units = tokens, units
+        self.floor = floor  # the step's first prompt computes at least this many tokens
 
     def take(self, cost: StepCost, req: Req, n: int) -> None:
         """req computes n tokens after its kv_len."""

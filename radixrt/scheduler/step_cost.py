@@ -5,12 +5,13 @@ takes ``fixed + per_unit * units`` seconds, with ``units = T + attention_weight 
 - ``attention_weight`` is the model's attention FLOPs per pair over its linear FLOPs per
   token, times ``ATTENTION_EFFICIENCY`` (attention does less per second than a linear);
 - ``fixed`` is what a step costs whatever its size (streaming the weights of a small step,
-  per-layer calls, sampling), learned from steps of at most ``SMALL_STEP_TOKENS`` tokens;
-- ``per_unit`` is learned from larger steps, once ``fixed`` is taken off.
+  per-layer calls, sampling), learned from steps of at most ``SMALL_STEP_TOKENS`` tokens that
+  compute no prompt (decode steps);
+- ``per_unit`` is learned from the other steps, once ``fixed`` is taken off.
 Both are exponential moving averages of what the steps took, seeded by ``probe`` (a few
 forwards timed at start-up), so the first burst is budgeted by this machine's speed too.
 
-Small steps (decode, decode with speculative drafts) get a line of their own,
+Small steps without a prompt (decode, decode with speculative drafts) get a line of their own,
 ``predict_small``: ``seconds = a + b * units``, since a few rows more cost a decode step
 more per unit than a prefill's units do (row-wise kernel paths, attention over the whole
 context per row). Its slope is an average of the slopes between consecutive small steps
@@ -108,9 +109,11 @@ class StepCost:
         until it is fitted)."""
         return self.per_unit if self.small.b is None else self.small.b
 
-    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+    def observe(self, seconds: float, tokens: int, pairs: int, prompt: bool = False) -> None:
+        """A step of ``tokens`` new tokens reading ``pairs`` pairs took ``seconds``;
+        ``prompt``: some of its tokens were a prompt's (a prefill or mixed step)."""
         units = self.units(tokens, pairs)
-        if tokens <= SMALL_STEP_TOKENS:
+        if tokens <= SMALL_STEP_TOKENS and not prompt:
             line = self.small.at(units)
             self.small.add(units, seconds if line is None else min(seconds, OUTLIER * line))
             self.fixed = _blend(self.fixed, max(seconds - self.per_unit * units, 0.0))

@@ -194,11 +194,14 @@ def test_summary_counts_short_and_failed_requests(peers):
 
 
 def test_burst_summary_splits_the_streams_itl_at_the_gate(peers):
+    """The streams' ITL alone starts once every stream has its first token: a gap during
+    another stream's prefill is start-up, not streaming alone."""
     R = peers.Request
-    wl = peers.Workload("burst", [R([1], 7), R([2], 2, gated=True)], 2)
-    stream = sample(peers, 0.0, 0.1, [0.1, 0.1, 0.5, 0.5, 0.1, 0.1])  # tokens at .1 .2 .3 .8 1.3
-    burst = sample(peers, 0.3, 0.4, [0.4])  # from 0.3 to 1.1
-    s = peers.burst_summary(wl, peers.Run([stream, burst], 0.3))
+    wl = peers.Workload("burst", [R([1], 6), R([1], 3), R([2], 2, gated=True)], 2)
+    stream = sample(peers, 0.0, 0.1, [0.3, 0.1, 0.5, 0.5, 0.5])  # at .1 .4 .5 1.0 1.5 2.0
+    late = sample(peers, 0.0, 0.2, [0.1, 0.1])  # at .2 .3 .4: the gap .1 -> .4 is start-up
+    burst = sample(peers, 0.5, 0.4, [0.6])  # from 0.5 to 1.5
+    s = peers.burst_summary(wl, peers.Run([stream, late, burst], 0.5))
     assert s["itl_alone_p99_ms"] == pytest.approx(100) and s["itl_burst_samples"] == 2
     assert s["itl_burst_p99_ms"] == pytest.approx(500)
     assert s["itl_p99_ratio"] == pytest.approx(5.0)

@@ -21,6 +21,7 @@ from radixrt.scheduler.req import Req
 from radixrt.scheduler.scheduler import (
     DEDUP_MIN_TOKENS,
     ITL_FACTOR,
+    MIN_CAPPED_TOKENS,
     MIN_PREFILL_TOKENS,
     TAIL_FRACTION,
     Scheduler,
@@ -450,7 +451,7 @@ class FixedCost(StepCost):
     def __init__(self) -> None:
         super().__init__(0.0, fixed=0.0, per_unit=1e-3)
 
-    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+    def observe(self, seconds: float, tokens: int, pairs: int, prompt: bool = False) -> None:
         pass
 
 
@@ -495,16 +496,50 @@ def test_a_step_prefills_what_its_time_buys_and_running_requests_ride_along():
     assert batches[2] == ("extend", [1, 99])
     sched.add_request(reqs[3])  # arrives while request 0 streams
     sched.step()
-    sched.step()
-    # each step now holds the running requests' tokens and as much prompt as ITL_FACTOR times
-    # their decode step buys, at least MIN_PREFILL_TOKENS
-    assert batches[3] == ("extend", [1, min(51, MIN_PREFILL_TOKENS)])  # request 1's rest
-    fits = max(int(ITL_FACTOR * 2) - 2, MIN_PREFILL_TOKENS)
-    assert batches[4] == ("extend", [1, 1, min(fits, 100)])
+    # each step now holds request 0's token and as much prompt as ITL_FACTOR times its decode
+    # step buys, at least MIN_CAPPED_TOKENS
+    assert batches[3] == ("extend", [1, max(int(ITL_FACTOR * 1) - 1, MIN_CAPPED_TOKENS)])
     drive(sched, reqs)
     assert sched.stats["mixed_steps"] > 0 and sched.stats["prefill_tokens"] == 600
     for r, p in zip(reqs, prompts):
         assert r.output_ids == reference(p, 4)
+
+
+def test_a_steps_first_prompt_gets_its_floor_whatever_the_time_says():
+    sched = make_timed(max_prefill_step_ms=10)  # 10 tokens a step
+    run(sched, [[(3 * j) % VOCAB for j in range(150)]], 2)
+    assert sched.runner.batches[:2] == [("extend", [MIN_PREFILL_TOKENS])] * 2
+
+
+def test_the_cap_follows_the_streams_a_prompt_interrupts():
+    """A mixed step after a late prompt is held to ITL_FACTOR times the decode step of the
+    requests that were streaming when it arrived; the rows of requests that started streaming
+    later (members of the same burst) ride along inside that cap, not widening it."""
+    cost = FixedCost()
+    cost.fixed = 0.05  # every step: 50 ms, then 1 ms a token
+    sched = Scheduler(
+        EngineConfig(max_prefill_step_ms=1000),
+        RecordingRunner(4096),
+        decode_fn=lambda ids: " ".join(map(str, ids)),
+        max_context=1024,
+        step_cost=cost,
+    )
+    sp = SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)
+    prompts = [[(13 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((100, 300, 300))]
+    stream, *burst = [Req(str(i), p, sp) for i, p in enumerate(prompts)]
+    sched.add_request(stream)
+    sched.step()  # the stream's prompt; it streams from here
+    for r in burst:
+        sched.add_request(r)
+    while not burst[0].output_ids:
+        sched.step()
+    sched.step()
+    mode, lens = sched.runner.batches[-1]  # the stream, burst[0], and burst[1]'s chunk
+    capped = (ITL_FACTOR * cost.predict(1, 0) - cost.fixed) / cost.per_unit
+    assert mode == "extend" and lens == [1, 1, int(capped) - 2]
+    drive(sched, [stream, *burst])
+    for r, p in zip([stream, *burst], prompts):
+        assert r.output_ids == reference(p, 30)
 
 
 def test_a_short_tail_goes_with_its_prompts_chunk():

@@ -120,7 +120,7 @@ class Oracle:
 class Unlearned(StepCost):
     """A step cost that stays as given (the fake runner's times would teach it nonsense)."""
 
-    def observe(self, seconds: float, tokens: int, pairs: int) -> None:
+    def observe(self, seconds: float, tokens: int, pairs: int, prompt: bool = False) -> None:
         pass
 
 

@@ -106,3 +106,20 @@ def test_small_steps_fit_a_line_of_their_own():
         cost.observe(0.006 + 1e-3 * cost.units(1, 300), 1, attention_pairs(300, 1))
     assert cost.unit_seconds_small() == pytest.approx(1e-3, rel=0.1)
     assert cost.predict_small(1, 300) == pytest.approx(0.006 + 1e-3 * cost.units(1, 300), rel=0.02)
+
+
+def test_a_small_step_with_a_prompt_teaches_the_cost_per_unit_not_the_decode_line():
+    """A mixed step of a few prompt tokens beside decode rows is as small as a decode step but
+    costs a prefill's units: it leaves the small steps' line and ``fixed`` as decode steps
+    taught them."""
+    cost = StepCost(1e-3, fixed=0.004, per_unit=5e-4)
+    for i in range(50):
+        tokens = 1 + i % 4
+        pairs = attention_pairs(300, tokens)
+        cost.observe(0.004 + 5e-4 * cost.units(tokens, pairs), tokens, pairs)
+    line, fixed = (cost.small.a, cost.small.b), cost.fixed
+    for _ in range(50):
+        pairs = attention_pairs(300, 40)
+        cost.observe(0.004 + 8e-4 * cost.units(40, pairs), 40, pairs, prompt=True)
+    assert (cost.small.a, cost.small.b) == line and cost.fixed == fixed
+    assert cost.per_unit == pytest.approx(8e-4, rel=1e-3)
