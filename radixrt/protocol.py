@@ -199,6 +199,7 @@ class TokenizedRequest(_Msg, tag="tokenized"):
     logprob_start_len: int | None = None
     stream: bool = True  # False: the scheduler sends the output once, when it finishes
     embed: bool = False  # an embedding request (max_new_tokens 0), pooled by embedding_pooling
+    sent_at: float = 0.0  # time.monotonic() when the front sent it (0: not given)
 
 
 class AbortRid(_Msg, tag="abort_rid"):

@@ -115,8 +115,12 @@ class Scheduler:
 
     # ------------------------------------------------------------ requests
 
-    def add_request(self, req: Req) -> None:
-        req.queued_at = time.monotonic()
+    def add_request(self, req: Req, arrived_at: float | None = None) -> None:
+        """Queue req; ``arrived_at``: when it reached the server (``time.monotonic()``, the
+        same clock in every process of the machine), if before now: a request that came while
+        a step ran is taken after that step, but arrived before the tokens the step made."""
+        now = time.monotonic()
+        req.queued_at = now if arrived_at is None else min(arrived_at, now)
         self.stats["requests"] += 1
         self.stats["prompt_tokens"] += len(req.prompt_ids)
         if req.params.constraint is not None and req.matcher is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -126,6 +127,7 @@ class Front:
             logprob_start_len=logprob_start_len,
             stream=stream,
             embed=embed,
+            sent_at=time.monotonic(),
         )
         replica.send(encode(msg))
         return rid

@@ -226,7 +226,7 @@ class SchedulerProcess:
             msg.logprob_start_len,
             pooling=self.engine.config.embedding_pooling if msg.embed else None,
         )
-        self.scheduler.add_request(req)
+        self.scheduler.add_request(req, arrived_at=msg.sent_at or None)
         self.outputs.add(req, stream=msg.stream)
 
     def control(self, msg: ControlRequest) -> None:

@@ -9,6 +9,7 @@ freed while in use, or a bad retraction changes the outputs.
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -540,6 +541,30 @@ def test_the_cap_follows_the_streams_a_prompt_interrupts():
     drive(sched, [stream, *burst])
     for r, p in zip([stream, *burst], prompts):
         assert r.output_ids == reference(p, 30)
+
+
+def test_a_prompt_that_arrived_before_a_streams_first_token_is_of_its_burst():
+    """A request the server took after a step but that arrived while it ran (``arrived_at``
+    before the step's first token) is a member of that token's burst: no cap; one that
+    arrived after the token is capped."""
+    sched = make_timed(max_prefill_step_ms=100)
+    sp = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    prompts = [[(17 * i + j) % VOCAB for j in range(n)] for i, n in enumerate((50, 150, 150))]
+    first, same, late = [Req(str(i), p, sp) for i, p in enumerate(prompts)]
+    sent = time.monotonic()
+    sched.add_request(first)
+    sched.step()  # first's prompt and first token
+    sched.add_request(same, arrived_at=sent)
+    sched.step()
+    assert sched.runner.batches[-1] == ("extend", [1, 99])  # the whole budget
+    sched.add_request(late, arrived_at=time.monotonic())
+    sched.step()
+    # first's token and the rest of same's prompt, capped now
+    assert sched.runner.batches[-1] == ("extend", [1, max(int(ITL_FACTOR) - 1, MIN_CAPPED_TOKENS)])
+    assert late.queued_at <= time.monotonic() and same.queued_at == sent
+    drive(sched, [first, same, late])
+    for r, p in zip([first, same, late], prompts):
+        assert r.output_ids == reference(p, 4)
 
 
 def test_a_short_tail_goes_with_its_prompts_chunk():
