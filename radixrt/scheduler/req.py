@@ -72,7 +72,7 @@ class Req:
         # One (ids, logprobs) per output token when params.top_logprobs > 0, descending.
         self.output_top_logprobs: list[tuple[list[int], list[float]]] = []
         self.state = ReqState.WAITING
-        self.queued_at: float | None = None  # time.monotonic() when the scheduler took it
+        self.queued_at: float | None = None  # time.monotonic() it arrived (add_request)
         self.first_token_at: float | None = None  # time.monotonic() when output_ids[0] was sampled
         self.finish_reason: str | None = None
         self.error: str | None = None  # why, when finish_reason == "error"

@@ -8,11 +8,11 @@ One ``step()`` runs one model forward:
 A step's prompt tokens are bounded by the token budgets (``max_prefill_tokens``,
 ``chunked_prefill_size``) and by time: ``max_prefill_step_ms``, converted to tokens
 with what steps cost on this machine (``step_cost``, measured at start and as it
-runs), and while requests decode, ``ITL_FACTOR`` times their decode step where a
-waiting prompt arrived after one of them was streaming, so their inter-token latency
-stays bounded during a burst of prompts (a burst's own members do not hold up its
-prefill). A prompt the budget cannot take whole is chunked, and a request's first token
-is sampled in the step that completes its own prompt.
+runs), and where a waiting prompt arrived after some running requests were streaming,
+``ITL_FACTOR`` times those streams' decode step, so their inter-token latency stays
+bounded during a burst of prompts (a burst's own members do not hold up its prefill).
+A prompt the budget cannot take whole is chunked, and a request's first token is
+sampled in the step that completes its own prompt.
 Admission is also bounded by ``max_running_requests`` and the KV
 that running requests are still expected to need. When decode runs out of KV
 it evicts, then retracts the requests with the fewest generated tokens; they
@@ -77,7 +77,7 @@ DEDUP_MIN_TOKENS = 32
 MIN_PREFILL_TOKENS = 64
 # ... and at least this many in a step held to ITL_FACTOR times streaming requests' decode step.
 MIN_CAPPED_TOKENS = 16
-# A mixed step takes at most this many times the decode step of its running requests.
+# A mixed step takes at most this many times the decode step of the streams a prompt interrupts.
 ITL_FACTOR = 4.0
 # A prompt's chunk takes its rest too where the rest is at most this share of the chunk.
 TAIL_FRACTION = 0.25

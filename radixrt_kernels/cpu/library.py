@@ -243,13 +243,18 @@ def _cpu_features() -> str:
         return platform.processor()
 
 
+def compiler() -> str | None:
+    """The C compiler the library builds with: ``$CC``, else gcc or cc on PATH (None: none)."""
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
 def compile_library(sources: list[Path], folder: Path, name: str) -> Path:
     """``sources`` compiled as this library is (its compiler, ``CFLAGS`` and
     ``RADIXRT_KERNEL_CFLAGS``, its headers on the include path, linked to PyTorch's libgomp) into
     ``folder/<name>-<key>.so``; returns that path. The key hashes the sources, the headers,
     flags, compiler, OpenMP runtime and CPU, so a change to any of them builds a new file.
     Raises RuntimeError naming the failed command."""
-    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    cc = compiler()
     if cc is None:
         raise RuntimeError("no C compiler (gcc or cc) on PATH")
     gomp = _torch_libgomp()

@@ -11,7 +11,6 @@ dropped slots full of NaN."""
 from __future__ import annotations
 
 import dataclasses
-import shutil
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ N_SLOTS = 8192
 SCALING = D**-0.5
 
 pytestmark = pytest.mark.skipif(
-    shutil.which("gcc") is None and shutil.which("cc") is None,
+    cpu_library.compiler() is None,
     reason="no C compiler: the CPU attention kernel cannot be built here",
 )
 
