@@ -13,8 +13,11 @@ Cases (``--cases``), each on the same inputs for both sides:
   the packed kernel ``--path`` (default: ``avx512_bf16`` where the build has it, else
   ``fma``);
 - ``attention``: one layer's bf16 attention in exact mode: a decode batch of ``--requests``
-  requests of ``--keys`` keys (contiguous slots), and an extend of ``--requests`` / 2
-  requests of 32 new tokens after ``--keys`` − 32 cached ones.
+  requests of ``--keys`` keys (contiguous slots); the same batch in groups of 8 requests that
+  share their first ``--keys`` − 32 slots (W1's decode); an extend of ``--requests`` / 2
+  requests of 32 new tokens after ``--keys`` − 32 cached ones; and a causal prefill of
+  ``--requests`` / 16 prompts of ``--keys`` tokens; on AVX512-BF16 dot products where the
+  build has them, else widened to float32 (``--attention``).
 
 Per case: the median seconds of each side over ``--runs`` turns, B/A, and whether the two
 sides' outputs are equal. Writes ``bench/results/ab_kernels.json``.
@@ -50,6 +53,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # SmolLM2-135M: qkv
 LAYERS = 30
 KH, GROUP, HEAD_DIM = 3, 3, 64  # SmolLM2-135M's attention
 NEW = 32  # the attention extend's new tokens per request
+GROUP_OF = 8  # requests per shared prefix in the grouped decode case
 
 
 def build(src: Path, flags: str):
@@ -109,35 +113,45 @@ def linear_cases(libs, path: str, rows_list: list[int], n: int) -> list[dict]:
     return out
 
 
-def attention_cases(libs, requests: int, keys: int, n: int) -> list[dict]:
+def attention_cases(libs, requests: int, keys: int, dots: bool, n: int) -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     slots = requests * keys + 1
     k_buf, v_buf = (torch.randn(slots, KH, HEAD_DIM, generator=gen).bfloat16() for _ in range(2))
     table = torch.arange(1, slots, dtype=torch.int64).view(requests, keys)
+    shared = table.clone()  # groups of GROUP_OF requests on one prefix of keys - NEW slots
+    for g in range(0, requests, GROUP_OF):
+        shared[g : g + GROUP_OF, : keys - NEW] = table[g, : keys - NEW]
     scaling = HEAD_DIM**-0.5
     half = max(1, requests // 2)
-    decode = cpu_attention.decode_segments(
-        libs[0], table, torch.arange(requests), [keys] * requests, 64, 2, exact=True
-    )
-    extend = extend_segments(
-        table[:half], torch.arange(half), [keys] * half, [NEW] * half, exact=True
-    )
-    qd = torch.randn(requests, KH * GROUP, HEAD_DIM, generator=gen).bfloat16()
-    qe = torch.randn(half * NEW, KH * GROUP, HEAD_DIM, generator=gen).bfloat16()
+    prompts = max(1, requests // 16)
+    cases = {
+        f"decode, {requests} x {keys} keys": cpu_attention.decode_segments(
+            libs[0], table, torch.arange(requests), [keys] * requests, 64, 2, exact=True
+        ),
+        f"decode, {requests} x {keys} keys in groups of {GROUP_OF} on "
+        f"{keys - NEW}": cpu_attention.decode_segments(
+            libs[0], shared, torch.arange(requests), [keys] * requests, 64, 2, exact=True
+        ),
+        f"extend, {half} x {NEW} new after {keys - NEW}": extend_segments(
+            table[:half], torch.arange(half), [keys] * half, [NEW] * half, exact=True
+        ),
+        f"prefill, {prompts} x {keys} new": extend_segments(
+            table[:prompts], torch.arange(prompts), [keys] * prompts, [keys] * prompts, exact=True
+        ),
+    }
     out = []
-    for name, q, seg in (("decode", qd, decode), ("extend", qe, extend)):
+    for label, seg in cases.items():
+        q = torch.randn(int(seg.num_parts.shape[0]), KH * GROUP, HEAD_DIM, generator=gen).bfloat16()
         outs = [torch.empty_like(q) for _ in libs]
 
         def run(i: int, q=q, seg=seg, outs=outs) -> None:
-            cpu_attention.attention(libs[i], q, k_buf, v_buf, seg, scaling, out=outs[i])
+            cpu_attention.attention(
+                libs[i], q, k_buf, v_buf, seg, scaling, bf16_dots=dots, out=outs[i]
+            )
 
         a, b = turns([lambda: run(0), lambda: run(1)], n)
-        label = (
-            f"attention {name}, {requests} x {keys} keys"
-            if name == "decode"
-            else f"attention {name}, {half} x {NEW} new after {keys - NEW}"
-        )
-        out.append(record(label, a, b, torch.equal(outs[0], outs[1])))
+        path = "dots" if dots else "widened"
+        out.append(record(f"attention {path} {label}", a, b, torch.equal(outs[0], outs[1])))
     return out
 
 
@@ -156,6 +170,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--cases", nargs="+", default=["linear", "attention"], choices=["linear", "attention"])
     add("--path", default=None, help="the packed linear kernel (avx512_bf16, fma, amx)")
     add("--rows", type=int, nargs="+", default=[1, 4, 8, 32])
+    add(
+        "--attention",
+        choices=["dots", "widened"],
+        default=None,
+        help="bf16 attention on AVX512-BF16 dot products or widened to float32 (default: dots "
+        "where the build has them)",
+    )
     add("--requests", type=int, default=32)
     add("--keys", type=int, default=544, help="keys per request (at least 64)")
     add("--runs", type=int, default=40)
@@ -180,7 +201,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "linear" in args.cases:
             rows += linear_cases(libs, path, args.rows, args.runs)
         if "attention" in args.cases:
-            rows += attention_cases(libs, args.requests, args.keys, args.runs)
+            dots = args.attention == "dots" or (
+                args.attention is None and cpu_attention.dots_available(libs[0])
+            )
+            rows += attention_cases(libs, args.requests, args.keys, dots, args.runs)
     print(f"A: {args.a_src} {args.flags} {args.a_flags}".rstrip())
     print(f"B: {args.b_src} {args.flags} {args.b_flags}".rstrip())
     print("| case | A ms | B ms | B/A | same outputs |\n|---|---|---|---|---|")

@@ -24,7 +24,7 @@
  * layer stores and attends).
  *
  * Work items are (segment, KV head, block of at most QB query rows, AMX_QB where AMX runs
- * the items; in a causal
+ * the items, DOTS_QB where AVX512-BF16 dot products do; in a causal
  * segment the last block, the one with the most keys, first); threads
  * of the caller's OpenMP runtime take them, KH at a time, from a shared counter (PyTorch's
  * libgomp: the library is linked against it, so no second thread pool runs).
@@ -88,6 +88,7 @@
 
 #define QB 32     /* query rows per work item ... */
 #define AMX_QB 64 /* ... where AMX runs the items (more rows share each block's key and value layouts) */
+#define DOTS_QB 96 /* ... and where AVX512-BF16 dot products run them (the same reason) */
 #define KB 32 /* keys per block */
 #define DMAX 256
 #define AMX_MIN_ROWS 8 /* items with fewer query rows (a private tail) stay on AVX-512 */
@@ -214,7 +215,7 @@ struct call {
     float softcap;                     /* 0, or the scores' soft cap */
 };
 
-/* A work item: rows [q0, q0 + nq) (nq <= QB, or AMX_QB for AMX) of a segment's queries on KV head j. Query row r
+/* A work item: rows [q0, q0 + nq) (nq <= QB, AMX_QB for AMX, DOTS_QB for dot products) of a segment's queries on KV head j. Query row r
  * is member r / G of the segment, head j*G + r % G. */
 struct item {
     const int64_t *slots, *members;
@@ -588,19 +589,56 @@ static inline void start_rows(const bf16 *q, const int64_t *members, int64_t g, 
 }
 
 
-/* One query row's online-softmax step over a block of 32 scores (s0: keys 0-15, s1: 16-31; -inf
- * on padding): updates its running max *m and sum *l, writes the probabilities as bf16 key
- * pairs (rounded as PyTorch's flash kernel rounds them) and returns the factor by which the
- * row's output so far must be scaled (0 while the row has seen no key: max_ref). */
-static inline float softmax_block(v16 s0, v16 s1, float *m, float *l, uint32_t *ppair) {
-    const float block_max = hmax(vselect(s0 > s1, s0, s1));
-    const float mx = block_max > *m ? block_max : *m, ref = mx == -INFINITY ? 0.0f : mx;
-    const float alpha = *m == -INFINITY ? 0.0f : expf(*m - mx);
-    const v16 p0 = vexp(s0 - ref), p1 = vexp(s1 - ref);
-    _mm512_store_si512(ppair, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
-    *m = mx;
-    *l = *l * alpha + hsum(p0 + p1);
-    return alpha;
+/* Per row rr < rb (4 or 8): out[rr] = the sum (is_max: the largest) of x[rr]'s 16 lanes, the
+ * rows reduced side by side (rows in pairs, then quads, as 128-bit lane shuffles). A sum
+ * follows one tree whatever rb: lanes i + (i + 8), then i + (i + 4), then (0 + 2) + (1 + 3). */
+static inline __attribute__((always_inline)) void rows_reduce(const int rb, const int is_max, const v16 *x,
+                                                              float *out) {
+#define REDUCE_OP(a, b) (is_max ? _mm512_max_ps(a, b) : _mm512_add_ps(a, b))
+    __m512 y[RB_WIDE / 2], z[RB_WIDE / 4];
+    for (int p = 0; p < rb / 2; p++) { /* quads: row 2p's lanes 0-3 op 8-11, 4-7 op 12-15; row 2p+1's */
+        const __m512 a = (__m512)x[2 * p], b = (__m512)x[2 * p + 1];
+        y[p] = REDUCE_OP(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int p = 0; p < rb / 4; p++) { /* quad q: row 4p+q's lanes i op i + 4 */
+        const __m512 a = y[2 * p], b = y[2 * p + 1];
+        z[p] = REDUCE_OP(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+    }
+    for (int p = 0; p < rb / 4; p++) { /* lane 4q: (0 op 2) op (1 op 3) of quad q */
+        const __m512 g = REDUCE_OP(z[p], _mm512_permute_ps(z[p], _MM_SHUFFLE(1, 0, 3, 2)));
+        const v16 h = (v16)REDUCE_OP(g, _mm512_permute_ps(g, _MM_SHUFFLE(2, 3, 0, 1)));
+        for (int q = 0; q < 4; q++) out[4 * p + q] = h[4 * q];
+    }
+#undef REDUCE_OP
+}
+
+/* The online-softmax step of rows rr < rb (4 or 8) over a block of 32 scores each (s[rr][0]:
+ * keys 0-15, s[rr][1]: 16-31; -inf on padding and masked keys): updates each row's running max
+ * m[rr] and sum l[rr], writes its probabilities as bf16 key pairs (rounded as PyTorch's flash
+ * kernel rounds them) and the factor by which its output so far must be scaled, alpha[rr] (0
+ * while the row has seen no key: max_ref). The rows' maxima, factors and sums are reduced
+ * side by side; a row's values depend on its own scores only. */
+static inline __attribute__((always_inline)) void softmax_rows(const int rb, const v16 (*s)[2], float *m, float *l,
+                                                               float *alpha, uint32_t (*ppair)[KB / 2]) {
+    v16 x[RB_WIDE], old = (v16){0} - INFINITY, top = old;
+    float block_max[RB_WIDE], block_sum[RB_WIDE];
+    for (int rr = 0; rr < rb; rr++) x[rr] = (v16)_mm512_max_ps((__m512)s[rr][0], (__m512)s[rr][1]);
+    rows_reduce(rb, 1, x, block_max);
+    for (int rr = 0; rr < rb; rr++) {
+        old[rr] = m[rr];
+        top[rr] = block_max[rr];
+    }
+    const v16 mx = vselect(top > old, top, old), ref = vselect(mx == -INFINITY, (v16){0}, mx);
+    const v16 factor = vselect(old == -INFINITY, (v16){0}, vexp(old - mx));
+    for (int rr = 0; rr < rb; rr++) {
+        const v16 p0 = vexp(s[rr][0] - ref[rr]), p1 = vexp(s[rr][1] - ref[rr]);
+        _mm512_store_si512(ppair[rr], (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+        x[rr] = p0 + p1;
+        m[rr] = mx[rr];
+        alpha[rr] = factor[rr];
+    }
+    rows_reduce(rb, 0, x, block_sum);
+    for (int rr = 0; rr < rb; rr++) l[rr] = l[rr] * alpha[rr] + block_sum[rr];
 }
 
 /* 16 scores of a block as the softmax takes them: scaled, soft-capped where the call says,
@@ -615,7 +653,7 @@ static inline v16 block_scores(const struct call *c, __m512 sc, v16 pad) {
  * query rows r0 .. r0 + rb - 1: scores, the online softmax, acc = acc·alpha + P·V. rb rows give
  * 2·rb independent accumulator chains. */
 static inline __attribute__((always_inline)) void rows_step(
-    const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, const struct call *c, const struct item *it,
+    const int rb, int64_t r0, int64_t k0, int64_t nk, int halves, const struct call *c, const int64_t *limit,
     const int64_t *from, const v16 *pad, uint32_t (*qpair)[DMAX / 2], __m512i (*kt)[2],
     __m512i (*vp)[DMAX / 32][2], uint32_t (*ppair)[KB / 2], float (*acc)[DMAX], float *m, float *l,
     const char *const *ahead, int64_t n_ahead) {
@@ -633,13 +671,13 @@ static inline __attribute__((always_inline)) void rows_step(
                 sc[rr][hf] = _mm512_dpbf16_ps(sc[rr][hf], qb, (__m512bh)kt[cp][hf]);
         }
     }
+    v16 s[RB_WIDE][2];
     for (int rr = 0; rr < rb; rr++) {
-        const int64_t r = r0 + rr;
-        v16 s0 = block_scores(c, sc[rr][0], pad[0]);
-        v16 s1 = halves == 2 ? block_scores(c, sc[rr][1], pad[1]) : pad[1];
-        mask_outside(&s0, &s1, from[r] - k0, row_limit(it, c->g, r) - k0);
-        alpha[rr] = softmax_block(s0, s1, &m[r], &l[r], ppair[r]);
+        s[rr][0] = block_scores(c, sc[rr][0], pad[0]);
+        s[rr][1] = halves == 2 ? block_scores(c, sc[rr][1], pad[1]) : pad[1];
+        mask_outside(&s[rr][0], &s[rr][1], from[r0 + rr] - k0, limit[r0 + rr] - k0);
     }
+    softmax_rows(rb, (const v16 (*)[2])s, m + r0, l + r0, alpha, ppair + r0);
     /* per 32 dims: 2·rb chains over key pairs */
     for (int64_t dc = 0; dc < d / 32; dc++) {
         __m512 a[RB_WIDE][2];
@@ -674,18 +712,19 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
     const int64_t n_keys = it->n_keys, *slots = it->slots, *members = it->members;
     const int rb = nq > RB ? RB_WIDE : RB; /* rows per step: more chains where an item has them */
     const int64_t rows = (nq + rb - 1) / rb * rb, start = first_block(it, KB);
-    int64_t from[QB];
-    uint32_t qpair[QB][DMAX / 2];
-    float acc[QB][DMAX] __attribute__((aligned(64)));
+    int64_t from[DOTS_QB], limit[DOTS_QB];
+    uint32_t qpair[DOTS_QB][DMAX / 2];
+    float acc[DOTS_QB][DMAX] __attribute__((aligned(64)));
     __m512i kt[DMAX / 2][2];
     __m512i vp[KB / 2][DMAX / 32][2];
-    uint32_t ppair[QB][KB / 2] __attribute__((aligned(64)));
-    float m[QB], l[QB];
+    uint32_t ppair[DOTS_QB][KB / 2] __attribute__((aligned(64)));
+    float m[DOTS_QB], l[DOTS_QB];
 
     /* K/V are fetched two blocks ahead, a share of the block with each step's rows, spread over
      * its score products */
     const int64_t share = (KB + rows / rb - 1) / (rows / rb);
     row_froms(c, it, rows, from);
+    for (int64_t r = 0; r < rows; r++) limit[r] = row_limit(it, g, r);
     prefetch_rows(k_buf, v_buf, slots, start, AHEAD * KB, n_keys, kh, j, d * (int64_t)sizeof(bf16), 0);
     start_rows(q, members, g, c->q_rows, j, q0, nq, rows, d, DMAX, (bf16 (*)[DMAX])qpair, acc, m, l);
     seed_rows(c, it, &acc[0][0], DMAX, 1, m, l);
@@ -701,10 +740,10 @@ static void attend_item_bf16(const struct call *c, const struct item *it) {
             const int64_t n_ahead =
                 key_lines(k_buf, v_buf, slots, k0 + AHEAD * KB + r0 / rb * share, share, n_keys, kh, j, d, ahead);
             if (rb == RB_WIDE)
-                rows_step(RB_WIDE, r0, k0, nk, halves, c, it, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
+                rows_step(RB_WIDE, r0, k0, nk, halves, c, limit, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead,
                           n_ahead);
             else
-                rows_step(RB, r0, k0, nk, halves, c, it, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead, n_ahead);
+                rows_step(RB, r0, k0, nk, halves, c, limit, from, pad, qpair, kt, vp, ppair, acc, m, l, ahead, n_ahead);
         }
     }
     unpermute(nq, d, DMAX, acc);
@@ -904,6 +943,9 @@ int radixrt_attn_prepare(struct attn_call *c) {
 #else
     c->use_amx = 0;
     c->qb = QB;
+#endif
+#ifdef __AVX512BF16__
+    if (!c->use_amx && a->is_bf16 && a->bf16_dots) c->qb = DOTS_QB;
 #endif
     int two_parts = 0;
     for (int64_t tok = 0; tok < a->t && !two_parts; tok++) two_parts = a->num_parts[tok] == 2;
