@@ -26,7 +26,8 @@ def test_a_null_ab_runs_every_case_with_equal_outputs(ab, tmp_path):
     rows = ab.main([*argv, "--out", str(out)])
     cases = [r["case"] for r in rows]
     assert len(cases) == 6 and cases[0].startswith("linear") and cases[-1].startswith("attention")
-    assert [c.split(",")[0].split()[-1] for c in cases[2:]] == ["decode", "decode", "extend", "prefill"]
+    kinds = [c.split(",")[0].split()[-1] for c in cases[2:]]
+    assert kinds == ["decode", "decode", "extend", "prefill"]
     assert all(r["same"] and r["a_ms"] > 0 and r["b_ms"] > 0 for r in rows)
     assert json.loads(out.read_text())["cases"] == rows
 
