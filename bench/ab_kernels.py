@@ -139,6 +139,7 @@ def attention_cases(libs, requests: int, keys: int, dots: bool, n: int) -> list[
             table[:prompts], torch.arange(prompts), [keys] * prompts, [keys] * prompts, exact=True
         ),
     }
+    path = "dots" if dots else "widened"
     out = []
     for label, seg in cases.items():
         q = torch.randn(int(seg.num_parts.shape[0]), KH * GROUP, HEAD_DIM, generator=gen).bfloat16()
@@ -150,7 +151,6 @@ def attention_cases(libs, requests: int, keys: int, dots: bool, n: int) -> list[
             )
 
         a, b = turns([lambda: run(0), lambda: run(1)], n)
-        path = "dots" if dots else "widened"
         out.append(record(f"attention {path} {label}", a, b, torch.equal(outs[0], outs[1])))
     return out
 

@@ -628,7 +628,7 @@ static inline __attribute__((always_inline)) void softmax_rows(const int rb, con
         old[rr] = m[rr];
         top[rr] = block_max[rr];
     }
-    const v16 mx = vselect(top > old, top, old), ref = vselect(mx == -INFINITY, (v16){0}, mx);
+    const v16 mx = vselect(top > old, top, old), ref = max_ref(mx);
     const v16 factor = vselect(old == -INFINITY, (v16){0}, vexp(old - mx));
     for (int rr = 0; rr < rb; rr++) {
         const v16 p0 = vexp(s[rr][0] - ref[rr]), p1 = vexp(s[rr][1] - ref[rr]);
